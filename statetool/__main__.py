@@ -1,0 +1,3 @@
+from statetool.cli import main
+
+main()

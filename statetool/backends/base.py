@@ -1,0 +1,63 @@
+"""The one interface every backend implements (ARCHITECTURE: storage).
+
+Code above the backends never asks which backend it has: it calls these methods and
+uses SQLAlchemy Core on the connections they yield.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Protocol
+
+from sqlalchemy.engine import Connection
+
+from statetool.location import Location
+
+#: progress(done, total) in backend-defined units (pages for a SQLite backup).
+Progress = Callable[[int, int], None]
+
+
+class Backend(Protocol):
+    """A state store at one :class:`~statetool.location.Location`."""
+
+    location: Location
+    #: SQLAlchemy dialect name: ``"sqlite"`` or ``"postgresql"``.
+    dialect_name: str
+    #: The PostgreSQL schema of the state, None for SQLite.
+    schema: str | None
+
+    def present(self) -> bool:
+        """True when anything is at the location: the file exists (SQLite), or the schema
+        holds any table (PostgreSQL). Creates nothing. Raises ``RIVET_STATE_UNREACHABLE``.
+        """
+
+    def reading(self) -> AbstractContextManager[Connection]:
+        """A read-only connection that creates no file and changes no byte of the state.
+
+        Raises ``RIVET_STATE_MISSING`` (nothing there), ``RIVET_STATE_NOT_A_STATE`` (not a
+        SQLite file), ``RIVET_STATE_CORRUPT`` (truncated), ``RIVET_STATE_INTERRUPTED_WRITE``
+        (hot journal of a killed writer), ``RIVET_STATE_UNREACHABLE`` /
+        ``RIVET_STATE_AUTH_FAILED`` (server).
+        """
+
+    def table_names(self, conn: Connection) -> set[str]:
+        """The tables of the state (PostgreSQL: of its schema only)."""
+
+    def integrity_problems(self, conn: Connection) -> list[str]:
+        """Problems ``quick_check`` finds (SQLite); always empty for PostgreSQL."""
+
+    def writing(self, lock_code: str) -> AbstractContextManager[Connection]:
+        """One writing transaction, exclusive among statetool writers, committed on a clean exit.
+
+        Waits up to ``lock_wait`` seconds for the write lock, then raises ``lock_code``.
+        """
+
+    def create(self, build: Callable[[Connection], None]) -> None:
+        """Create a new state atomically: ``build`` runs in one transaction; on SQLite on a
+        temporary file renamed into place only when complete. Refuses nothing itself."""
+
+    def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> Path | None:
+        """A verified copy of the state beside it (SQLite), named with ``label``; None on
+        PostgreSQL, whose migrations run in one transaction instead."""

@@ -1,0 +1,282 @@
+"""SQLite state: the file ``.rivet_state.db`` beside the config or in a declared directory.
+
+The read-only open creates nothing and misses nothing (SPEC §4). SQLite's own read-only
+mode is not enough: a ``mode=ro`` connection to a WAL database creates ``-wal`` and
+``-shm`` when they are absent and the folder is writable, and ``immutable=1`` ignores a
+``-wal`` that holds committed frames (https://www.sqlite.org/wal.html#readonly,
+https://www.sqlite.org/uri.html#uriimmutable). So the open is chosen from what is on disk:
+
+* rollback-journal database (header byte 18 = 1): ``mode=ro``, which creates no file; a
+  hot journal left by a killed writer makes SQLite answer SQLITE_READONLY_ROLLBACK, which
+  is reported as ``RIVET_STATE_INTERRUPTED_WRITE``;
+* WAL database, no ``-wal`` (or an empty one): ``immutable=1``, as nothing lies outside
+  the main file (a writer starting during the read writes to a new ``-wal``, which the
+  main file does not see until a checkpoint);
+* WAL database whose ``-wal`` holds frames, with a live holder of a lock on the file and
+  a ``-shm`` present: ``mode=ro`` beside the live writer (both files exist, so none is
+  created; SQLite's readers share the writer's wal-index);
+* WAL database whose ``-wal`` holds frames and no live holder (a killed writer): the
+  database and its ``-wal`` are copied into a private temporary directory and read
+  there, so the committed frames are seen and nothing is written beside the state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sqlite3
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+from sqlalchemy.pool import NullPool
+
+from statetool.backends.base import Progress
+from statetool.backends.proclocks import lock_holders
+from statetool.errors import StateError
+from statetool.location import Location
+
+MAGIC = b"SQLite format 3\x00"
+
+
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory so a rename inside it survives power loss."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+class SqliteBackend:
+    """A SQLite state file. See the module docstring for how it is opened read-only."""
+
+    dialect_name = "sqlite"
+    schema = None
+
+    def __init__(self, location: Location, lock_wait: float) -> None:
+        assert location.path is not None
+        self.location = location
+        self.path: Path = location.path
+        self.lock_wait = lock_wait
+
+    # -- reading ---------------------------------------------------------------------
+
+    def present(self) -> bool:
+        return os.path.lexists(self.path)
+
+    def _header(self) -> bytes:
+        if not self.path.is_file():
+            raise StateError("RIVET_STATE_NOT_A_STATE", f"{self.path} is not a regular file", {"path": str(self.path)})
+        with open(self.path, "rb") as fh:
+            header = fh.read(100)
+        if len(header) < 100 or not header.startswith(MAGIC):
+            what = "an empty file" if not header else "not a SQLite database"
+            raise StateError("RIVET_STATE_NOT_A_STATE", f"{self.path} is {what}, not a rivet state",
+                             {"path": str(self.path)})
+        page_size = int.from_bytes(header[16:18], "big")
+        page_size = 65536 if page_size == 1 else page_size
+        pages = int.from_bytes(header[28:32], "big")
+        header_count_valid = header[24:28] == header[92:96]
+        size = self.path.stat().st_size
+        if header_count_valid and pages and size < pages * page_size:
+            raise StateError("RIVET_STATE_CORRUPT",
+                             f"{self.path} is truncated: {size} bytes on disk, its header says "
+                             f"{pages} pages of {page_size} bytes ({pages * page_size} bytes)",
+                             {"path": str(self.path)})
+        return header
+
+    def _wal_has_frames(self) -> bool:
+        wal = Path(f"{self.path}-wal")
+        return wal.exists() and wal.stat().st_size > 32
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Connection]:
+        if not self.present():
+            raise StateError("RIVET_STATE_MISSING", f"no state at {self.path}", {"path": str(self.path)})
+        header = self._header()
+        wal_mode = header[18] == 2
+        with contextlib.ExitStack() as stack:
+            if not wal_mode:
+                uri = f"file:{self._quoted(self.path)}?mode=ro"
+            elif not self._wal_has_frames():
+                uri = f"file:{self._quoted(self.path)}?immutable=1"
+            elif Path(f"{self.path}-shm").exists() and lock_holders(self.path):
+                uri = f"file:{self._quoted(self.path)}?mode=ro"
+            else:
+                snapshot = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="statetool-snapshot-")))
+                copy = snapshot / self.path.name
+                shutil.copyfile(self.path, copy)
+                shutil.copyfile(f"{self.path}-wal", f"{copy}-wal")
+                uri = f"file:{self._quoted(copy)}"
+            engine = self._engine(uri, timeout=min(self.lock_wait, 30.0))
+            stack.callback(engine.dispose)
+
+            @sa.event.listens_for(engine, "begin")
+            def begin_snapshot(conn: Connection) -> None:
+                # One read transaction: every query of the inspection sees one snapshot.
+                conn.exec_driver_sql("BEGIN")
+
+            try:
+                conn = stack.enter_context(engine.connect())
+                conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").all()
+                yield conn
+            except sa.exc.DBAPIError as err:
+                raise self._translate(err) from None
+
+    @staticmethod
+    def _quoted(path: Path) -> str:
+        from urllib.parse import quote
+
+        return quote(str(path))
+
+    def _engine(self, uri: str, timeout: float) -> sa.Engine:
+        def connect() -> sqlite3.Connection:
+            return sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None, check_same_thread=False)
+
+        return sa.create_engine("sqlite://", creator=connect, poolclass=NullPool)
+
+    def _translate(self, err: sa.exc.DBAPIError) -> StateError:
+        orig = err.orig
+        name = getattr(orig, "sqlite_errorname", "")
+        text = str(orig)
+        if name == "SQLITE_READONLY_ROLLBACK" or "hot journal" in text:
+            return StateError("RIVET_STATE_INTERRUPTED_WRITE",
+                              f"{self.path} has a hot journal ({self.path}-journal): a writer was killed "
+                              "in the middle of a transaction", {"path": str(self.path)})
+        if name in ("SQLITE_NOTADB",) or "not a database" in text:
+            return StateError("RIVET_STATE_NOT_A_STATE", f"{self.path} is not a SQLite database",
+                              {"path": str(self.path)})
+        if name.startswith("SQLITE_CORRUPT") or "malformed" in text:
+            return StateError("RIVET_STATE_CORRUPT", f"{self.path} is damaged: {text}", {"path": str(self.path)})
+        if name.startswith("SQLITE_BUSY") or "locked" in text:
+            return StateError("RIVET_STATE_RUN_IN_PROGRESS", f"{self.path} is locked by another process: {text}",
+                              {"path": str(self.path)})
+        return StateError("RIVET_STATE_UNREACHABLE", f"{self.path} cannot be opened: {text}",
+                          {"path": str(self.path)})
+
+    def table_names(self, conn: Connection) -> set[str]:
+        try:
+            rows = conn.exec_driver_sql("SELECT name FROM sqlite_master WHERE type = 'table'").all()
+        except sa.exc.DBAPIError as err:
+            raise self._translate(err) from None
+        return {r[0] for r in rows if not r[0].startswith("sqlite_")}
+
+    def integrity_problems(self, conn: Connection) -> list[str]:
+        try:
+            rows = [r[0] for r in conn.exec_driver_sql("PRAGMA quick_check").all()]
+        except sa.exc.DBAPIError as err:
+            return [str(err.orig)]
+        return [] if rows == ["ok"] else rows
+
+    # -- writing ---------------------------------------------------------------------
+
+    def _writer_engine(self, path: Path) -> sa.Engine:
+        engine = self._engine(f"file:{self._quoted(path)}", timeout=self.lock_wait)
+
+        @sa.event.listens_for(engine, "begin")
+        def begin_immediate(conn: Connection) -> None:
+            # pysqlite would defer BEGIN to the first DML and run DDL outside any
+            # transaction; BEGIN IMMEDIATE takes the write lock before the first read.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        @sa.event.listens_for(engine, "connect")
+        def pragmas(dbapi: sqlite3.Connection, _record: object) -> None:
+            dbapi.execute("PRAGMA synchronous = FULL")
+
+        return engine
+
+    @contextlib.contextmanager
+    def writing(self, lock_code: str) -> Iterator[Connection]:
+        if not self.present():
+            raise StateError("RIVET_STATE_MISSING", f"no state at {self.path}", {"path": str(self.path)})
+        self._header()
+        engine = self._writer_engine(self.path)
+        try:
+            with engine.connect() as conn:
+                try:
+                    trans = conn.begin()
+                except sa.exc.OperationalError as err:
+                    if "locked" in str(err.orig) or "busy" in str(err.orig):
+                        raise StateError(lock_code, f"{self.path} stayed locked by another writer for "
+                                         f"{self.lock_wait:g} s (--lock-wait)", {"path": str(self.path)}) from None
+                    raise self._translate(err) from None
+                with trans:
+                    yield conn
+        finally:
+            engine.dispose()
+
+    def create(self, build: Callable[[Connection], None]) -> None:
+        directory = self.path.parent
+        tmp = directory / f"{self.path.name}.init-{os.getpid()}.tmp"
+        engine = self._writer_engine(tmp)
+
+        @sa.event.listens_for(engine, "connect")
+        def wal(dbapi: sqlite3.Connection, _record: object) -> None:
+            mode = dbapi.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if mode != "wal":
+                raise sqlite3.OperationalError(f"journal_mode stayed {mode}")
+
+        try:
+            with engine.connect() as conn, conn.begin():
+                build(conn)
+            engine.dispose()
+            _fsync_file(tmp)
+            try:
+                os.link(tmp, self.path)  # unlike rename, never replaces what appeared meanwhile
+            except FileExistsError:
+                raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{self.path} appeared while the new state "
+                                 "was being built; nothing was replaced", {"path": str(self.path)}) from None
+            fsync_dir(directory)
+        finally:
+            engine.dispose()
+            for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+                leftover.unlink(missing_ok=True)
+
+    def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> Path:
+        # The copy is read through a second connection: SQLite answers SQLITE_LOCKED to a
+        # backup whose source connection holds a write transaction, and ours holds one
+        # (BEGIN IMMEDIATE) so that nobody can write between the copy and the change.
+        writer: sqlite3.Connection = conn.connection.driver_connection  # type: ignore[assignment]
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        final = self.path.with_name(f"{self.path.name}.backup-{label}-{stamp}")
+        tmp = final.with_name(final.name + ".tmp")
+        # A .tmp left by a backup that was killed: no other backup can be running, since
+        # every backup is taken under the write lock this connection holds.
+        for stale in self.path.parent.glob(f"{self.path.name}.backup-*.tmp"):
+            stale.unlink(missing_ok=True)
+        tables = sorted(self.table_names(conn))
+        expected = {t: writer.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}
+        source = sqlite3.connect(f"file:{self._quoted(self.path)}?mode=ro", uri=True, timeout=self.lock_wait)
+        target = sqlite3.connect(tmp)
+        try:
+            def step(_status: int, remaining: int, total: int) -> None:
+                if progress is not None:
+                    progress(total - remaining, total)
+
+            source.backup(target, pages=4096, progress=step)
+            # The backup is a rollback-journal file: one self-contained file to keep.
+            target.execute("PRAGMA journal_mode = DELETE")
+            check = [r[0] for r in target.execute("PRAGMA quick_check").fetchall()]
+            got = {t: target.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}
+        finally:
+            source.close()
+            target.close()
+        if check != ["ok"] or got != expected:
+            tmp.unlink(missing_ok=True)
+            raise StateError("RIVET_STATE_VERIFY_FAILED",
+                             f"the backup of {self.path} did not verify (quick_check {check[:3]}, "
+                             f"row counts {got} vs {expected}); nothing was changed", {"path": str(self.path)})
+        _fsync_file(tmp)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+        return final

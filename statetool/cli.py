@@ -1,0 +1,287 @@
+"""The command line: parse, call one operation, render (SPEC §8).
+
+Start-up stays light: only typer and the error registry load here; each command imports
+its operation (SQLAlchemy, alembic, psycopg, rich) when it runs, so ``statetool --help``
+costs about what ``import typer`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from statetool import __version__
+from statetool.errors import StateError, internal_error
+
+#: Global options: name -> takes a value. They work before or after the command name.
+GLOBAL_OPTIONS: dict[str, bool] = {
+    "--config": True, "-c": True, "--state-url": True, "--lock-wait": True,
+    "--json": False, "--json-errors": False, "--debug": False, "--version": False,
+}
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Inspect, guard and migrate the state of rivet pipelines (SQLite or PostgreSQL).")
+identity_app = typer.Typer(no_args_is_help=True, help="Read, adopt or deliberately re-key the state's identity.")
+exports_app = typer.Typer(no_args_is_help=True, help="Progress per export; deliberate cursor changes and resets.")
+app.add_typer(identity_app, name="identity")
+app.add_typer(exports_app, name="exports")
+
+
+@dataclass
+class Globals:
+    """The global options of one invocation."""
+
+    config: Path
+    state_url: str | None
+    json: bool
+    json_errors: bool
+    lock_wait: float
+    debug: bool
+    command: str = "statetool"
+
+    def context(self) -> Any:
+        """The operations' :class:`~statetool.operations.context.Context` for these options."""
+        from statetool.operations.context import Context, no_progress
+
+        progress = no_progress
+        if not self.json and sys.stderr.isatty():
+            from statetool.render import rich_progress
+
+            progress = rich_progress
+        return Context(self.config, self.state_url, dict(os.environ), self.lock_wait, self.command, progress)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"statetool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Option("--config", "-c", help="Pipeline config (YAML).")] = Path("rivet.yaml"),
+    state_url: Annotated[str | None, typer.Option("--state-url", help="State location; default RIVET_STATE_URL.",
+                                                  show_default=False)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,
+    json_errors: Annotated[bool, typer.Option("--json-errors", help="Print failures as one JSON line on stderr.")] = False,
+    lock_wait: Annotated[float, typer.Option("--lock-wait", min=0, help="Seconds to wait for a busy lock.")] = 600.0,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Inspect, guard and migrate the state of rivet pipelines (SQLite or PostgreSQL)."""
+    ctx.obj = Globals(config, state_url, json_out, json_errors, lock_wait, debug,
+                      f"statetool {ctx.invoked_subcommand or ''}".strip())
+
+
+def _g(ctx: typer.Context) -> Globals:
+    return ctx.find_root().obj  # type: ignore[no-any-return]
+
+
+def _emit(g: Globals, doc: dict[str, Any], human: Any) -> None:
+    if g.json:
+        from statetool.render import print_json
+
+        print_json(doc)
+    else:
+        human(doc)
+
+
+@app.command()
+def info(ctx: typer.Context) -> None:
+    """Where the state is and why, its revision, identity, per-export progress, warnings."""
+    from statetool import render
+    from statetool.operations.inspect import info as op
+
+    g = _g(ctx)
+    _emit(g, op(g.context()).as_dict(), render.info)
+
+
+@app.command()
+def check(ctx: typer.Context,
+          strict: Annotated[bool, typer.Option("--strict", help="Fail on warnings too (exit 5).")] = False) -> None:
+    """CI pre-flight: every check of SPEC §1-4, read-only; exit code = worst failing class."""
+    from statetool import render
+    from statetool.operations.check import check as op
+
+    g = _g(ctx)
+    result = op(g.context(), strict=strict)
+    _emit(g, result.as_dict(), render.check)
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
+
+
+@app.command()
+def init(ctx: typer.Context) -> None:
+    """Create a new empty state at the resolved location, stamped with its identity."""
+    from statetool import render
+    from statetool.operations.create import init as op
+
+    g = _g(ctx)
+    _emit(g, op(g.context()).as_dict(), lambda d: render.key_values("Created", d))
+
+
+@app.command()
+def migrate(
+    ctx: typer.Context,
+    to: Annotated[str | None, typer.Option("--to", help="Target revision (default head); lower moves down.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
+    sql: Annotated[bool, typer.Option("--sql", help="Print the SQL for a DBA (PostgreSQL); change nothing.")] = False,
+    allow_data_loss: Annotated[bool, typer.Option("--allow-data-loss",
+                                                  help="Let a downgrade drop the data it names.")] = False,
+) -> None:
+    """Pre-flight, backup (SQLite), upgrade to head (or --to), verify."""
+    from statetool import render
+    from statetool.operations.migrate import migrate as op
+
+    g = _g(ctx)
+    result = op(g.context(), to=to, dry_run=dry_run, sql=sql, allow_data_loss=allow_data_loss)
+    _emit(g, result.as_dict(), render.migrate)
+
+
+@app.command()
+def revisions(ctx: typer.Context) -> None:
+    """Every revision of this release, oldest first, and which the state has."""
+    from statetool import render
+    from statetool.operations.inspect import revisions as op
+
+    g = _g(ctx)
+    _emit(g, op(g.context()).as_dict(), render.revisions)
+
+
+@identity_app.command("show")
+def identity_show(ctx: typer.Context) -> None:
+    """Recorded and computed state_key, and what a write would do."""
+    from statetool import render
+    from statetool.operations.identity_ops import show
+
+    g = _g(ctx)
+    _emit(g, show(g.context()).as_dict(), lambda d: render.key_values("Identity", d))
+
+
+@identity_app.command("adopt")
+def identity_adopt(ctx: typer.Context) -> None:
+    """Record this config's state_key on a state that has none."""
+    from statetool import render
+    from statetool.operations.identity_ops import adopt
+
+    g = _g(ctx)
+    _emit(g, adopt(g.context()).as_dict(), lambda d: render.key_values("Identity", d))
+
+
+@identity_app.command("rekey")
+def identity_rekey(
+    ctx: typer.Context,
+    old: Annotated[str, typer.Option("--old", help="The key recorded now (exactly).")],
+    new: Annotated[str | None, typer.Option("--new", help="The new key (default: this config's).")] = None,
+    reason: Annotated[str, typer.Option("--reason", help="Why, for the audit row.")] = "",
+) -> None:
+    """Deliberately change the recorded key (the source moved); audited."""
+    from statetool import render
+    from statetool.operations.identity_ops import rekey
+
+    g = _g(ctx)
+    _emit(g, rekey(g.context(), old, new, reason).as_dict(), lambda d: render.key_values("Identity", d))
+
+
+@exports_app.command("list")
+def exports_list(ctx: typer.Context) -> None:
+    """Progress of every export (config and state)."""
+    from statetool import render
+    from statetool.operations.inspect import exports_list as op
+
+    g = _g(ctx)
+    _emit(g, {"exports": op(g.context())}, lambda d: render.exports(d["exports"]))
+
+
+@exports_app.command("show")
+def exports_show(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Export name.")]) -> None:
+    """One export's progress and its recent runs."""
+    from statetool import render
+    from statetool.operations.inspect import export_show
+
+    g = _g(ctx)
+    _emit(g, export_show(g.context(), name).as_dict(), render.export_detail)
+
+
+@exports_app.command("set-cursor")
+def exports_set_cursor(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Export name.")],
+                       value: Annotated[str, typer.Argument(help="The new cursor value.")]) -> None:
+    """Rewind or advance an export's cursor on purpose (backup and audit row first)."""
+    from statetool import render
+    from statetool.operations.exports import set_cursor
+
+    g = _g(ctx)
+    _emit(g, set_cursor(g.context(), name, value).as_dict(), lambda d: render.key_values("Export", d))
+
+
+@exports_app.command("reset")
+def exports_reset(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Export name.")]) -> None:
+    """Make an export's next run a FIRST RUN on purpose (backup and audit row first)."""
+    from statetool import render
+    from statetool.operations.exports import reset
+
+    g = _g(ctx)
+    _emit(g, reset(g.context(), name).as_dict(), lambda d: render.key_values("Export", d))
+
+
+def hoist_globals(argv: list[str]) -> list[str]:
+    """Move global options (and their values) in front of the command name, so
+    ``statetool info --json`` means ``statetool --json info``. Stops at ``--``."""
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            rest.extend(argv[i:])
+            break
+        name = arg.split("=", 1)[0]
+        if name in GLOBAL_OPTIONS:
+            takes_value = GLOBAL_OPTIONS[name] and "=" not in arg
+            front.extend(argv[i:i + 2] if takes_value else [arg])
+            i += 2 if takes_value else 1
+            continue
+        rest.append(arg)
+        i += 1
+    return front + rest
+
+
+def _fail(error: StateError, json_errors: bool) -> NoReturn:
+    from statetool.render import print_error
+
+    print_error(error, json_errors)
+    raise SystemExit(error.exit_code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI; every failure leaves through one handler (SPEC §7)."""
+    args = hoist_globals(list(sys.argv[1:] if argv is None else argv))
+    json_errors, debug = "--json-errors" in args, "--debug" in args
+    try:
+        code = app(args=args, prog_name="statetool", standalone_mode=False)
+    except StateError as error:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        _fail(error, json_errors)
+    except typer.Exit as done:
+        raise SystemExit(done.exit_code) from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except Exception as exc:  # noqa: BLE001 - the one place an unexpected error is turned into RIVET_INTERNAL
+        if callable(getattr(exc, "format_message", None)):  # the argument parser's usage errors
+            _fail(StateError("RIVET_CLI_USAGE", exc.format_message()), json_errors)
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        _fail(internal_error(exc), json_errors)
+    raise SystemExit(code if isinstance(code, int) else 0)

@@ -1,0 +1,164 @@
+"""The pipeline config loader (SPEC §2): the few fields statetool reads.
+
+Unknown keys are ignored (the runtime owns the rest of the file). Every refusal names
+the file, line and column (1-based) of the offending node.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from statetool.errors import StateError
+from statetool.redact import remember_secrets
+
+DEFAULT_CONFIG = "rivet.yaml"
+MODES = ("full", "incremental", "chunked", "cdc")
+CDC_ENGINES = ("postgres", "mysql", "mongodb", "oracle")
+
+
+@dataclass(frozen=True)
+class CdcSpec:
+    """The ``cdc:`` block of a CDC export: ``engine`` and the configured ``checkpoint`` path."""
+
+    engine: str
+    checkpoint: str | None
+
+
+@dataclass(frozen=True)
+class Export:
+    """One export of the config: its ``name``, ``mode`` and, for ``mode: cdc``, its ``cdc`` block."""
+
+    name: str
+    mode: str
+    cdc: CdcSpec | None = None
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """A parsed pipeline config: where it is, how to find the source URL, and its exports."""
+
+    path: Path
+    source_url: str | None
+    source_url_env: str | None
+    exports: tuple[Export, ...]
+
+    @property
+    def directory(self) -> Path:
+        """The directory of the config: the default home of the state (SPEC §1)."""
+        return self.path.parent
+
+    def resolved_source_url(self, env: Mapping[str, str]) -> str | None:
+        """The source URL: ``source.url``, or the value of the variable ``source.url_env`` names."""
+        if self.source_url:
+            return self.source_url
+        if self.source_url_env:
+            value = env.get(self.source_url_env) or None
+            remember_secrets(value)
+            return value
+        return None
+
+    def export(self, name: str) -> Export | None:
+        """The export called ``name``, or None."""
+        return next((e for e in self.exports if e.name == name), None)
+
+
+def load_config(path: str | os.PathLike[str]) -> PipelineConfig:
+    """Read and validate the pipeline config at ``path``.
+
+    Raises ``RIVET_CONFIG_NOT_FOUND`` when the file is absent or unreadable and
+    ``RIVET_CONFIG_INVALID`` (with ``file:line:column``) when it does not parse, is not a
+    mapping, lacks ``exports``, or an export lacks a name, has an unknown mode, repeats a
+    name, or a CDC export names an unknown engine.
+    """
+    file = Path(os.path.abspath(os.fspath(path)))
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise StateError("RIVET_CONFIG_NOT_FOUND", f"pipeline config {file} does not exist",
+                         {"file": str(file)}) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise StateError("RIVET_CONFIG_NOT_FOUND", f"pipeline config {file} cannot be read: {err}",
+                         {"file": str(file)}) from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
+        raise StateError("RIVET_CONFIG_INVALID", f"{where}: {err.problem or err.context}",
+                         {"file": str(file)}) from None
+    except yaml.YAMLError as err:
+        raise StateError("RIVET_CONFIG_INVALID", f"{file}: {err}", {"file": str(file)}) from None
+    return _Reader(file).config(root)
+
+
+class _Reader:
+    """Walks the composed YAML nodes so every error can cite a line and a column."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+
+    def fail(self, node: yaml.Node | None, what: str) -> StateError:
+        if node is None:
+            return StateError("RIVET_CONFIG_INVALID", f"{self.file}:1:1: {what}", {"file": str(self.file)})
+        mark = node.start_mark
+        return StateError("RIVET_CONFIG_INVALID", f"{self.file}:{mark.line + 1}:{mark.column + 1}: {what}",
+                          {"file": str(self.file), "line": mark.line + 1, "column": mark.column + 1})
+
+    def mapping(self, node: yaml.Node | None, what: str) -> dict[str, yaml.Node]:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.fail(node, f"{what} must be a mapping")
+        return {k.value: v for k, v in node.value if isinstance(k, yaml.ScalarNode)}
+
+    def scalar(self, node: yaml.Node | None, what: str) -> str | None:
+        if node is None or (isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null")):
+            return None
+        if not isinstance(node, yaml.ScalarNode):
+            raise self.fail(node, f"{what} must be a single value")
+        return str(node.value)
+
+    def config(self, root: yaml.Node | None) -> PipelineConfig:
+        top = self.mapping(root, "the config")
+        source = top.get("source")
+        url = url_env = None
+        if source is not None and not (isinstance(source, yaml.ScalarNode) and source.value in ("", "~", "null")):
+            fields = self.mapping(source, "source")
+            url = self.scalar(fields.get("url"), "source.url")
+            url_env = self.scalar(fields.get("url_env"), "source.url_env")
+            remember_secrets(url)
+        exports_node = top.get("exports")
+        if exports_node is None:
+            raise self.fail(root, "the config lacks 'exports' (a list of exports, each with a name and a mode)")
+        if not isinstance(exports_node, yaml.SequenceNode):
+            raise self.fail(exports_node, "'exports' must be a list")
+        exports: list[Export] = []
+        seen: set[str] = set()
+        for node in exports_node.value:
+            export = self.export(node)
+            if export.name in seen:
+                raise self.fail(node, f"export '{export.name}' is declared twice")
+            seen.add(export.name)
+            exports.append(export)
+        return PipelineConfig(self.file, url, url_env, tuple(exports))
+
+    def export(self, node: yaml.Node) -> Export:
+        fields = self.mapping(node, "an export")
+        name = self.scalar(fields.get("name"), "name")
+        if not name:
+            raise self.fail(node, "an export has no 'name'")
+        mode = self.scalar(fields.get("mode"), "mode") or "full"
+        if mode not in MODES:
+            raise self.fail(fields.get("mode"), f"export '{name}': mode '{mode}' is not one of {', '.join(MODES)}")
+        cdc = None
+        if mode == "cdc":
+            block = self.mapping(fields.get("cdc"), f"export '{name}': cdc") if fields.get("cdc") else {}
+            engine = self.scalar(block.get("engine"), "cdc.engine")
+            if engine not in CDC_ENGINES:
+                raise self.fail(block.get("engine") or node,
+                                f"export '{name}': cdc.engine '{engine}' is not one of {', '.join(CDC_ENGINES)}")
+            cdc = CdcSpec(engine, self.scalar(block.get("checkpoint"), "cdc.checkpoint"))
+        return Export(name, mode, cdc)

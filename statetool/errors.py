@@ -1,0 +1,276 @@
+"""The error registry, the one error type, and the error object (SPEC §7).
+
+The registry is the only place that maps a code to its kind, exit class, exit code,
+retryable flag and action. Everything else raises :class:`StateError` with a code and a
+message, and the CLI turns it into text or the ``--json-errors`` object through
+:func:`error_object`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from statetool.redact import redact_text
+
+#: Exit classes: name -> exit code (SPEC §7).
+EXIT_CODES: dict[str, int] = {
+    "generic": 1,
+    "retryable": 2,
+    "schema_drift": 3,
+    "data_integrity": 4,
+    "refusal": 5,
+    "internal": 6,
+}
+
+#: Which class wins when several checks fail at once: the more specific instruction
+#: first (data_integrity > internal > refusal > schema_drift > retryable > generic).
+STOP_RANK: dict[str, int] = {
+    "generic": 0,
+    "retryable": 1,
+    "schema_drift": 2,
+    "refusal": 3,
+    "internal": 4,
+    "data_integrity": 5,
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered code: its kind (what happened), class (what to do) and action."""
+
+    kind: str
+    exit_class: str
+    action: str
+
+    @property
+    def exit_code(self) -> int:
+        """The process exit code of this entry's class (1-6)."""
+        return EXIT_CODES[self.exit_class]
+
+    @property
+    def retryable(self) -> bool:
+        """True when a re-run without human action may succeed (class ``retryable``)."""
+        return self.exit_class == "retryable"
+
+
+def _e(kind: str, exit_class: str, action: str) -> Entry:
+    return Entry(kind, exit_class, action)
+
+
+REGISTRY: dict[str, Entry] = {
+    # generic (1): fix the input
+    "RIVET_STATE_URL_INVALID": _e(
+        "usage", "generic",
+        "set RIVET_STATE_URL (or --state-url) to one of: empty (beside the config), "
+        "sqlite:/absolute/dir, postgresql://host/db",
+    ),
+    "RIVET_STATE_DIR_RELATIVE": _e(
+        "usage", "generic",
+        "give the state directory as an absolute path (sqlite:/srv/rivet/state), the same on every task",
+    ),
+    "RIVET_CONFIG_NOT_FOUND": _e(
+        "config", "generic", "pass the pipeline config with --config/-c PATH (default ./rivet.yaml)",
+    ),
+    "RIVET_CONFIG_INVALID": _e(
+        "config", "generic", "fix the config at the file, line and column named in the message",
+    ),
+    "RIVET_CLI_USAGE": _e(
+        "usage", "generic", "see statetool --help, or statetool COMMAND --help",
+    ),
+    "RIVET_EXPORT_UNKNOWN": _e(
+        "usage", "generic", "name an export of the config or of the state (statetool exports list)",
+    ),
+    "RIVET_STATE_REVISION_UNKNOWN": _e(
+        "usage", "generic", "name a revision that statetool revisions lists, or head or base",
+    ),
+    "RIVET_STATE_DIR_MISSING": _e(
+        "usage", "generic",
+        "mount or create the declared state directory first; statetool never creates it, "
+        "because a missing mount would hide the real state",
+    ),
+    "RIVET_STATE_SQL_UNSUPPORTED": _e(
+        "usage", "generic",
+        "--sql is for PostgreSQL states; a SQLite upgrade runs in one transaction after a verified backup "
+        "(statetool migrate --dry-run shows the plan)",
+    ),
+    "RIVET_STATE_AUTH_FAILED": _e(
+        "environment", "generic", "check the user and password of the state URL",
+    ),
+    "RIVET_STATE_KEY_UNCOMPUTABLE": _e(
+        "usage", "generic",
+        "set the source URL (source.url, or the variable source.url_env names) so the state key can be computed",
+    ),
+    # retryable (2): a re-run without human action may succeed
+    "RIVET_STATE_UNREACHABLE": _e(
+        "transient", "retryable", "check that the state database is up and reachable, then re-run",
+    ),
+    "RIVET_STATE_LOCK_TIMEOUT": _e(
+        "busy", "retryable", "re-run when the holder has finished, or raise --lock-wait",
+    ),
+    "RIVET_STATE_RUN_IN_PROGRESS": _e(
+        "busy", "retryable", "re-run when the run named in the message has finished",
+    ),
+    "RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN": _e(
+        "busy", "retryable", "re-run the migration when the runs named in the message have finished",
+    ),
+    "RIVET_STATE_MIGRATION_LOCKED": _e(
+        "environment", "retryable",
+        "another migration holds the state; re-run when it has finished, or raise --lock-wait",
+    ),
+    # schema_drift (3): the schema is not what this release expects
+    "RIVET_STATE_SCHEMA_NEWER": _e(
+        "schema", "schema_drift",
+        "use the statetool release that wrote this state (or newer); never open it with an older one",
+    ),
+    "RIVET_STATE_MIGRATION_PENDING": _e(
+        "schema", "schema_drift", "run statetool migrate (statetool migrate --dry-run shows the plan)",
+    ),
+    # data_integrity (4): the state is damaged
+    "RIVET_STATE_CORRUPT": _e(
+        "integrity", "data_integrity",
+        "restore the state from its latest backup (.rivet_state.db.backup-*); do not run a pipeline on it",
+    ),
+    "RIVET_STATE_INTERRUPTED_WRITE": _e(
+        "integrity", "data_integrity",
+        "a writer was killed mid-transaction; open the state once with a writing command "
+        "(statetool migrate, or the pipeline) so SQLite rolls the hot journal back, then re-run",
+    ),
+    "RIVET_STATE_VERIFY_FAILED": _e(
+        "integrity", "data_integrity",
+        "the state was left as it was before; report this with the message, and keep the backup it names",
+    ),
+    # refusal (5): refused on purpose to protect the state
+    "RIVET_STATE_FOREIGN": _e(
+        "refusal", "refusal", "choose another state directory (RIVET_STATE_URL=sqlite:/other/dir)",
+    ),
+    "RIVET_STATE_NOT_A_STATE": _e(
+        "refusal", "refusal",
+        "point RIVET_STATE_URL at a rivet state, or move the file named in the message out of the way",
+    ),
+    "RIVET_STATE_MISSING": _e(
+        "refusal", "refusal",
+        "check RIVET_STATE_URL and --config: every task must open the same state; "
+        "create a new one only on purpose with statetool init",
+    ),
+    "RIVET_STATE_RELOCATED": _e(
+        "refusal", "refusal", "set RIVET_STATE_URL to the new place named in the message",
+    ),
+    "RIVET_STATE_TARGET_NOT_EMPTY": _e(
+        "refusal", "refusal", "choose an empty target, or move what is there out of the way first",
+    ),
+    "RIVET_STATE_DATA_LOSS": _e(
+        "refusal", "refusal",
+        "this downgrade drops the data named in the message; add --allow-data-loss if that is intended",
+    ),
+    "RIVET_STATE_IDENTITY_MISMATCH": _e(
+        "refusal", "refusal",
+        "read the recorded key with statetool identity show and name it exactly as --old",
+    ),
+    # internal (6)
+    "RIVET_INTERNAL": _e(
+        "internal", "internal", "this is a bug in statetool; re-run with --debug and report the traceback",
+    ),
+}
+
+#: Warnings: never change the exit code, except under ``check --strict`` (refusal).
+WARNINGS: dict[str, str] = {
+    "RIVET_STATE_IDENTITY_ADOPTED":
+        "nothing to do if the source is right; otherwise choose another state directory",
+    "RIVET_STATE_FOREIGN_BESIDE_CONFIG":
+        "check source.url: this state belongs to another source; give each source its own state directory",
+    "RIVET_STATE_CHECKPOINT_RELATIVE":
+        "set cdc.checkpoint to an absolute path on storage that outlives the worker",
+    "RIVET_STATE_CHECKPOINT_BESIDE_CONFIG":
+        "move the checkpoint file into the declared state directory",
+}
+
+
+@dataclass
+class StateError(Exception):
+    """The one error type of statetool: a registered ``code`` and a message.
+
+    ``message`` is redacted when the error is built, so no password reaches any output.
+    ``details`` carries machine-readable context (paths, keys, holders) for JSON output.
+    Raises ``KeyError`` at construction for an unregistered code: a typo is a bug that
+    must show in tests, not a silent exit 1.
+    """
+
+    code: str
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.code not in REGISTRY:
+            raise KeyError(f"unregistered error code {self.code}")
+        self.message = redact_text(self.message)
+        super().__init__(self.message)
+
+    @property
+    def entry(self) -> Entry:
+        """The registry entry of this error's code."""
+        return REGISTRY[self.code]
+
+    @property
+    def exit_code(self) -> int:
+        """The exit code of the code's class (1-6)."""
+        return self.entry.exit_code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def error_object(err: StateError) -> dict[str, Any]:
+    """The ``--json-errors`` object of SPEC §7: every key present, ``exit_class`` an int."""
+    entry = err.entry
+    return {
+        "error": err.message,
+        "exit_class": entry.exit_code,
+        "code": err.code,
+        "kind": entry.kind,
+        "class": entry.exit_class,
+        "exit_code": entry.exit_code,
+        "retryable": entry.retryable,
+        "action": entry.action,
+        "message": err.message,
+    }
+
+
+def internal_error(exc: BaseException) -> StateError:
+    """Wrap an unexpected exception as ``RIVET_INTERNAL`` with a one-line message."""
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return StateError("RIVET_INTERNAL", f"{type(exc).__name__}: {first_line}")
+
+
+def worst(codes: list[str]) -> str | None:
+    """The code whose class ranks highest by :data:`STOP_RANK` (the last among equals)."""
+    best: str | None = None
+    for code in codes:
+        if best is None or STOP_RANK[REGISTRY[code].exit_class] >= STOP_RANK[REGISTRY[best].exit_class]:
+            best = code
+    return best
+
+
+@dataclass(frozen=True)
+class StateWarning:
+    """A registered warning (SPEC §7): reported, never changes the exit code on its own.
+
+    ``check --strict`` turns each into a failure of class refusal (exit 5).
+    """
+
+    code: str
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.code not in WARNINGS:
+            raise KeyError(f"unregistered warning code {self.code}")
+        object.__setattr__(self, "message", redact_text(self.message))
+
+    @property
+    def action(self) -> str:
+        """The registered action of this warning."""
+        return WARNINGS[self.code]
+
+    def as_dict(self) -> dict[str, str]:
+        """``{"code", "message", "action"}`` for JSON output."""
+        return {"code": self.code, "message": self.message, "action": self.action}

@@ -1,0 +1,153 @@
+"""THE state resolver (SPEC §1): where the state lives, and why.
+
+No other code computes a state path. Every command and the runtime API call
+:func:`resolve_location`, and every message names :attr:`Location.display`, the place
+that was actually opened.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from statetool.errors import StateError
+from statetool.redact import redact_url, remember_secrets
+
+STATE_FILE = ".rivet_state.db"
+LEASES_DIR = ".rivet_state.leases"
+ENV_VAR = "RIVET_STATE_URL"
+DEFAULT_SCHEMA = "rivet_state"
+
+ACCEPTED_FORMS = (
+    "unset or empty (SQLite .rivet_state.db beside the config); "
+    "sqlite:/absolute/directory (declared directory); "
+    "postgres://, postgresql:// or postgresql+psycopg://user@host:port/db[?schema=NAME] (shared)"
+)
+_PG_SCHEMES = {"postgres", "postgresql", "postgresql+psycopg"}
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
+
+
+@dataclass(frozen=True)
+class Location:
+    """A resolved state location.
+
+    ``backend`` is ``"sqlite"`` or ``"postgres"``; ``scope`` is ``"beside_config"``,
+    ``"declared_dir"`` or ``"shared"`` (the identity rules of SPEC §3 depend on it);
+    ``origin`` says where the setting came from: ``"default"``, ``"env"`` or ``"flag"``.
+    SQLite locations carry ``directory`` and ``path`` (absolute); PostgreSQL locations
+    carry ``url`` (driver URL, ``?schema`` stripped, password included: never print it)
+    and ``schema``.
+    """
+
+    backend: str
+    scope: str
+    origin: str
+    directory: Path | None = None
+    path: Path | None = None
+    url: str | None = None
+    schema: str | None = None
+
+    @property
+    def display(self) -> str:
+        """The place to name in messages: the file path, or the URL with its password masked."""
+        if self.path is not None:
+            return str(self.path)
+        return f"{redact_url(self.url or '')} (schema {self.schema})"
+
+    @property
+    def state_url(self) -> str:
+        """The ``RIVET_STATE_URL`` value that selects this location, password masked."""
+        if self.scope == "beside_config":
+            return ""
+        if self.backend == "sqlite":
+            return f"sqlite:{self.directory}"
+        return redact_url(self.url or "")
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON shape: ``{backend, scope, origin, path, directory, url, schema, display}``."""
+        return {
+            "backend": self.backend,
+            "scope": self.scope,
+            "origin": self.origin,
+            "path": str(self.path) if self.path else None,
+            "directory": str(self.directory) if self.directory else None,
+            "url": redact_url(self.url) if self.url else None,
+            "schema": self.schema,
+            "display": self.display,
+        }
+
+
+def resolve_location(env_value: str | None, flag_value: str | None, config_path: str | os.PathLike[str]) -> Location:
+    """Resolve the state location from ``--state-url`` (wins when given) or ``RIVET_STATE_URL``.
+
+    ``config_path`` is the pipeline config; the default state lives in its directory.
+    Raises ``RIVET_STATE_URL_INVALID`` for an unknown form or ``sqlite:///x`` (with the
+    right spelling as a hint) and ``RIVET_STATE_DIR_RELATIVE`` for ``sqlite:`` with a
+    relative directory. Pure: touches no file.
+    """
+    if flag_value is not None:
+        raw, origin = flag_value, "flag"
+    else:
+        raw, origin = (env_value or ""), "env"
+    raw = raw.strip()
+    remember_secrets(raw)
+    if not raw:
+        directory = Path(os.path.abspath(os.fspath(config_path))).parent
+        return Location("sqlite", "beside_config", "default" if origin == "env" else origin,
+                        directory=directory, path=directory / STATE_FILE)
+    scheme = raw.split(":", 1)[0].lower() if ":" in raw else ""
+    if scheme == "sqlite":
+        return _sqlite_dir(raw, origin)
+    if scheme in _PG_SCHEMES and raw[len(scheme):].startswith("://"):
+        return _postgres(raw, origin)
+    raise StateError(
+        "RIVET_STATE_URL_INVALID",
+        f"{ENV_VAR} value '{raw}' is not a state location; accepted forms: {ACCEPTED_FORMS}",
+        {"value": raw},
+    )
+
+
+def _sqlite_dir(raw: str, origin: str) -> Location:
+    rest = raw[len("sqlite:"):]
+    if rest.startswith("//"):
+        hint = "/" + rest.lstrip("/")
+        raise StateError(
+            "RIVET_STATE_URL_INVALID",
+            f"'{raw}' is a SQLAlchemy file URL, not a state directory; "
+            f"name the directory that holds {STATE_FILE}: sqlite:{hint}",
+            {"value": raw, "hint": f"sqlite:{hint}"},
+        )
+    if not rest:
+        raise StateError("RIVET_STATE_URL_INVALID",
+                         f"'{raw}' names no directory; accepted forms: {ACCEPTED_FORMS}", {"value": raw})
+    if not os.path.isabs(rest):
+        raise StateError(
+            "RIVET_STATE_DIR_RELATIVE",
+            f"state directory '{rest}' is relative; every task of every scheduler must see the same "
+            f"absolute path (for example sqlite:{os.path.join('/srv/rivet', rest.lstrip('~/'))})",
+            {"value": raw},
+        )
+    directory = Path(os.path.normpath(rest))
+    return Location("sqlite", "declared_dir", origin, directory=directory, path=directory / STATE_FILE)
+
+
+def _postgres(raw: str, origin: str) -> Location:
+    try:
+        parts = urlsplit(raw)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        _ = parts.port  # raises ValueError on a non-numeric port
+    except ValueError as err:
+        raise StateError("RIVET_STATE_URL_INVALID", f"'{raw}' does not parse as a URL ({err}); "
+                         f"accepted forms: {ACCEPTED_FORMS}", {"value": raw}) from None
+    schemas = [v for k, v in query if k == "schema"]
+    schema = schemas[-1] if schemas else DEFAULT_SCHEMA
+    if not _IDENTIFIER.match(schema):
+        raise StateError("RIVET_STATE_URL_INVALID",
+                         f"schema '{schema}' in {raw} is not a plain SQL identifier (letters, digits, _)",
+                         {"value": raw})
+    rest = urlencode([(k, v) for k, v in query if k != "schema"])
+    url = urlunsplit(("postgresql+psycopg", parts.netloc, parts.path, rest, parts.fragment))
+    return Location("postgres", "shared", origin, url=url, schema=schema)

@@ -1,0 +1,166 @@
+"""Alembic glue: the revision graph of the state schema and how to move along it.
+
+The revisions live in ``alembic/`` at the top of the source tree and ship inside the
+wheel as ``statetool/_alembic`` (pyproject.toml), so a plain ``pip install .`` can
+migrate. Every path uses the version table ``rivet_state_version`` (alembic/env.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from statetool.errors import StateError
+
+
+def script_location() -> Path:
+    """The alembic script directory: packaged (``statetool/_alembic``) or the source tree's."""
+    packaged = Path(__file__).parent / "_alembic"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parent.parent / "alembic"
+
+
+@dataclass(frozen=True)
+class Revision:
+    """One revision of the state schema: id, one-line description, parent, and what it costs.
+
+    ``rebuilds``: tables the upgrade copies row by row. ``loses``: table -> SQL predicate
+    of rows whose data the downgrade drops (None: every row).
+    """
+
+    id: str
+    description: str
+    down: str | None
+    rebuilds: tuple[str, ...]
+    loses: dict[str, str | None]
+
+    def as_dict(self) -> dict[str, object]:
+        """``{"id", "description"}`` for JSON output."""
+        return {"id": self.id, "description": self.description}
+
+
+@functools.cache
+def revisions() -> tuple[Revision, ...]:
+    """Every revision, oldest first (a single line of history: no branches)."""
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory(str(script_location()))
+    out = []
+    for script in reversed(list(scripts.walk_revisions())):
+        module = script.module
+        out.append(Revision(
+            id=script.revision,
+            description=(script.doc or "").strip().splitlines()[0] if script.doc else "",
+            down=script.down_revision,  # type: ignore[arg-type]
+            rebuilds=tuple(getattr(module, "UPGRADE_REBUILDS", ())),
+            loses=dict(getattr(module, "DOWNGRADE_LOSES", {})),
+        ))
+    return tuple(out)
+
+
+def head() -> str:
+    """The newest revision id."""
+    return revisions()[-1].id
+
+
+def index_of(rev: str | None) -> int:
+    """Position of ``rev`` in :func:`revisions` (-1 for ``None``/``base``); KeyError if unknown."""
+    if rev in (None, "base"):
+        return -1
+    for i, r in enumerate(revisions()):
+        if r.id == rev:
+            return i
+    raise KeyError(rev)
+
+
+def resolve_target(target: str | None) -> str:
+    """Turn ``--to`` (None, ``head`` or a revision id) into a revision id.
+
+    ``base`` is not a target: a state with no revision is no state at all. Raises
+    ``RIVET_STATE_REVISION_UNKNOWN`` for anything else.
+    """
+    if target in (None, "head"):
+        return head()
+    try:
+        index_of(target)
+    except KeyError:
+        known = ", ".join(r.id for r in revisions())
+        raise StateError("RIVET_STATE_REVISION_UNKNOWN",
+                         f"revision '{target}' is not one of this release's: {known}, head") from None
+    return target  # type: ignore[return-value]
+
+
+def steps(current: str | None, target: str) -> tuple[str, list[Revision]]:
+    """The revisions crossed from ``current`` to ``target``: ``("up"|"down"|"none", [...])``.
+
+    Upward steps are listed in the order applied; downward steps too (newest first).
+    """
+    a, b = index_of(current), index_of(target)
+    revs = revisions()
+    if b > a:
+        return "up", list(revs[a + 1:b + 1])
+    if b < a:
+        return "down", list(reversed(revs[b + 1:a + 1]))
+    return "none", []
+
+
+def _config(schema: str | None, **attributes: Any):  # noqa: ANN202 - alembic Config
+    from alembic.config import Config
+
+    cfg = Config(output_buffer=io.StringIO())
+    cfg.set_main_option("script_location", str(script_location()))
+    cfg.attributes["schema"] = schema
+    cfg.attributes.update(attributes)
+    return cfg
+
+
+def apply(connection: Any, target: str, schema: str | None, direction: str,
+          on_step: Callable[[str], None] | None = None) -> None:
+    """Run the upgrade or downgrade to ``target`` on ``connection``, inside ITS transaction.
+
+    The caller begins the transaction and commits it after verifying; alembic adds none
+    of its own (``transaction_per_migration=False`` on an open transaction).
+    """
+    from alembic import command
+
+    def report(ctx: Any, step: Any, heads: Any, run_args: Any) -> None:
+        if on_step is not None:
+            on_step(step.up_revision_id)
+
+    cfg = _config(schema, connection=connection, on_version_apply=report)
+    if direction == "up":
+        command.upgrade(cfg, target)
+    else:
+        command.downgrade(cfg, target)
+
+
+def stamp(connection: Any, revision: str, schema: str | None) -> None:
+    """Write ``revision`` into ``rivet_state_version`` without running it (legacy states)."""
+    from alembic import command
+
+    command.stamp(_config(schema, connection=connection), revision)
+
+
+def offline_sql(dialect_name: str, schema: str | None, current: str | None, target: str, direction: str) -> str:
+    """The SQL a DBA would run to go from ``current`` to ``target`` (alembic offline mode)."""
+    from alembic import command
+
+    cfg = _config(schema, dialect_name=dialect_name)
+    span = f"{current or 'base'}:{target}"
+    if direction == "up":
+        command.upgrade(cfg, span, sql=True)
+    else:
+        command.downgrade(cfg, span, sql=True)
+    return cfg.output_buffer.getvalue()  # type: ignore[union-attr]
+
+
+def offline_stamp_sql(dialect_name: str, schema: str | None, revision: str) -> str:
+    """The SQL that creates the version table at ``revision`` (a legacy state, for ``--sql``)."""
+    from alembic import command
+
+    cfg = _config(schema, dialect_name=dialect_name)
+    command.stamp(cfg, revision, sql=True)
+    return cfg.output_buffer.getvalue()  # type: ignore[union-attr]

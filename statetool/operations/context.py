@@ -1,0 +1,76 @@
+"""What every operation is given: the config path, the state URL setting, the environment,
+``--lock-wait``, and how to show progress."""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import socket
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from statetool.config import DEFAULT_CONFIG, PipelineConfig, load_config
+from statetool.identity import state_key
+from statetool.location import ENV_VAR, Location, resolve_location
+
+if TYPE_CHECKING:
+    from statetool.backends.base import Backend
+
+#: progress(description) -> a context yielding update(done, total) (units of the caller's choosing).
+ProgressFactory = Callable[[str], contextlib.AbstractContextManager[Callable[[int, int], None]]]
+
+
+@contextlib.contextmanager
+def no_progress(_description: str) -> Iterator[Callable[[int, int], None]]:
+    """The silent progress display (library use, ``--json``, no terminal)."""
+    yield lambda _done, _total: None
+
+
+@dataclass
+class Context:
+    """The inputs of one statetool invocation.
+
+    ``config_path`` defaults to ``./rivet.yaml``; ``state_url`` is ``--state-url`` (None
+    when not given: ``RIVET_STATE_URL`` from ``env`` applies); ``lock_wait`` is in seconds.
+    """
+
+    config_path: Path = field(default_factory=lambda: Path(DEFAULT_CONFIG))
+    state_url: str | None = None
+    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    lock_wait: float = 600.0
+    command: str = "statetool"
+    progress: ProgressFactory = no_progress
+
+    @cached_property
+    def location(self) -> Location:
+        """The resolved state location (SPEC §1). Raises the resolver's codes."""
+        return resolve_location(self.env.get(ENV_VAR), self.state_url, self.config_path)
+
+    @cached_property
+    def config(self) -> PipelineConfig:
+        """The parsed pipeline config (SPEC §2). Raises ``RIVET_CONFIG_*``."""
+        return load_config(self.config_path)
+
+    @cached_property
+    def computed_key(self) -> str:
+        """The ``state_key`` of the config's source, ``""`` when it cannot be computed."""
+        return state_key(self.config.resolved_source_url(self.env))
+
+    def backend(self) -> Backend:
+        """The backend of the resolved location."""
+        from statetool.backends import open_backend
+
+        return open_backend(self.location, self.lock_wait)
+
+    @property
+    def actor(self) -> str:
+        """``user@host`` of this process, for audit rows."""
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = str(os.getuid())
+        return f"{user}@{socket.gethostname()}"

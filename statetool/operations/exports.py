@@ -1,0 +1,83 @@
+"""``statetool exports set-cursor | reset``: deliberate changes to one export's progress.
+
+Each passes the whole pre-flight, backs a SQLite state up first (verified), writes an
+audit row with what was there before, and says what the next run will do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+
+from statetool import schema
+from statetool.errors import StateError, StateWarning
+from statetool.operations.context import Context
+from statetool.operations.writes import WriteSession, audit, head_write, now_iso
+
+
+@dataclass
+class ExportChange:
+    """The outcome of a change: before and after, the backup, and what the next run will do."""
+
+    export: str
+    action: str
+    before: dict[str, object]
+    after: dict[str, object]
+    next_run: str
+    backup: str | None
+    warnings: list[StateWarning] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON shape of the change."""
+        return {"export": self.export, "action": self.action, "before": self.before, "after": self.after,
+                "next_run": self.next_run, "backup": self.backup, "warnings": [w.as_dict() for w in self.warnings]}
+
+
+def _known(ctx: Context, session: WriteSession, name: str) -> str:
+    export = ctx.config.export(name)
+    if export is None and name not in session.snapshot.exports:
+        raise StateError("RIVET_EXPORT_UNKNOWN", f"export '{name}' is in neither {ctx.config.path} nor the state")
+    return export.mode if export else (session.snapshot.exports[name].mode or "incremental")
+
+
+def set_cursor(ctx: Context, name: str, value: str) -> ExportChange:
+    """Set export ``name``'s cursor to ``value`` (rewind or advance, on purpose).
+
+    Raises ``RIVET_EXPORT_UNKNOWN`` and every pre-flight code; nothing is written then.
+    """
+    e = schema.exports
+    with head_write(ctx, backup_label=f"set-cursor-{name}") as session:
+        mode = _known(ctx, session, name)
+        conn = session.conn
+        old = conn.execute(sa.select(e.c.cursor_value).where(e.c.export_name == name)).scalar()
+        now = now_iso()
+        updated = conn.execute(sa.update(e).where(e.c.export_name == name)
+                               .values(cursor_value=value, cursor_updated_at=now, updated_at=now)).rowcount
+        if not updated:
+            conn.execute(sa.insert(e).values(export_name=name, mode=mode, cursor_value=value,
+                                             cursor_updated_at=now, updated_at=now))
+        audit(conn, ctx, "exports.set-cursor", {"export": name, "old": old, "new": value})
+        backup, warnings = session.backup, session.warnings
+    return ExportChange(name, "set-cursor", {"cursor": old}, {"cursor": value},
+                        f"resumes after cursor {value!r}", str(backup) if backup else None, warnings)
+
+
+def reset(ctx: Context, name: str) -> ExportChange:
+    """Make export ``name``'s next run a FIRST RUN: clear its cursor and chunk checkpoints.
+
+    Run history and the load ledger are kept (they are history, not progress to resume
+    from). Raises ``RIVET_EXPORT_UNKNOWN`` and every pre-flight code.
+    """
+    e, c = schema.exports, schema.chunks
+    with head_write(ctx, backup_label=f"reset-{name}") as session:
+        _known(ctx, session, name)
+        conn = session.conn
+        old = conn.execute(sa.select(e.c.cursor_value).where(e.c.export_name == name)).scalar()
+        chunks = conn.execute(sa.delete(c).where(c.c.export_name == name)).rowcount
+        conn.execute(sa.update(e).where(e.c.export_name == name)
+                     .values(cursor_value=None, cursor_updated_at=None, updated_at=now_iso()))
+        audit(conn, ctx, "exports.reset", {"export": name, "old_cursor": old, "chunks_removed": chunks})
+        backup, warnings = session.backup, session.warnings
+    return ExportChange(name, "reset", {"cursor": old, "chunks": chunks}, {"cursor": None, "chunks": 0},
+                        "FIRST RUN: reads everything from the start", str(backup) if backup else None, warnings)

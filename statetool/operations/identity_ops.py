@@ -1,0 +1,97 @@
+"""``statetool identity show | adopt | rekey`` (SPEC §3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from statetool.errors import StateError, StateWarning
+from statetool.identity import identity_verdict
+from statetool.operations.context import Context
+from statetool.operations.preflight import DESCRIBABLE, identity_message, raise_failures, run_preflight
+from statetool.operations.writes import head_write, record_identity
+
+_SCOPES = ("declared_dir", "beside_config", "shared")
+
+
+@dataclass
+class IdentityResult:
+    """Recorded and computed keys, this scope's verdict, and what each scope would do."""
+
+    recorded: str | None
+    computed: str
+    scope: str
+    verdict: str
+    code: str | None
+    message: str
+    by_scope: dict[str, str] = field(default_factory=dict)
+    changed: bool = False
+    warnings: list[StateWarning] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON shape: keys, scope, verdict, code, message, by_scope, changed, warnings."""
+        return {"recorded": self.recorded, "computed": self.computed, "scope": self.scope,
+                "verdict": self.verdict, "code": self.code, "message": self.message,
+                "by_scope": self.by_scope, "changed": self.changed,
+                "warnings": [w.as_dict() for w in self.warnings]}
+
+
+def show(ctx: Context) -> IdentityResult:
+    """Read the recorded key and compute this config's; say what a write would do. Read-only."""
+    pf = run_preflight(ctx)
+    raise_failures(pf, allow=DESCRIBABLE - {"RIVET_STATE_MISSING"})
+    snap = pf.snapshot
+    assert snap is not None
+    computed = ctx.computed_key
+    progress = snap.has_progress
+    verdict = identity_verdict(snap.recorded_key, computed, ctx.location.scope, progress)
+    where = str(ctx.location.directory or ctx.location.display)
+    by_scope = {s: identity_verdict(snap.recorded_key, computed, s, progress).action for s in _SCOPES}
+    return IdentityResult(snap.recorded_key, computed, ctx.location.scope, verdict.action, verdict.code,
+                          identity_message(verdict, where, for_write=False), by_scope)
+
+
+def adopt(ctx: Context) -> IdentityResult:
+    """Record this config's key on a state that has none (stamp, or adopt with a warning).
+
+    Raises ``RIVET_STATE_KEY_UNCOMPUTABLE`` (no source URL), ``RIVET_STATE_FOREIGN``
+    (declared directory, another key recorded), ``RIVET_STATE_IDENTITY_MISMATCH``
+    (another key recorded elsewhere: use rekey), and every pre-flight code.
+    """
+    if not ctx.computed_key:
+        raise StateError("RIVET_STATE_KEY_UNCOMPUTABLE", "the config's source URL is not set here; nothing to adopt")
+    with head_write(ctx, backup_label=None) as session:
+        recorded = session.snapshot.recorded_key
+        if recorded and recorded != ctx.computed_key:
+            raise StateError("RIVET_STATE_IDENTITY_MISMATCH",
+                             f"the state already records {recorded}; to change it on purpose run "
+                             f"statetool identity rekey --old {recorded} --new {ctx.computed_key}")
+        result = show_after(ctx, recorded, changed=recorded is None)
+        result.warnings = session.warnings
+        return result
+
+
+def show_after(ctx: Context, previous: str | None, *, changed: bool) -> IdentityResult:
+    """The identity result after a write that left ``ctx.computed_key`` recorded."""
+    verb = "recorded" if changed else "already recorded"
+    return IdentityResult(ctx.computed_key, ctx.computed_key, ctx.location.scope, "ok", None,
+                          f"{verb} {ctx.computed_key} (was {previous or 'none'})", changed=changed)
+
+
+def rekey(ctx: Context, old: str, new: str | None = None, reason: str = "") -> IdentityResult:
+    """Deliberately change the recorded key from ``old`` to ``new`` (default: this config's key).
+
+    For a source that moved (new host, new port). Refuses ``RIVET_STATE_IDENTITY_MISMATCH``
+    when the recorded key is not exactly ``old``; writes an audit row with both keys and
+    ``reason``. The pre-flight's identity refusal does not apply (re-keying is the point).
+    """
+    target = new or ctx.computed_key
+    if not target:
+        raise StateError("RIVET_STATE_KEY_UNCOMPUTABLE", "give --new, or set the config's source URL")
+    with head_write(ctx, backup_label=None, claim=False, allow=frozenset({"RIVET_STATE_FOREIGN"})) as session:
+        recorded = session.snapshot.recorded_key
+        if recorded != old:
+            raise StateError("RIVET_STATE_IDENTITY_MISMATCH",
+                             f"the state records {recorded or 'no key'}, not {old}; nothing was changed")
+        record_identity(session.conn, ctx, target, "rekey", old=old, reason=reason)
+    return IdentityResult(target, ctx.computed_key, ctx.location.scope, "ok", None,
+                          f"re-keyed from {old} to {target}", changed=True)

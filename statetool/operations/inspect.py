@@ -1,0 +1,134 @@
+"""Read-only operations: ``info``, ``revisions``, ``exports list`` and ``exports show``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+
+from statetool import migrations, schema
+from statetool.errors import StateError
+from statetool.operations.context import Context
+from statetool.operations.preflight import DESCRIBABLE, identity_message, raise_failures, run_preflight
+from statetool.operations.probe import ExportProgress, Snapshot
+
+
+@dataclass
+class InfoResult:
+    """Everything ``statetool info`` shows. ``as_dict`` keys are stable (SPEC §10)."""
+
+    location: dict[str, object]
+    revision: dict[str, object]
+    identity: dict[str, object]
+    exports: list[dict[str, object]]
+    warnings: list[dict[str, str]]
+
+    def as_dict(self) -> dict[str, object]:
+        """``{location, revision, identity, exports, warnings}``."""
+        return {"location": self.location, "revision": self.revision, "identity": self.identity,
+                "exports": self.exports, "warnings": self.warnings}
+
+
+def _revision_doc(snap: Snapshot | None) -> dict[str, object]:
+    head = migrations.head()
+    if snap is None:
+        return {"current": None, "head": head, "pending": [], "legacy": False, "status": "missing"}
+    status = "unknown" if not snap.known else "legacy" if snap.legacy else "pending" if snap.pending else "head"
+    return {"current": snap.revision, "head": head, "pending": snap.pending, "legacy": snap.legacy, "status": status}
+
+
+def _export_rows(ctx: Context, snap: Snapshot | None) -> list[dict[str, object]]:
+    in_state = snap.exports if snap else {}
+    rows: list[dict[str, object]] = []
+    for export in ctx.config.exports:
+        progress = in_state.get(export.name, ExportProgress(export.name))
+        doc = progress.as_dict()
+        doc.update(mode=export.mode, in_config=True, in_state=export.name in in_state)
+        rows.append(doc)
+    for name in sorted(set(in_state) - {e.name for e in ctx.config.exports}):
+        doc = in_state[name].as_dict()
+        doc.update(in_config=False, in_state=True)
+        rows.append(doc)
+    return rows
+
+
+def info(ctx: Context) -> InfoResult:
+    """Where the state is and why, its revision, identity, per-export progress and warnings.
+
+    A missing state is reported (revision status ``missing``), not refused. Raises the
+    resolver's and config's codes, and ``RIVET_STATE_NOT_A_STATE``,
+    ``RIVET_STATE_CORRUPT``, ``RIVET_STATE_INTERRUPTED_WRITE``,
+    ``RIVET_STATE_UNREACHABLE`` when there is no state to describe.
+    """
+    pf = run_preflight(ctx)
+    raise_failures(pf, allow=DESCRIBABLE)
+    snap = pf.snapshot
+    verdict = pf.verdict
+    identity: dict[str, object] = {
+        "recorded": snap.recorded_key if snap else None,
+        "computed": ctx.computed_key,
+        "verdict": verdict.action if verdict else ("skip" if not ctx.computed_key else "none"),
+        "code": verdict.code if verdict else None,
+        "message": identity_message(verdict, str(ctx.location.directory or ctx.location.display), False)
+        if verdict else "no state: nothing recorded",
+    }
+    warnings = [w.as_dict() for w in pf.warnings]
+    return InfoResult(ctx.location.as_dict(), _revision_doc(snap), identity, _export_rows(ctx, snap), warnings)
+
+
+@dataclass
+class RevisionsResult:
+    """Every revision, oldest first, with ``applied`` for the state at hand."""
+
+    revisions: list[dict[str, object]] = field(default_factory=list)
+    current: str | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        """``{"revisions": [{"id", "description", "applied"}], "current"}``."""
+        return {"revisions": self.revisions, "current": self.current}
+
+
+def revisions(ctx: Context) -> RevisionsResult:
+    """The revisions of this release and which the state has (none when there is no state)."""
+    pf = run_preflight(ctx)
+    raise_failures(pf, allow=DESCRIBABLE)
+    snap = pf.snapshot
+    applied_upto = -1
+    if snap is not None and snap.known:
+        applied_upto = migrations.index_of(snap.effective_revision)
+    rows = [dict(r.as_dict(), applied=i <= applied_upto) for i, r in enumerate(migrations.revisions())]
+    return RevisionsResult(rows, snap.revision if snap else None)
+
+
+@dataclass
+class ExportDetail:
+    """One export: its progress and its most recent runs (newest first)."""
+
+    export: dict[str, object]
+    recent_runs: list[dict[str, object]]
+
+    def as_dict(self) -> dict[str, object]:
+        """``{"export": {...}, "recent_runs": [...]}``."""
+        return {"export": self.export, "recent_runs": self.recent_runs}
+
+
+def exports_list(ctx: Context) -> list[dict[str, object]]:
+    """Progress of every export of the config and of the state. Raises as :func:`info`."""
+    return info(ctx).exports
+
+
+def export_show(ctx: Context, name: str, limit: int = 10) -> ExportDetail:
+    """One export's progress and last ``limit`` runs. Raises ``RIVET_EXPORT_UNKNOWN``."""
+    rows = {row["name"]: row for row in exports_list(ctx)}
+    if name not in rows:
+        raise StateError("RIVET_EXPORT_UNKNOWN", f"export '{name}' is in neither {ctx.config.path} nor the state")
+    recent: list[dict[str, object]] = []
+    if rows[name]["in_state"]:
+        backend = ctx.backend()
+        r = schema.runs
+        with backend.reading() as conn:
+            query = (sa.select(r.c.run_id, r.c.mode, r.c.status, r.c.started_at, r.c.finished_at, r.c.rows,
+                               r.c.files, r.c.error)
+                     .where(r.c.export_name == name).order_by(r.c.started_at.desc()).limit(limit))
+            recent = [dict(row._mapping) for row in conn.execute(query)]
+    return ExportDetail(rows[name], recent)

@@ -1,0 +1,170 @@
+"""``statetool migrate``: pre-flight, backup, upgrade (or downgrade) in one transaction, verify.
+
+SPEC §4 and §8. Order: every read-only check passes -> the write lock is taken (SQLite
+``BEGIN IMMEDIATE``; PostgreSQL a transaction-scoped advisory lock, waited on up to
+``--lock-wait``, then ``RIVET_STATE_MIGRATION_LOCKED``) -> the revision is read again
+(another migrate may have finished meanwhile) -> SQLite: a verified online backup beside
+the state, named with the from-revision -> alembic runs every step in THE transaction
+-> ``quick_check`` and per-table row counts are compared -> commit. Any failure before
+the commit rolls everything back: the state is exactly as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from statetool import migrations, schema
+from statetool.errors import StateError, StateWarning
+from statetool.operations.context import Context
+from statetool.operations.preflight import require, run_preflight
+from statetool.operations.probe import row_counts
+from statetool.operations.writes import audit, claim_identity
+
+#: Tables a migration writes to itself: left out of the before/after row-count comparison.
+_WRITTEN_BY_MIGRATE = {schema.identity.name, schema.audit.name, schema.VERSION_TABLE}
+
+
+@dataclass
+class StepPlan:
+    """One revision crossed: ``rebuilds`` and ``loses`` as ``{table: rows}``."""
+
+    id: str
+    description: str
+    direction: str
+    rebuilds: dict[str, int] = field(default_factory=dict)
+    loses: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class MigrateResult:
+    """What a migration planned and did. ``from_revision`` is ``"legacy"`` for a legacy state."""
+
+    location: dict[str, object]
+    from_revision: str | None
+    to_revision: str
+    direction: str
+    steps: list[StepPlan]
+    applied: bool = False
+    dry_run: bool = False
+    backup: str | None = None
+    verified_rows: dict[str, int] = field(default_factory=dict)
+    sql: str | None = None
+    message: str = ""
+    warnings: list[StateWarning] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON shape of the plan and its outcome."""
+        doc = asdict(self)
+        doc["warnings"] = [w.as_dict() for w in self.warnings]
+        return doc
+
+
+def _plan(conn: Connection, tables: set[str], direction: str, steps: list[migrations.Revision]) -> list[StepPlan]:
+    plans = []
+    for rev in steps:
+        plan = StepPlan(rev.id, rev.description, direction)
+        if direction == "up":
+            plan.rebuilds = row_counts(conn, {t for t in rev.rebuilds if t in tables})
+        else:
+            for table, predicate in rev.loses.items():
+                if table in tables:
+                    where = f" WHERE {predicate}" if predicate else ""
+                    plan.loses[table] = int(conn.execute(sa.text(f'SELECT count(*) FROM "{table}"{where}')).scalar() or 0)
+        plans.append(plan)
+    return plans
+
+
+def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: bool = False,
+            allow_data_loss: bool = False) -> MigrateResult:
+    """Move the state to revision ``to`` (default head), up or down.
+
+    Raises every pre-flight code (a missing state is ``RIVET_STATE_MISSING``: migrate
+    never creates one, ``statetool init`` does), ``RIVET_STATE_REVISION_UNKNOWN``,
+    ``RIVET_STATE_DATA_LOSS`` (a downgrade that drops rows, without
+    ``allow_data_loss``), ``RIVET_STATE_SQL_UNSUPPORTED`` (``sql`` on SQLite),
+    ``RIVET_STATE_MIGRATION_LOCKED`` (another writer past ``--lock-wait``) and
+    ``RIVET_STATE_VERIFY_FAILED`` (rolled back). ``dry_run`` and ``sql`` write nothing.
+    """
+    pf = run_preflight(ctx, for_write=True)
+    missing = next((c for c in pf.failures if c.code == "RIVET_STATE_MISSING"), None)
+    if missing is not None and missing.id == "state":
+        raise StateError("RIVET_STATE_MISSING", f"{missing.message}; migrate never creates a state "
+                         "(an empty state made by accident is how first-run resets start): "
+                         "run statetool init to create a new one on purpose")
+    snap = require(pf, allow=frozenset({"RIVET_STATE_MIGRATION_PENDING"}))
+    target = migrations.resolve_target(to)
+    current = snap.effective_revision
+    direction, steps = migrations.steps(current, target)
+    backend = ctx.backend()
+    with backend.reading() as conn:
+        plans = _plan(conn, set(snap.tables), direction, steps)
+    result = MigrateResult(ctx.location.as_dict(), "legacy" if snap.legacy else current, target, direction, plans,
+                           dry_run=dry_run)
+    lost = {f"{p.id}:{t}": n for p in plans for t, n in p.loses.items() if n}
+    if lost and not allow_data_loss:
+        raise StateError("RIVET_STATE_DATA_LOSS", "downgrading to " + target + " drops data: " +
+                         ", ".join(f"{n} rows of {k.split(':')[1]} (undoing {k.split(':')[0]})" for k, n in lost.items()))
+    if sql:
+        if backend.dialect_name != "postgresql":
+            raise StateError("RIVET_STATE_SQL_UNSUPPORTED", "--sql prints PostgreSQL DDL; this state is SQLite")
+        text = ""
+        if snap.legacy:
+            text = migrations.offline_stamp_sql(backend.dialect_name, backend.schema, current)
+        if direction != "none":
+            text += migrations.offline_sql(backend.dialect_name, backend.schema, current, target, direction)
+        result.sql = text
+        result.message = "SQL printed; nothing was changed"
+        return result
+    if direction == "none" and not snap.legacy:
+        result.message = f"already at {target}; nothing to do"
+        return result
+    if dry_run:
+        result.message = "dry run: nothing was changed"
+        return result
+    _execute(ctx, result, pf.verdict, snap.legacy)
+    return result
+
+
+def _execute(ctx: Context, result: MigrateResult, verdict: object, legacy: bool) -> None:
+    backend = ctx.backend()
+    target, direction = result.to_revision, result.direction
+    with backend.writing("RIVET_STATE_MIGRATION_LOCKED") as conn:
+        tables = backend.table_names(conn)
+        now = conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).scalar() \
+            if schema.VERSION_TABLE in tables else None
+        if now is not None and now != (None if legacy else result.from_revision):
+            if now == target:
+                result.message = f"another migration brought the state to {target} meanwhile; nothing to do"
+                return
+            raise StateError("RIVET_STATE_MIGRATION_PENDING",
+                             f"the state moved to revision {now} while waiting; re-run to plan again")
+        before = row_counts(conn, tables - _WRITTEN_BY_MIGRATE)
+        with ctx.progress("backup") as update:
+            backup = backend.backup(conn, result.from_revision or "legacy", update)
+        result.backup = str(backup) if backup else None
+        if legacy:
+            migrations.stamp(conn, migrations.revisions()[0].id, backend.schema)
+        with ctx.progress(f"migrating to {target}") as update:
+            total = len(result.steps)
+            done = iter(range(1, total + 1))
+            update(0, total)
+            if direction != "none":
+                migrations.apply(conn, target, backend.schema, direction, lambda _rev: update(next(done), total))
+        after_tables = backend.table_names(conn)
+        if schema.identity.name in after_tables:
+            result.warnings = claim_identity(conn, ctx, verdict)  # type: ignore[arg-type]
+        if schema.audit.name in after_tables:
+            audit(conn, ctx, "migrate", {"from": result.from_revision, "to": target, "backup": result.backup})
+        problems = backend.integrity_problems(conn)
+        after = row_counts(conn, set(before) & after_tables)
+        changed = {t: (before[t], after[t]) for t in after if before[t] != after[t]}
+        if problems or changed:
+            raise StateError("RIVET_STATE_VERIFY_FAILED",
+                             f"after migrating to {target}: integrity {problems[:3] or 'ok'}, row counts changed "
+                             f"{changed or 'none'}; the transaction was rolled back")
+        result.verified_rows = after
+    result.applied = True
+    result.message = f"migrated from {result.from_revision} to {target}"

@@ -1,0 +1,203 @@
+"""Pre-flight: the ordered checks of SPEC §1-§4, read-only, reused by every command.
+
+``check`` reports every row; ``migrate``, ``init``, ``identity`` and ``exports`` run the
+same list and stop at the first failure, so a guard is written once and every write
+path passes through it. Nothing is written here: the state is read on a connection
+that creates no file (SQLite) or a read-only transaction (PostgreSQL).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from statetool.errors import REGISTRY, WARNINGS, StateError, StateWarning
+from statetool.identity import Verdict, identity_verdict
+from statetool.operations.context import Context
+from statetool.operations.probe import Snapshot, read_snapshot
+
+#: The checks in the order they run (SPEC §4): each id appears in ``check --json``.
+CHECK_IDS = ("location", "config", "state", "format", "integrity", "revision", "identity")
+
+#: Codes the ``format`` check stands for (the others come from the ``integrity`` row).
+_FORMAT_CODES = {"RIVET_STATE_NOT_A_STATE", "RIVET_STATE_MISSING"}
+
+
+@dataclass
+class Check:
+    """One pre-flight row: ``status`` is ``ok``, ``warn``, ``fail`` or ``skip``."""
+
+    id: str
+    status: str
+    message: str
+    code: str | None = None
+    error: StateError | None = field(default=None, repr=False)
+
+    @property
+    def action(self) -> str | None:
+        """The registered action of the row's code, if any."""
+        if self.code is None:
+            return None
+        return REGISTRY[self.code].action if self.code in REGISTRY else WARNINGS[self.code]
+
+    def as_dict(self) -> dict[str, object]:
+        """``{id, status, code, message, action}``."""
+        return {"id": self.id, "status": self.status, "code": self.code, "message": self.message,
+                "action": self.action}
+
+
+@dataclass
+class Preflight:
+    """The rows of one pre-flight, and what was learnt on the way."""
+
+    checks: list[Check] = field(default_factory=list)
+    snapshot: Snapshot | None = None
+    verdict: Verdict | None = None
+
+    def add(self, check_id: str, status: str, message: str, code: str | None = None) -> None:
+        self.checks.append(Check(check_id, status, message, code))
+
+    @property
+    def failures(self) -> list[Check]:
+        """The ``fail`` rows, in check order."""
+        return [c for c in self.checks if c.status == "fail"]
+
+    def skip_rest(self, reason: str) -> None:
+        done = {c.id for c in self.checks}
+        for check_id in CHECK_IDS:
+            if check_id not in done:
+                self.add(check_id, "skip", reason)
+
+    @property
+    def warnings(self) -> list[StateWarning]:
+        """The warning rows as registered warnings."""
+        return [StateWarning(c.code, c.message) for c in self.checks if c.status == "warn" and c.code]
+
+    def fail(self, err: StateError, check_id: str) -> None:
+        self.checks.append(Check(check_id, "fail", err.message, err.code, err))
+
+
+def identity_message(verdict: Verdict, where: str, for_write: bool) -> str:
+    """The sentence that explains an identity verdict (what happens, or would happen)."""
+    r, c = verdict.recorded, verdict.computed
+    record, adopt = ("recorded", "adopted") if for_write else ("a write would record", "a write would adopt")
+    return {
+        "skip": "the source URL is not known here, so no identity is compared or recorded",
+        "stamp": f"no identity recorded and no progress: {record} {c}",
+        "adopt": f"no identity recorded but the state has progress: {adopt} {c} as its source "
+                 f"(check that this state really belongs to {c})",
+        "ok": f"the state belongs to {c}",
+        "refuse": f"the state in {where} belongs to {r}, not to this config's source {c}",
+        "warn": f"the state beside the config belongs to {r}, not to this config's source {c}; "
+                "states beside configs are shared by several configs, so this goes on",
+        "report": f"the shared state records source {r}; this config's source is {c} (shared by design)",
+    }[verdict.action]
+
+
+def run_preflight(ctx: Context, *, for_write: bool = False) -> Preflight:
+    """Run every check in order on a read-only open. Never raises a :class:`StateError`:
+    failures become ``fail`` rows carrying their error.
+
+    ``for_write`` only changes wording (what happens vs what a write would do).
+    """
+    pf = Preflight()
+    try:
+        location = ctx.location
+    except StateError as err:
+        pf.fail(err, "location")
+        pf.skip_rest("no state location")
+        return pf
+    pf.add("location", "ok", f"{location.display} ({location.scope}, from {location.origin})")
+    try:
+        config = ctx.config
+        pf.add("config", "ok", f"{config.path}: {len(config.exports)} exports")
+    except StateError as err:
+        pf.fail(err, "config")
+    backend = ctx.backend()
+    try:
+        present = backend.present()
+    except StateError as err:
+        pf.fail(err, "state")
+        pf.skip_rest("state not reachable")
+        return pf
+    if not present:
+        pf.fail(StateError("RIVET_STATE_MISSING",
+                           f"no state at {location.display}: every export would start as a FIRST RUN"), "state")
+        pf.skip_rest("no state")
+        return pf
+    pf.add("state", "ok", f"found at {location.display}")
+    try:
+        with backend.reading() as conn:
+            snap = read_snapshot(backend, conn)
+    except StateError as err:
+        pf.fail(err, "format" if err.code in _FORMAT_CODES else "integrity")
+        pf.skip_rest("the state cannot be read")
+        return pf
+    pf.snapshot = snap
+    pf.add("format", "ok", "legacy rivet state (no version table)" if snap.legacy else "rivet state")
+    pf.add("integrity", "ok", "quick_check ok" if location.backend == "sqlite" else "server-managed")
+    _check_revision(pf, snap)
+    if snap.known:
+        _check_identity(pf, ctx, snap, for_write)
+    else:
+        pf.skip_rest("revision unknown to this release")
+    return pf
+
+
+def _check_revision(pf: Preflight, snap: Snapshot) -> None:
+    from statetool import migrations
+
+    if not snap.known:
+        pf.fail(StateError("RIVET_STATE_SCHEMA_NEWER",
+                           f"the state is at revision {snap.revision}, unknown to this release "
+                           f"(its newest is {migrations.head()}): written by a newer or another release"),
+                "revision")
+    elif snap.pending:
+        at = "legacy (0001 shape)" if snap.legacy else snap.revision
+        pf.fail(StateError("RIVET_STATE_MIGRATION_PENDING",
+                           f"the state is at {at}; head is {migrations.head()}; pending: {', '.join(snap.pending)}"),
+                "revision")
+    else:
+        pf.add("revision", "ok", f"at head ({snap.revision})")
+
+
+def _check_identity(pf: Preflight, ctx: Context, snap: Snapshot, for_write: bool) -> None:
+    try:
+        computed = ctx.computed_key
+    except StateError:
+        pf.add("identity", "skip", "config unreadable: no identity compared")
+        return
+    verdict = identity_verdict(snap.recorded_key, computed, ctx.location.scope, snap.has_progress)
+    pf.verdict = verdict
+    where = str(ctx.location.directory or ctx.location.display)
+    message = identity_message(verdict, where, for_write)
+    if verdict.action == "refuse":
+        pf.fail(StateError("RIVET_STATE_FOREIGN", message, {"directory": where, "recorded": verdict.recorded,
+                                                            "computed": computed}), "identity")
+    elif verdict.code in WARNINGS:
+        pf.add("identity", "warn", message, verdict.code)
+    elif verdict.action == "skip":
+        pf.add("identity", "skip", message)
+    else:
+        pf.add("identity", "ok", message)
+
+
+#: Failures a read command reports instead of refusing: the state can still be described.
+DESCRIBABLE = frozenset({"RIVET_STATE_MISSING", "RIVET_STATE_MIGRATION_PENDING", "RIVET_STATE_SCHEMA_NEWER",
+                         "RIVET_STATE_FOREIGN"})
+
+
+def raise_failures(pf: Preflight, *, allow: frozenset[str] = frozenset()) -> None:
+    """Raise the error of the first ``fail`` row whose code is not in ``allow``."""
+    for check in pf.failures:
+        if check.code not in allow and check.error is not None:
+            raise check.error
+
+
+def require(pf: Preflight, *, allow: frozenset[str] = frozenset()) -> Snapshot:
+    """Raise the first failure of ``pf`` whose code is not in ``allow``; return the snapshot.
+
+    Used by every write path: nothing is written before this returns.
+    """
+    raise_failures(pf, allow=allow)
+    assert pf.snapshot is not None
+    return pf.snapshot

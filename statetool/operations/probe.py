@@ -1,0 +1,159 @@
+"""Reading a state: its shape, revision, identity and per-export progress, read-only.
+
+Shared by every operation (info, check, migrate, exports): one reader, so every command
+sees a state the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from statetool import migrations, schema
+from statetool.backends.base import Backend
+from statetool.errors import StateError
+
+
+@dataclass
+class ExportProgress:
+    """What a state holds for one export. Times are ISO-8601 UTC text."""
+
+    name: str
+    mode: str | None = None
+    cursor: str | None = None
+    cursor_updated_at: str | None = None
+    runs_total: int = 0
+    runs_succeeded: int = 0
+    runs_failed: int = 0
+    last_run: dict[str, object] | None = None
+    chunks_total: int = 0
+    chunks_done: int = 0
+    ledger_rows: int = 0
+
+    @property
+    def has_progress(self) -> bool:
+        """SPEC §3 progress: a cursor, a finished run, a chunk checkpoint or a ledger row."""
+        return bool(self.cursor is not None or self.runs_succeeded or self.chunks_total or self.ledger_rows)
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON shape of the export's progress."""
+        return asdict(self)
+
+
+@dataclass
+class Snapshot:
+    """A state as read. ``revision`` is the version table's value, ``None`` for a legacy
+    state (whose shape is revision 0001); ``known`` says whether this release knows it."""
+
+    tables: frozenset[str]
+    legacy: bool
+    revision: str | None
+    known: bool
+    recorded_key: str | None = None
+    exports: dict[str, ExportProgress] = field(default_factory=dict)
+    integrity: list[str] = field(default_factory=list)
+
+    @property
+    def effective_revision(self) -> str | None:
+        """The revision whose shape the state has (``0001`` for a legacy state)."""
+        return migrations.revisions()[0].id if self.legacy else self.revision
+
+    @property
+    def pending(self) -> list[str]:
+        """Revisions between the state and head, oldest first (empty when unknown)."""
+        if not self.known:
+            return []
+        return [r.id for r in migrations.steps(self.effective_revision, migrations.head())[1]]
+
+    @property
+    def has_progress(self) -> bool:
+        """True when any export has progress (SPEC §3)."""
+        return any(e.has_progress for e in self.exports.values())
+
+
+def read_snapshot(backend: Backend, conn: Connection) -> Snapshot:
+    """Read the state on a read-only ``conn``.
+
+    Raises ``RIVET_STATE_NOT_A_STATE`` (no table of the state, or a shape of no release)
+    and ``RIVET_STATE_CORRUPT`` (``quick_check`` fails). A revision this release does not
+    know is returned with ``known=False`` and no progress read (its tables may differ).
+    """
+    where = backend.location.display
+    tables = frozenset(backend.table_names(conn))
+    ours = tables & schema.STATE_TABLES
+    if not tables:
+        raise StateError("RIVET_STATE_NOT_A_STATE", f"{where} is a database with no tables, not a rivet state")
+    if not ours:
+        sample = ", ".join(sorted(tables)[:5])
+        raise StateError("RIVET_STATE_NOT_A_STATE",
+                         f"{where} is a database of another application (tables: {sample}), not a rivet state")
+    problems = backend.integrity_problems(conn)
+    if problems:
+        raise StateError("RIVET_STATE_CORRUPT", f"{where} fails its integrity check: {'; '.join(problems[:3])}")
+    if schema.VERSION_TABLE in tables:
+        versions = [r[0] for r in conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).all()]
+        revision = versions[0] if len(versions) == 1 else ",".join(versions) or None
+        legacy = False
+    elif schema.LEGACY_TABLES <= tables:
+        revision, legacy = None, True
+    else:
+        raise StateError("RIVET_STATE_NOT_A_STATE",
+                         f"{where} has some rivet tables ({', '.join(sorted(ours))}) but neither a version "
+                         "table nor the shape of any release")
+    try:
+        migrations.index_of(revision if not legacy else migrations.revisions()[0].id)
+        known = revision is not None or legacy
+    except KeyError:
+        known = False
+    snap = Snapshot(tables, legacy, revision, known)
+    if known:
+        snap.exports = _read_exports(conn, tables)
+        if schema.identity.name in tables:
+            snap.recorded_key = conn.execute(sa.select(schema.identity.c.state_key)).scalar() or None
+    return snap
+
+
+def _read_exports(conn: Connection, tables: frozenset[str]) -> dict[str, ExportProgress]:
+    out: dict[str, ExportProgress] = {}
+
+    def get(name: str) -> ExportProgress:
+        return out.setdefault(name, ExportProgress(name))
+
+    e, r, c = schema.exports, schema.runs, schema.chunks
+    for row in conn.execute(sa.select(e.c.export_name, e.c.mode, e.c.cursor_value, e.c.cursor_updated_at)):
+        p = get(row.export_name)
+        p.mode, p.cursor, p.cursor_updated_at = row.mode, row.cursor_value, row.cursor_updated_at
+    counts = sa.select(
+        r.c.export_name,
+        sa.func.count(),
+        sa.func.sum(sa.case((r.c.status == "succeeded", 1), else_=0)),
+        sa.func.sum(sa.case((r.c.status == "failed", 1), else_=0)),
+        sa.func.max(r.c.started_at),
+    ).group_by(r.c.export_name)
+    for name, total, ok, failed, last_started in conn.execute(counts):
+        p = get(name)
+        p.runs_total, p.runs_succeeded, p.runs_failed = int(total), int(ok or 0), int(failed or 0)
+        last = conn.execute(
+            sa.select(r.c.run_id, r.c.mode, r.c.status, r.c.started_at, r.c.finished_at, r.c.rows, r.c.files, r.c.error)
+            .where(r.c.export_name == name, r.c.started_at == last_started).order_by(r.c.run_id.desc()).limit(1)
+        ).first()
+        if last is not None:
+            p.last_run = dict(last._mapping)
+            p.mode = p.mode or last.mode
+    chunk_counts = sa.select(c.c.export_name, sa.func.count(),
+                             sa.func.sum(sa.case((c.c.status == "done", 1), else_=0))).group_by(c.c.export_name)
+    for name, total, done in conn.execute(chunk_counts):
+        p = get(name)
+        p.chunks_total, p.chunks_done = int(total), int(done or 0)
+    if schema.load_ledger.name in tables:
+        ledger = schema.load_ledger
+        for name, total in conn.execute(sa.select(ledger.c.export_name, sa.func.count()).group_by(ledger.c.export_name)):
+            get(name).ledger_rows = int(total)
+    return out
+
+
+def row_counts(conn: Connection, tables: set[str] | frozenset[str]) -> dict[str, int]:
+    """``{table: rows}`` for the given tables, counted on ``conn``."""
+    return {t: int(conn.execute(sa.text(f'SELECT count(*) FROM "{t}"')).scalar() or 0) for t in sorted(tables)}

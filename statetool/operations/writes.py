@@ -1,0 +1,96 @@
+"""What every write does besides its own change: claim the identity, write the audit row,
+back up first (SQLite). One place, so no write path can forget a step."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from statetool import migrations, schema
+from statetool.errors import StateError, StateWarning
+from statetool.identity import Verdict
+from statetool.operations.context import Context
+from statetool.operations.preflight import identity_message, require, run_preflight
+from statetool.operations.probe import Snapshot
+
+
+def now_iso() -> str:
+    """The current UTC time as ISO-8601 text with microseconds and a ``Z``."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def audit(conn: Connection, ctx: Context, action: str, detail: dict[str, object]) -> None:
+    """Append one row to ``rivet_audit``: who (user@host), when, which command, what."""
+    conn.execute(sa.insert(schema.audit).values(
+        at=now_iso(), actor=ctx.actor, command=ctx.command, action=action,
+        detail=json.dumps(detail, sort_keys=True, default=str),
+    ))
+
+
+def record_identity(conn: Connection, ctx: Context, key: str, action: str, old: str | None = None,
+                    reason: str = "") -> None:
+    """Write ``key`` as the state's identity (insert or replace the single row) and audit it."""
+    conn.execute(sa.delete(schema.identity))
+    conn.execute(sa.insert(schema.identity).values(id=1, state_key=key, recorded_at=now_iso(), recorded_by=ctx.actor))
+    audit(conn, ctx, f"identity.{action}", {"old": old, "new": key, "reason": reason or None})
+
+
+def claim_identity(conn: Connection, ctx: Context, verdict: Verdict | None) -> list[StateWarning]:
+    """Apply a write's identity verdict (SPEC §3): stamp or adopt the computed key.
+
+    Returns the warnings the claim gives (``RIVET_STATE_IDENTITY_ADOPTED``,
+    ``RIVET_STATE_FOREIGN_BESIDE_CONFIG``). A ``refuse`` verdict never reaches here: the
+    pre-flight raised ``RIVET_STATE_FOREIGN`` first.
+    """
+    if verdict is None:
+        return []
+    where = str(ctx.location.directory or ctx.location.display)
+    if verdict.writes:
+        record_identity(conn, ctx, verdict.computed, verdict.action)
+    if verdict.code in ("RIVET_STATE_IDENTITY_ADOPTED", "RIVET_STATE_FOREIGN_BESIDE_CONFIG"):
+        return [StateWarning(verdict.code, identity_message(verdict, where, for_write=True))]
+    return []
+
+
+@dataclass
+class WriteSession:
+    """An open writing transaction at head, with the pre-flight it passed."""
+
+    conn: Connection
+    snapshot: Snapshot
+    backup: Path | None
+    warnings: list[StateWarning] = field(default_factory=list)
+
+
+@contextmanager
+def head_write(ctx: Context, *, backup_label: str | None, lock_code: str = "RIVET_STATE_LOCK_TIMEOUT",
+               claim: bool = True, allow: frozenset[str] = frozenset()) -> Iterator[WriteSession]:
+    """Pre-flight, then one writing transaction on a state at head.
+
+    Raises every pre-flight failure (a state with pending revisions:
+    ``RIVET_STATE_MIGRATION_PENDING``) before anything is written. With ``backup_label``,
+    a SQLite state is backed up (verified) inside the write lock before the change.
+    With ``claim``, the identity verdict is applied in the same transaction. ``allow``
+    lists pre-flight codes this write may pass (rekey passes ``RIVET_STATE_FOREIGN``).
+    """
+    pf = run_preflight(ctx, for_write=True)
+    snap = require(pf, allow=allow)
+    backend = ctx.backend()
+    with backend.writing(lock_code) as conn:
+        current = conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).scalar()
+        if current != migrations.head():
+            raise StateError("RIVET_STATE_MIGRATION_PENDING",
+                             f"the state changed to revision {current} while waiting; re-run")
+        backup = None
+        if backup_label:
+            with ctx.progress("backup") as update:
+                backup = backend.backup(conn, backup_label, update)
+        warnings = claim_identity(conn, ctx, pf.verdict) if claim else []
+        yield WriteSession(conn, snap, backup, warnings)

@@ -1,0 +1,176 @@
+"""Turning results into what people read (rich tables) and what machines read (JSON).
+
+Human output goes to stdout; warnings, errors and progress go to stderr, so stdout stays
+one JSON document under ``--json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from statetool.errors import StateError, error_object
+
+out = Console(highlight=False, soft_wrap=False)
+err = Console(stderr=True, highlight=False)
+
+
+def print_json(doc: Any) -> None:
+    """One JSON document on stdout."""
+    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def print_error(error: StateError, as_json: bool) -> None:
+    """``Error: …`` and ``Try: …`` on stderr, or the one-line error object (SPEC §7)."""
+    if as_json:
+        sys.stderr.write(json.dumps(error_object(error)) + "\n")
+        return
+    err.print(f"[bold red]Error[/] [{error.code}]: {error.message}", markup=True, highlight=False)
+    err.print(f"Try: {error.entry.action}", markup=False)
+
+
+def print_warnings(warnings: list[dict[str, str]]) -> None:
+    """Each warning on stderr: ``Warning [CODE]: message`` and its action."""
+    for w in warnings:
+        err.print(f"[yellow]Warning[/] [{w['code']}]: {w['message']}", markup=True)
+        err.print(f"  Try: {w['action']}", markup=False)
+
+
+@contextlib.contextmanager
+def rich_progress(description: str) -> Iterator[Callable[[int, int], None]]:
+    """A rich progress bar on stderr (the CLI uses it only on a terminal, without ``--json``)."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total or None)
+
+        yield update
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def _kv(title: str, rows: list[tuple[str, Any]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for key, value in rows:
+        table.add_row(key, _fmt(value))
+    return table
+
+
+def info(doc: dict[str, Any]) -> None:
+    """``statetool info`` for people."""
+    loc, rev, ident = doc["location"], doc["revision"], doc["identity"]
+    out.print(_kv("State", [("location", loc["display"]), ("backend", loc["backend"]),
+                            ("scope", loc["scope"]), ("set by", loc["origin"])]))
+    pending = ", ".join(rev["pending"]) or "none"
+    current = "legacy (no version table)" if rev["legacy"] else rev["current"]
+    out.print(_kv("Revision", [("current", current), ("head", rev["head"]), ("pending", pending),
+                               ("status", rev["status"])]))
+    out.print(_kv("Identity", [("recorded", ident["recorded"]), ("computed", ident["computed"] or "(unknown)"),
+                               ("verdict", ident["verdict"]), ("", ident["message"])]))
+    exports(doc["exports"])
+    print_warnings(doc["warnings"])
+
+
+def exports(rows: list[dict[str, Any]]) -> None:
+    """The per-export progress table."""
+    table = Table(title="Exports", title_justify="left")
+    for col in ("export", "mode", "cursor", "last run", "status", "runs (ok/failed)", "chunks"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        last = row.get("last_run") or {}
+        name = row["name"] + ("" if row.get("in_config", True) else " (not in config)")
+        chunks = f"{row['chunks_done']}/{row['chunks_total']}" if row["chunks_total"] else "-"
+        table.add_row(name, _fmt(row.get("mode")), _fmt(row.get("cursor")), _fmt(last.get("started_at")),
+                      _fmt(last.get("status")), f"{row['runs_total']} ({row['runs_succeeded']}/{row['runs_failed']})",
+                      chunks)
+    out.print(table)
+
+
+def export_detail(doc: dict[str, Any]) -> None:
+    """``statetool exports show`` for people."""
+    exports([doc["export"]])
+    table = Table(title="Recent runs", title_justify="left")
+    for col in ("run id", "status", "started", "finished", "rows", "files", "error"):
+        table.add_column(col, overflow="fold")
+    for run in doc["recent_runs"]:
+        table.add_row(run["run_id"], run["status"], run["started_at"], _fmt(run["finished_at"]), _fmt(run["rows"]),
+                      _fmt(run["files"]), _fmt(run["error"]))
+    out.print(table)
+
+
+_STATUS_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+
+
+def check(doc: dict[str, Any]) -> None:
+    """``statetool check`` for people: one row per check."""
+    table = Table(title="Pre-flight", title_justify="left")
+    for col in ("check", "status", "code", "message"):
+        table.add_column(col, overflow="fold")
+    for row in doc["checks"]:
+        style = _STATUS_STYLE[row["status"]]
+        table.add_row(row["id"], f"[{style}]{row['status']}[/]", _fmt(row["code"]), row["message"])
+    out.print(table)
+    failing = [r for r in doc["checks"] if r["status"] in ("fail", "warn") and r["action"]]
+    for row in failing:
+        out.print(f"Try ({row['id']}): {row['action']}", markup=False)
+    out.print("[green]ok[/]" if doc["ok"] else "[bold red]not ok[/]")
+
+
+def migrate(doc: dict[str, Any]) -> None:
+    """``statetool migrate`` for people: the plan, then what was done."""
+    if doc.get("sql"):
+        sys.stdout.write(doc["sql"])
+        return
+    table = Table(title=f"Plan: {doc['from_revision']} -> {doc['to_revision']} ({doc['direction']})",
+                  title_justify="left")
+    for col in ("revision", "description", "rebuilds (rows)", "drops (rows)"):
+        table.add_column(col, overflow="fold")
+    for step in doc["steps"]:
+        table.add_row(step["id"], step["description"],
+                      ", ".join(f"{t} ({n})" for t, n in step["rebuilds"].items()) or "-",
+                      ", ".join(f"{t} ({n})" for t, n in step["loses"].items()) or "-")
+    out.print(table)
+    if doc.get("backup"):
+        out.print(f"backup: {doc['backup']}", markup=False)
+    if doc.get("verified_rows"):
+        out.print("verified: quick_check ok, row counts equal (" +
+                  ", ".join(f"{t} {n}" for t, n in doc["verified_rows"].items()) + ")", markup=False)
+    out.print(doc["message"], markup=False)
+    print_warnings(doc.get("warnings", []))
+
+
+def revisions(doc: dict[str, Any]) -> None:
+    """``statetool revisions`` for people."""
+    table = Table(title="Revisions (oldest first)", title_justify="left")
+    for col in ("revision", "description", "applied"):
+        table.add_column(col)
+    for row in doc["revisions"]:
+        table.add_row(row["id"], row["description"], _fmt(row["applied"]))
+    out.print(table)
+
+
+def key_values(title: str, doc: dict[str, Any]) -> None:
+    """A flat result (init, identity, exports changes) as a two-column table."""
+    out.print(_kv(title, [(k, v) for k, v in doc.items() if k != "warnings" and not isinstance(v, dict)]))
+    for key, value in doc.items():
+        if isinstance(value, dict) and value:
+            out.print(_kv(f"{title}: {key}", list(value.items())))
+    print_warnings(doc.get("warnings", []))
