@@ -38,8 +38,8 @@ class Location:
     ``"declared_dir"`` or ``"shared"`` (the identity rules of SPEC §3 depend on it);
     ``origin`` says where the setting came from: ``"default"``, ``"env"`` or ``"flag"``.
     SQLite locations carry ``directory`` and ``path`` (absolute); PostgreSQL locations
-    carry ``url`` (driver URL, ``?schema`` stripped, password included: never print it)
-    and ``schema``.
+    carry ``url`` (``postgresql://…`` with ``?schema`` stripped and the password kept:
+    print only :attr:`display`) and ``schema``.
     """
 
     backend: str
@@ -149,5 +149,5 @@ def _postgres(raw: str, origin: str) -> Location:
                          f"schema '{schema}' in {raw} is not a plain SQL identifier (letters, digits, _)",
                          {"value": raw})
     rest = urlencode([(k, v) for k, v in query if k != "schema"])
-    url = urlunsplit(("postgresql+psycopg", parts.netloc, parts.path, rest, parts.fragment))
+    url = urlunsplit(("postgresql", parts.netloc, parts.path, rest, parts.fragment))
     return Location("postgres", "shared", origin, url=url, schema=schema)

@@ -18,7 +18,7 @@ MASK = "***"
 
 _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*:/+[^:/?#@\s]*:)(?P<pw>\S*)(?P<at>@)")
 _KV_PASSWORD = re.compile(r"(?i)(?P<head>\b(?:password|passwd|pwd|pass)\s*=\s*)(?P<pw>'[^']*'|\"[^\"]*\"|[^\s&;]+)")
-_LOOSE_USERINFO = re.compile(r"[^\s:/@]*:(?P<pw>[^\s@]+)@")
+_LOOSE_USERINFO = re.compile(r"[^\s:/@]*:(?P<pw>[^\s@/][^\s@]*)@")
 
 _secrets: set[str] = set()
 

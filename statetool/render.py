@@ -151,7 +151,7 @@ def migrate(doc: dict[str, Any]) -> None:
     if doc.get("backup"):
         out.print(f"backup: {doc['backup']}", markup=False)
     if doc.get("verified_rows"):
-        out.print("verified: quick_check ok, row counts equal (" +
+        out.print("verified: integrity ok, row counts equal (" +
                   ", ".join(f"{t} {n}" for t, n in doc["verified_rows"].items()) + ")", markup=False)
     out.print(doc["message"], markup=False)
     print_warnings(doc.get("warnings", []))

@@ -29,7 +29,7 @@ DOWNGRADE_LOSES: dict[str, str | None] = {
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("rivet_runs", recreate="always") as batch:
+    with op.batch_alter_table("rivet_runs", recreate="auto") as batch:
         batch.alter_column("rows", type_=sa.BigInteger, existing_nullable=False, existing_server_default="0")
         batch.alter_column("files", type_=sa.BigInteger, existing_nullable=False, existing_server_default="0")
         batch.add_column(sa.Column("bytes_read", sa.BigInteger, nullable=False, server_default="0"))
@@ -74,7 +74,7 @@ def downgrade() -> None:
     op.drop_table("rivet_load_ledger")
     op.drop_table("rivet_run_aggregates")
     op.drop_index("ix_rivet_runs_export_started", "rivet_runs")
-    with op.batch_alter_table("rivet_runs", recreate="always") as batch:
+    with op.batch_alter_table("rivet_runs", recreate="auto") as batch:
         batch.drop_column("error_code")
         batch.drop_column("duration_ms")
         batch.drop_column("bytes_read")

@@ -42,7 +42,8 @@ class PostgresBackend:
         options = f"-c search_path={self.schema}"
         if read_only:
             options += " -c default_transaction_read_only=on"
-        return sa.create_engine(self.location.url, poolclass=NullPool,
+        url = "postgresql+psycopg://" + self.location.url.split("://", 1)[1]
+        return sa.create_engine(url, poolclass=NullPool,
                                 connect_args={"options": options, "connect_timeout": 10})
 
     def _translate(self, err: sa.exc.DBAPIError) -> StateError:
