@@ -24,12 +24,14 @@ GLOBAL_OPTIONS: dict[str, bool] = {
     "--json": False, "--json-errors": False, "--debug": False, "--version": False,
 }
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Inspect, guard and migrate the state of rivet pipelines (SQLite or PostgreSQL).")
-identity_app = typer.Typer(no_args_is_help=True, help="Read, adopt or deliberately re-key the state's identity.")
-exports_app = typer.Typer(no_args_is_help=True, help="Progress per export; deliberate cursor changes and resets.")
+identity_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Read, adopt or deliberately re-key the state's identity.")
+exports_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Progress per export; deliberate cursor changes and resets.")
+leases_app = typer.Typer(rich_markup_mode=None, help="Who holds which lease; release a stale one; run under a lease.")
 app.add_typer(identity_app, name="identity")
 app.add_typer(exports_app, name="exports")
+app.add_typer(leases_app, name="leases")
 
 
 @dataclass
@@ -53,7 +55,8 @@ class Globals:
             from statetool.render import rich_progress
 
             progress = rich_progress
-        return Context(self.config, self.state_url, dict(os.environ), self.lock_wait, self.command, progress)
+        return Context(self.config, self.state_url, dict(os.environ), self.lock_wait, self.command, progress,
+                       log=lambda message: sys.stderr.write(f"statetool: {message}\n"))
 
 
 def _version(value: bool) -> None:
@@ -77,7 +80,7 @@ def main_options(
 ) -> None:
     """Inspect, guard and migrate the state of rivet pipelines (SQLite or PostgreSQL)."""
     ctx.obj = Globals(config, state_url, json_out, json_errors, lock_wait, debug,
-                      f"statetool {ctx.invoked_subcommand or ''}".strip())
+                      " ".join(["statetool", *sys.argv[1:]]))
 
 
 def _g(ctx: typer.Context) -> Globals:
@@ -106,7 +109,7 @@ def info(ctx: typer.Context) -> None:
 @app.command()
 def check(ctx: typer.Context,
           strict: Annotated[bool, typer.Option("--strict", help="Fail on warnings too (exit 5).")] = False) -> None:
-    """CI pre-flight: every check of SPEC §1-4, read-only; exit code = worst failing class."""
+    """CI pre-flight: every check, read-only; the exit code is the worst failing class."""
     from statetool import render
     from statetool.operations.check import check as op
 
@@ -231,6 +234,50 @@ def exports_reset(ctx: typer.Context, name: Annotated[str, typer.Argument(help="
     _emit(g, reset(g.context(), name).as_dict(), lambda d: render.key_values("Export", d))
 
 
+@leases_app.callback(invoke_without_command=True)
+def leases_default(ctx: typer.Context) -> None:
+    """Every lease: key, export, state (live, stale, free), holder, acquired, heartbeat, TTL."""
+    if ctx.invoked_subcommand is None:
+        leases_list(ctx)
+
+
+@leases_app.command("list")
+def leases_list(ctx: typer.Context) -> None:
+    """Every lease, read without taking any lock."""
+    from statetool import render
+    from statetool.operations.leases import list_leases
+
+    g = _g(ctx)
+    _emit(g, list_leases(g.context()).as_dict(), render.leases)
+
+
+@leases_app.command("release")
+def leases_release(
+    ctx: typer.Context,
+    key: Annotated[str, typer.Argument(help="Lease key, e.g. chunk-run:orders.")],
+    reason: Annotated[str, typer.Option("--reason", help="Why, for the audit row.")] = "",
+) -> None:
+    """Release a STALE lease (audited); a live holder is refused."""
+    from statetool import render
+    from statetool.operations.leases import release
+
+    g = _g(ctx)
+    _emit(g, release(g.context(), key, reason), lambda d: render.key_values("Released", d))
+
+
+@leases_app.command("run", context_settings={"allow_interspersed_args": False})
+def leases_run(
+    ctx: typer.Context,
+    export: Annotated[str, typer.Option("--export", help="The export whose run lease to hold.")],
+    command: Annotated[list[str] | None, typer.Argument(help="The command, after --.", show_default=False)] = None,
+) -> None:
+    """Hold an export's run lease for the whole life of a command (like flock(1))."""
+    from statetool.operations.leases import run_under_lease
+
+    g = _g(ctx)
+    raise typer.Exit(run_under_lease(g.context(), export, command or []))
+
+
 def hoist_globals(argv: list[str]) -> list[str]:
     """Move global options (and their values) in front of the command name, so
     ``statetool info --json`` means ``statetool --json info``. Stops at ``--``."""
@@ -253,6 +300,14 @@ def hoist_globals(argv: list[str]) -> list[str]:
     return front + rest
 
 
+def _print_traceback() -> None:
+    import traceback
+
+    from statetool.redact import redact_text
+
+    sys.stderr.write(redact_text(traceback.format_exc()))
+
+
 def _fail(error: StateError, json_errors: bool) -> NoReturn:
     from statetool.render import print_error
 
@@ -268,9 +323,7 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=args, prog_name="statetool", standalone_mode=False)
     except StateError as error:
         if debug:
-            import traceback
-
-            traceback.print_exc()
+            _print_traceback()
         _fail(error, json_errors)
     except typer.Exit as done:
         raise SystemExit(done.exit_code) from None
@@ -280,8 +333,6 @@ def main(argv: list[str] | None = None) -> None:
         if callable(getattr(exc, "format_message", None)):  # the argument parser's usage errors
             _fail(StateError("RIVET_CLI_USAGE", exc.format_message()), json_errors)
         if debug:
-            import traceback
-
-            traceback.print_exc()
+            _print_traceback()
         _fail(internal_error(exc), json_errors)
     raise SystemExit(code if isinstance(code, int) else 0)

@@ -86,6 +86,8 @@ def info(doc: dict[str, Any]) -> None:
     out.print(_kv("Identity", [("recorded", ident["recorded"]), ("computed", ident["computed"] or "(unknown)"),
                                ("verdict", ident["verdict"]), ("", ident["message"])]))
     exports(doc["exports"])
+    if doc.get("leases"):
+        leases({"leases": doc["leases"]})
     print_warnings(doc["warnings"])
 
 
@@ -155,6 +157,21 @@ def migrate(doc: dict[str, Any]) -> None:
                   ", ".join(f"{t} {n}" for t, n in doc["verified_rows"].items()) + ")", markup=False)
     out.print(doc["message"], markup=False)
     print_warnings(doc.get("warnings", []))
+
+
+def leases(doc: dict[str, Any]) -> None:
+    """``statetool leases`` for people."""
+    table = Table(title="Leases", title_justify="left")
+    for col in ("key", "state", "pid", "host", "user", "acquired", "heartbeat age (s)", "TTL left (s)", "command"):
+        table.add_column(col, overflow="fold")
+    for row in doc["leases"]:
+        style = {"live": "bold", "stale": "yellow", "free": "dim"}[row["state"]]
+        table.add_row(row["key"], f"[{style}]{row['state']}[/]", _fmt(row["holder_pid"]), _fmt(row["host"]),
+                      _fmt(row["user"]), _fmt(row["acquired_at"]), _fmt(row["heartbeat_age"]), _fmt(row["ttl_left"]),
+                      _fmt(row["command"]))
+    out.print(table)
+    if not doc["leases"]:
+        out.print("no lease has ever been taken on this state")
 
 
 def revisions(doc: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -21,6 +21,9 @@ from sqlalchemy.pool import NullPool
 from statetool.backends.base import Progress
 from statetool.errors import StateError
 from statetool.location import Location
+
+if TYPE_CHECKING:
+    from statetool.backends.postgres_leases import RowLeases
 
 #: SQLSTATEs of a refused login (invalid_password, invalid_authorization_specification).
 _AUTH_STATES = {"28P01", "28000"}
@@ -38,13 +41,14 @@ class PostgresBackend:
         self.schema: str = location.schema
         self.lock_wait = lock_wait
 
-    def _engine(self, read_only: bool) -> sa.Engine:
+    def _engine(self, read_only: bool, autocommit: bool = False) -> sa.Engine:
         options = f"-c search_path={self.schema}"
         if read_only:
             options += " -c default_transaction_read_only=on"
         url = "postgresql+psycopg://" + self.location.url.split("://", 1)[1]
-        return sa.create_engine(url, poolclass=NullPool,
-                                connect_args={"options": options, "connect_timeout": 10})
+        extra = {"isolation_level": "AUTOCOMMIT"} if autocommit else {}
+        return sa.create_engine(url, poolclass=NullPool, connect_args={"options": options, "connect_timeout": 10},
+                                **extra)
 
     def _translate(self, err: sa.exc.DBAPIError) -> StateError:
         orig: Any = err.orig
@@ -118,3 +122,8 @@ class PostgresBackend:
 
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> None:
         return None
+
+    def leases(self) -> RowLeases:
+        from statetool.backends.postgres_leases import RowLeases
+
+        return RowLeases(self._engine(read_only=False, autocommit=True))

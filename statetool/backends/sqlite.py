@@ -30,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -39,6 +40,9 @@ from statetool.backends.base import Progress
 from statetool.backends.proclocks import lock_holders
 from statetool.errors import StateError
 from statetool.location import Location
+
+if TYPE_CHECKING:
+    from statetool.backends.sqlite_leases import FlockLeases
 
 MAGIC = b"SQLite format 3\x00"
 
@@ -280,3 +284,8 @@ class SqliteBackend:
         os.replace(tmp, final)
         fsync_dir(final.parent)
         return final
+
+    def leases(self) -> FlockLeases:
+        from statetool.backends.sqlite_leases import FlockLeases
+
+        return FlockLeases(self.path.parent)

@@ -44,6 +44,8 @@ class Context:
     lock_wait: float = 600.0
     command: str = "statetool"
     progress: ProgressFactory = no_progress
+    #: Where progress messages go (waiting for a lease, ...): silent by default.
+    log: Callable[[str], None] = field(default=lambda _message: None)
 
     @cached_property
     def location(self) -> Location:

@@ -1,7 +1,8 @@
 """``statetool exports set-cursor | reset``: deliberate changes to one export's progress.
 
-Each passes the whole pre-flight, backs a SQLite state up first (verified), writes an
-audit row with what was there before, and says what the next run will do.
+Each holds the export's run lease (``chunk-run:<export>``, waited on up to
+``--lock-wait``), passes the whole pre-flight, backs a SQLite state up first (verified),
+writes an audit row with what was there before, and says what the next run will do.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sqlalchemy as sa
 from statetool import schema
 from statetool.errors import StateError, StateWarning
 from statetool.operations.context import Context
+from statetool.operations.leases import run_lease_key
 from statetool.operations.writes import WriteSession, audit, head_write, now_iso
 
 
@@ -47,7 +49,7 @@ def set_cursor(ctx: Context, name: str, value: str) -> ExportChange:
     Raises ``RIVET_EXPORT_UNKNOWN`` and every pre-flight code; nothing is written then.
     """
     e = schema.exports
-    with head_write(ctx, backup_label=f"set-cursor-{name}") as session:
+    with head_write(ctx, backup_label=f"set-cursor-{name}", lease_key=run_lease_key(name)) as session:
         mode = _known(ctx, session, name)
         conn = session.conn
         old = conn.execute(sa.select(e.c.cursor_value).where(e.c.export_name == name)).scalar()
@@ -70,7 +72,7 @@ def reset(ctx: Context, name: str) -> ExportChange:
     from). Raises ``RIVET_EXPORT_UNKNOWN`` and every pre-flight code.
     """
     e, c = schema.exports, schema.chunks
-    with head_write(ctx, backup_label=f"reset-{name}") as session:
+    with head_write(ctx, backup_label=f"reset-{name}", lease_key=run_lease_key(name)) as session:
         _known(ctx, session, name)
         conn = session.conn
         old = conn.execute(sa.select(e.c.cursor_value).where(e.c.export_name == name)).scalar()

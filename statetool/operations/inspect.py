@@ -22,11 +22,13 @@ class InfoResult:
     identity: dict[str, object]
     exports: list[dict[str, object]]
     warnings: list[dict[str, str]]
+    leases: list[dict[str, object]]
 
     def as_dict(self) -> dict[str, object]:
-        """``{location, revision, identity, exports, warnings}``."""
+        """``{location, revision, identity, exports, warnings, leases}`` (the first five
+        never change; later keys are only ever added)."""
         return {"location": self.location, "revision": self.revision, "identity": self.identity,
-                "exports": self.exports, "warnings": self.warnings}
+                "exports": self.exports, "warnings": self.warnings, "leases": self.leases}
 
 
 def _revision_doc(snap: Snapshot | None) -> dict[str, object]:
@@ -72,8 +74,12 @@ def info(ctx: Context) -> InfoResult:
         "message": identity_message(verdict, str(ctx.location.directory or ctx.location.display), False)
         if verdict else "no state: nothing recorded",
     }
+    from statetool.operations.leases import list_leases
+
     warnings = [w.as_dict() for w in pf.warnings]
-    return InfoResult(ctx.location.as_dict(), _revision_doc(snap), identity, _export_rows(ctx, snap), warnings)
+    leases = list_leases(ctx).leases if snap is not None and snap.known else []
+    return InfoResult(ctx.location.as_dict(), _revision_doc(snap), identity, _export_rows(ctx, snap), warnings,
+                      leases)
 
 
 @dataclass

@@ -85,6 +85,7 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     never creates one, ``statetool init`` does), ``RIVET_STATE_REVISION_UNKNOWN``,
     ``RIVET_STATE_DATA_LOSS`` (a downgrade that drops rows, without
     ``allow_data_loss``), ``RIVET_STATE_SQL_UNSUPPORTED`` (``sql`` on SQLite),
+    ``RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN`` (a live lease past ``--lock-wait``),
     ``RIVET_STATE_MIGRATION_LOCKED`` (another writer past ``--lock-wait``) and
     ``RIVET_STATE_VERIFY_FAILED`` (rolled back). ``dry_run`` and ``sql`` write nothing.
     """
@@ -124,6 +125,9 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     if dry_run:
         result.message = "dry run: nothing was changed"
         return result
+    from statetool.operations.leases import wait_until_no_live_lease
+
+    wait_until_no_live_lease(ctx)
     _execute(ctx, result, pf.verdict, snap.legacy)
     return result
 

@@ -16,7 +16,7 @@ from statetool.operations.context import Context
 from statetool.operations.probe import Snapshot, read_snapshot
 
 #: The checks in the order they run (SPEC §4): each id appears in ``check --json``.
-CHECK_IDS = ("location", "config", "state", "format", "integrity", "revision", "identity")
+CHECK_IDS = ("location", "config", "state", "format", "integrity", "revision", "identity", "leases")
 
 #: Codes the ``format`` check stands for (the others come from the ``integrity`` row).
 _FORMAT_CODES = {"RIVET_STATE_NOT_A_STATE", "RIVET_STATE_MISSING"}
@@ -138,9 +138,26 @@ def run_preflight(ctx: Context, *, for_write: bool = False) -> Preflight:
     _check_revision(pf, snap)
     if snap.known:
         _check_identity(pf, ctx, snap, for_write)
+        _check_leases(pf, ctx)
     else:
         pf.skip_rest("revision unknown to this release")
     return pf
+
+
+def _check_leases(pf: Preflight, ctx: Context) -> None:
+    """Report live leases (SPEC §4 check 6). Only a migration refuses beside one
+    (``RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN``); other writes take their export's lease."""
+    from statetool.operations.leases import live_holders
+
+    try:
+        holders = live_holders(ctx)
+    except StateError as err:
+        pf.add("leases", "skip", f"leases not readable: {err.message}")
+        return
+    if holders:
+        pf.add("leases", "ok", f"{len(holders)} live: {'; '.join(holders)} (a migration would wait for them)")
+    else:
+        pf.add("leases", "ok", "no live lease")
 
 
 def _check_revision(pf: Preflight, snap: Snapshot) -> None:

@@ -3,6 +3,7 @@ back up first (SQLite). One place, so no write path can forget a step."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -71,7 +72,8 @@ class WriteSession:
 
 @contextmanager
 def head_write(ctx: Context, *, backup_label: str | None, lock_code: str = "RIVET_STATE_LOCK_TIMEOUT",
-               claim: bool = True, allow: frozenset[str] = frozenset()) -> Iterator[WriteSession]:
+               claim: bool = True, allow: frozenset[str] = frozenset(),
+               lease_key: str | None = None) -> Iterator[WriteSession]:
     """Pre-flight, then one writing transaction on a state at head.
 
     Raises every pre-flight failure (a state with pending revisions:
@@ -79,11 +81,18 @@ def head_write(ctx: Context, *, backup_label: str | None, lock_code: str = "RIVE
     a SQLite state is backed up (verified) inside the write lock before the change.
     With ``claim``, the identity verdict is applied in the same transaction. ``allow``
     lists pre-flight codes this write may pass (rekey passes ``RIVET_STATE_FOREIGN``).
+    With ``lease_key``, that lease is held (waited on up to ``--lock-wait``) from after
+    the pre-flight until the transaction ends.
     """
     pf = run_preflight(ctx, for_write=True)
     snap = require(pf, allow=allow)
     backend = ctx.backend()
-    with backend.writing(lock_code) as conn:
+    with contextlib.ExitStack() as stack:
+        if lease_key is not None:
+            from statetool.operations.leases import holding
+
+            stack.enter_context(holding(ctx, lease_key, ctx.command))
+        conn = stack.enter_context(backend.writing(lock_code))
         current = conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).scalar()
         if current != migrations.head():
             raise StateError("RIVET_STATE_MIGRATION_PENDING",
