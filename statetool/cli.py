@@ -116,6 +116,8 @@ def check(ctx: typer.Context,
     g = _g(ctx)
     result = op(g.context(), strict=strict)
     _emit(g, result.as_dict(), render.check)
+    if result.worst is not None and g.json_errors:
+        render.print_check_failure(result.worst)
     if result.exit_code:
         raise typer.Exit(result.exit_code)
 

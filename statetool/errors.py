@@ -236,6 +236,15 @@ def error_object(err: StateError) -> dict[str, Any]:
     }
 
 
+def warning_object(warning: StateWarning) -> dict[str, Any]:
+    """The error object of a warning that ``check --strict`` failed: class refusal (5)."""
+    return {
+        "error": warning.message, "exit_class": EXIT_CODES["refusal"], "code": warning.code, "kind": "warning",
+        "class": "refusal", "exit_code": EXIT_CODES["refusal"], "retryable": False, "action": warning.action,
+        "message": warning.message,
+    }
+
+
 def internal_error(exc: BaseException) -> StateError:
     """Wrap an unexpected exception as ``RIVET_INTERNAL`` with a one-line message."""
     first_line = (str(exc).strip().splitlines() or [""])[0]

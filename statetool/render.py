@@ -35,6 +35,16 @@ def print_error(error: StateError, as_json: bool) -> None:
     err.print(f"Try: {error.entry.action}", markup=False)
 
 
+def print_check_failure(check: Any) -> None:
+    """The ``--json-errors`` line of the worst failing check (a warning failed by --strict too)."""
+    from statetool.errors import StateWarning, warning_object
+
+    if check.error is not None:
+        sys.stderr.write(json.dumps(error_object(check.error)) + "\n")
+    else:
+        sys.stderr.write(json.dumps(warning_object(StateWarning(check.code, check.message))) + "\n")
+
+
 def print_warnings(warnings: list[dict[str, str]]) -> None:
     """Each warning on stderr: ``Warning [CODE]: message`` and its action."""
     for w in warnings:

@@ -15,6 +15,7 @@ class CheckResult:
 
     checks: list[Check]
     exit_code: int
+    worst: Check | None = None
 
     @property
     def ok(self) -> bool:
@@ -37,7 +38,11 @@ def check(ctx: Context, *, strict: bool = False) -> CheckResult:
     rows = pf.checks
     if strict:
         rows = [Check(c.id, "fail", c.message, c.code) if c.status == "warn" else c for c in rows]
-    classes = [REGISTRY[c.code].exit_class if c.code in REGISTRY else "refusal"
-               for c in rows if c.status == "fail" and c.code]
-    worst = max(classes, key=lambda k: STOP_RANK[k], default=None)
-    return CheckResult(rows, EXIT_CODES[worst] if worst else 0)
+    failed = [c for c in rows if c.status == "fail" and c.code]
+    worst = max(reversed(failed), key=lambda c: STOP_RANK[_exit_class(c.code)], default=None)
+    return CheckResult(rows, EXIT_CODES[_exit_class(worst.code)] if worst and worst.code else 0, worst)
+
+
+def _exit_class(code: str | None) -> str:
+    """A registered code's class; a warning failed by ``--strict`` is a refusal."""
+    return REGISTRY[code].exit_class if code in REGISTRY else "refusal"
