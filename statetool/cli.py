@@ -151,6 +151,24 @@ def migrate(
 
 
 @app.command()
+def relocate(
+    ctx: typer.Context,
+    to: Annotated[str, typer.Option("--to", help="Absolute directory to move the SQLite state into.")],
+    create_dir: Annotated[bool, typer.Option("--create-dir", help="Create the target directory.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
+    full_verify: Annotated[bool, typer.Option("--full-verify",
+                                              help="integrity_check the copy (slow: about 20 s per GiB).")] = False,
+) -> None:
+    """Move a SQLite state (and its CDC checkpoints) into a declared directory, verified."""
+    from statetool import render
+    from statetool.operations.relocate import relocate as op
+
+    g = _g(ctx)
+    _emit(g, op(g.context(), to, create_dir=create_dir, dry_run=dry_run, full_verify=full_verify).as_dict(),
+          render.relocate)
+
+
+@app.command()
 def revisions(ctx: typer.Context) -> None:
     """Every revision of this release, oldest first, and which the state has."""
     from statetool import render

@@ -89,8 +89,13 @@ def load_config(path: str | os.PathLike[str]) -> PipelineConfig:
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
-        raise StateError("RIVET_CONFIG_INVALID", f"{where}: {err.problem or err.context}",
-                         {"file": str(file)}) from None
+        what = err.problem or err.context
+        if err.problem and err.context and err.context_mark and err.context_mark is not mark:
+            # An unclosed quote or bracket is only noticed at the end of the file: say where it opened.
+            start = err.context_mark
+            what = f"{what} ({err.context} that starts at {file}:{start.line + 1}:{start.column + 1})"
+        details = {"file": str(file)} | ({"line": mark.line + 1, "column": mark.column + 1} if mark else {})
+        raise StateError("RIVET_CONFIG_INVALID", f"{where}: {what}", details) from None
     except yaml.YAMLError as err:
         raise StateError("RIVET_CONFIG_INVALID", f"{file}: {err}", {"file": str(file)}) from None
     return _Reader(file).config(root)

@@ -94,6 +94,9 @@ REGISTRY: dict[str, Entry] = {
         "--sql is for PostgreSQL states; a SQLite upgrade runs in one transaction after a verified backup "
         "(statetool migrate --dry-run shows the plan)",
     ),
+    "RIVET_STATE_BACKEND_UNSUPPORTED": _e(
+        "usage", "generic", "this command moves SQLite states; check RIVET_STATE_URL",
+    ),
     "RIVET_STATE_AUTH_FAILED": _e(
         "environment", "generic", "check the user and password of the state URL",
     ),

@@ -184,6 +184,22 @@ def leases(doc: dict[str, Any]) -> None:
         out.print("no lease has ever been taken on this state")
 
 
+def relocate(doc: dict[str, Any]) -> None:
+    """``statetool relocate`` for people: the plan, then the outcome."""
+    out.print(_kv("Relocation", [("from", doc["source"]), ("to", doc["target"]), ("size (bytes)", doc["size_bytes"]),
+                                 ("writers held off by", doc["lock"]), ("every task must set",
+                                                                       f"RIVET_STATE_URL={doc['state_url']}")]))
+    if doc["tables"]:
+        out.print(_kv("Tables (rows)", list(doc["tables"].items())))
+    for move in doc["checkpoints"]:
+        state = f"{move['bytes']} bytes" if move["present"] else "MISSING"
+        out.print(f"checkpoint {move['export']}: {move['source']} -> {move['target']} ({state})", markup=False)
+    if doc.get("kept_as"):
+        out.print(f"old bytes kept as {doc['kept_as']}", markup=False)
+    out.print(doc["message"], markup=False)
+    print_warnings(doc.get("warnings", []))
+
+
 def revisions(doc: dict[str, Any]) -> None:
     """``statetool revisions`` for people."""
     table = Table(title="Revisions (oldest first)", title_justify="left")

@@ -38,6 +38,8 @@ from sqlalchemy.pool import NullPool
 
 from statetool.backends.base import Progress
 from statetool.backends.proclocks import lock_holders
+from statetool.backends.tombstone import MAGIC as TOMBSTONE_MAGIC
+from statetool.backends.tombstone import read_tombstone
 from statetool.errors import StateError
 from statetool.location import Location
 
@@ -54,6 +56,29 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def content_digest(path: Path) -> str:
+    """sha256 of a SQLite file's pages with the header fields a backup rewrites zeroed (the
+    change counter, bytes 24-27, its copy at 92-95, and the schema cookie, 40-43): a
+    page-for-page copy made by the backup API has the same digest as its source."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        header = bytearray(fh.read(100))
+        page_size = int.from_bytes(header[16:18], "big")
+        page_size = 65536 if page_size == 1 else page_size
+        remaining = int.from_bytes(header[28:32], "big") * page_size - len(header)
+        header[24:28] = header[40:44] = header[92:96] = b"\0\0\0\0"
+        digest.update(header)
+        while remaining > 0:
+            chunk = fh.read(min(1 << 20, remaining))
+            if not chunk:
+                break
+            digest.update(chunk)
+            remaining -= len(chunk)
+    return digest.hexdigest()
 
 
 def _fsync_file(path: Path) -> None:
@@ -83,6 +108,8 @@ class SqliteBackend:
             raise StateError("RIVET_STATE_NOT_A_STATE", f"{self.path} is not a regular file", {"path": str(self.path)})
         with open(self.path, "rb") as fh:
             header = fh.read(100)
+        if header.startswith(TOMBSTONE_MAGIC):
+            raise self._relocated()
         if len(header) < 100 or not header.startswith(MAGIC):
             what = "an empty file" if not header else "not a SQLite database"
             raise StateError("RIVET_STATE_NOT_A_STATE", f"{self.path} is {what}, not a rivet state",
@@ -98,6 +125,17 @@ class SqliteBackend:
                              f"{pages} pages of {page_size} bytes ({pages * page_size} bytes)",
                              {"path": str(self.path)})
         return header
+
+    def _relocated(self) -> StateError:
+        doc = read_tombstone(self.path) or {}
+        url = doc.get("state_url", "?")
+        return StateError(
+            "RIVET_STATE_RELOCATED",
+            f"the state that was at {self.path} was moved to {doc.get('to', '?')} on {doc.get('at', '?')} "
+            f"by {doc.get('by', '?')}; every task must now run with RIVET_STATE_URL={url} "
+            f"(the old bytes are kept as {doc.get('kept_as', '?')})",
+            {"path": str(self.path), "to": doc.get("to"), "state_url": url},
+        )
 
     def _wal_has_frames(self) -> bool:
         wal = Path(f"{self.path}-wal")
@@ -246,18 +284,18 @@ class SqliteBackend:
             for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
                 leftover.unlink(missing_ok=True)
 
-    def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> Path:
-        # The copy is read through a second connection: SQLite answers SQLITE_LOCKED to a
-        # backup whose source connection holds a write transaction, and ours holds one
-        # (BEGIN IMMEDIATE) so that nobody can write between the copy and the change.
+    def _copy(self, conn: Connection, tmp: Path, progress: Progress | None, *, self_contained: bool,
+              full_verify: bool = False) -> dict[str, int]:
+        """Copy the state, as ``conn``'s write lock freezes it, into ``tmp`` with the online
+        backup API; verify (``quick_check``, or ``integrity_check`` with ``full_verify``) and
+        compare every table's row count; fsync. Returns ``{table: rows}``.
+
+        The copy is read through a second connection: SQLite answers SQLITE_LOCKED to a
+        backup whose source connection holds a write transaction, and ``conn`` holds one
+        (BEGIN IMMEDIATE) so that nobody can write between the copy and what follows.
+        ``self_contained`` turns the copy into a rollback-journal file (a backup to keep).
+        """
         writer: sqlite3.Connection = conn.connection.driver_connection  # type: ignore[assignment]
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        final = self.path.with_name(f"{self.path.name}.backup-{label}-{stamp}")
-        tmp = final.with_name(final.name + ".tmp")
-        # A .tmp left by a backup that was killed: no other backup can be running, since
-        # every backup is taken under the write lock this connection holds.
-        for stale in self.path.parent.glob(f"{self.path.name}.backup-*.tmp"):
-            stale.unlink(missing_ok=True)
         tables = sorted(self.table_names(conn))
         expected = {t: writer.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}
         source = sqlite3.connect(f"file:{self._quoted(self.path)}?mode=ro", uri=True, timeout=self.lock_wait)
@@ -268,9 +306,10 @@ class SqliteBackend:
                     progress(total - remaining, total)
 
             source.backup(target, pages=4096, progress=step)
-            # The backup is a rollback-journal file: one self-contained file to keep.
-            target.execute("PRAGMA journal_mode = DELETE")
-            check = [r[0] for r in target.execute("PRAGMA quick_check").fetchall()]
+            if self_contained:
+                target.execute("PRAGMA journal_mode = DELETE")
+            pragma = "integrity_check" if full_verify else "quick_check"
+            check = [r[0] for r in target.execute(f"PRAGMA {pragma}").fetchall()]
             got = {t: target.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}
         finally:
             source.close()
@@ -278,12 +317,49 @@ class SqliteBackend:
         if check != ["ok"] or got != expected:
             tmp.unlink(missing_ok=True)
             raise StateError("RIVET_STATE_VERIFY_FAILED",
-                             f"the backup of {self.path} did not verify (quick_check {check[:3]}, "
+                             f"the copy of {self.path} did not verify ({pragma} {check[:3]}, "
                              f"row counts {got} vs {expected}); nothing was changed", {"path": str(self.path)})
         _fsync_file(tmp)
+        return got
+
+    def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> Path:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        final = self.path.with_name(f"{self.path.name}.backup-{label}-{stamp}")
+        tmp = final.with_name(final.name + ".tmp")
+        # A .tmp left by a backup that was killed: no other backup can be running, since
+        # every backup is taken under the write lock this connection holds.
+        for stale in self.path.parent.glob(f"{self.path.name}.backup-*.tmp"):
+            stale.unlink(missing_ok=True)
+        self._copy(conn, tmp, progress, self_contained=True)
         os.replace(tmp, final)
         fsync_dir(final.parent)
         return final
+
+    def copy_to(self, conn: Connection, tmp: Path, progress: Progress | None, full_verify: bool) -> dict[str, int]:
+        """A page-for-page verified copy of the state at ``tmp`` (same journal mode), for a
+        relocation. Returns ``{table: rows}``; raises ``RIVET_STATE_VERIFY_FAILED``."""
+        return self._copy(conn, tmp, progress, self_contained=False, full_verify=full_verify)
+
+    def checkpoint_wal(self) -> None:
+        """Move every committed WAL frame into the database file and truncate the ``-wal``
+        (``PRAGMA wal_checkpoint(TRUNCATE)``), so the file alone holds the whole state.
+        A no-op for a rollback-journal state. Raises ``RIVET_STATE_RUN_IN_PROGRESS`` when
+        another connection keeps the WAL busy past ``--lock-wait``."""
+        if self._header()[18] != 2:
+            return
+        db = sqlite3.connect(self.path, timeout=self.lock_wait)
+        try:
+            busy, _log, _done = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        finally:
+            db.close()
+        if busy:
+            raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
+                             f"another connection kept {self.path}-wal busy; re-run when it has finished",
+                             {"path": str(self.path)})
+
+    def wal_is_empty(self) -> bool:
+        """True when no ``-wal`` frame lies outside the database file."""
+        return not self._wal_has_frames()
 
     def leases(self) -> FlockLeases:
         from statetool.backends.sqlite_leases import FlockLeases

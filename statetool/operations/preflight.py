@@ -10,16 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from statetool.backends.base import Backend
 from statetool.errors import REGISTRY, WARNINGS, StateError, StateWarning
 from statetool.identity import Verdict, identity_verdict
 from statetool.operations.context import Context
 from statetool.operations.probe import Snapshot, read_snapshot
 
 #: The checks in the order they run (SPEC §4): each id appears in ``check --json``.
-CHECK_IDS = ("location", "config", "state", "format", "integrity", "revision", "identity", "leases")
+CHECK_IDS = ("location", "config", "state", "format", "integrity", "revision", "relocated", "identity", "leases")
 
-#: Codes the ``format`` check stands for (the others come from the ``integrity`` row).
-_FORMAT_CODES = {"RIVET_STATE_NOT_A_STATE", "RIVET_STATE_MISSING"}
+#: The row a failure to read the state belongs to (anything else: ``integrity``).
+_READ_FAILURE_ROW = {"RIVET_STATE_NOT_A_STATE": "format", "RIVET_STATE_MISSING": "format",
+                     "RIVET_STATE_RELOCATED": "relocated"}
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Preflight:
         for check_id in CHECK_IDS:
             if check_id not in done:
                 self.add(check_id, "skip", reason)
+        self.checks.sort(key=lambda c: CHECK_IDS.index(c.id))
 
     @property
     def warnings(self) -> list[StateWarning]:
@@ -93,11 +96,14 @@ def identity_message(verdict: Verdict, where: str, for_write: bool) -> str:
     }[verdict.action]
 
 
-def run_preflight(ctx: Context, *, for_write: bool = False) -> Preflight:
+def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = False) -> Preflight:
     """Run every check in order on a read-only open. Never raises a :class:`StateError`:
     failures become ``fail`` rows carrying their error.
 
     ``for_write`` only changes wording (what happens vs what a write would do).
+    ``recover`` (a command that is about to write) lets SQLite roll back the hot journal
+    of a killed writer (``RIVET_STATE_INTERRUPTED_WRITE``) and reads again: the action
+    of that code tells the operator to run a writing command for exactly this.
     """
     pf = Preflight()
     try:
@@ -126,16 +132,16 @@ def run_preflight(ctx: Context, *, for_write: bool = False) -> Preflight:
         return pf
     pf.add("state", "ok", f"found at {location.display}")
     try:
-        with backend.reading() as conn:
-            snap = read_snapshot(backend, conn)
+        snap = _read(backend, recover)
     except StateError as err:
-        pf.fail(err, "format" if err.code in _FORMAT_CODES else "integrity")
+        pf.fail(err, _READ_FAILURE_ROW.get(err.code, "integrity"))
         pf.skip_rest("the state cannot be read")
         return pf
     pf.snapshot = snap
     pf.add("format", "ok", "legacy rivet state (no version table)" if snap.legacy else "rivet state")
     pf.add("integrity", "ok", "quick_check ok" if location.backend == "sqlite" else "server-managed")
     _check_revision(pf, snap)
+    pf.add("relocated", "ok", "in use at this place (no relocation or transfer recorded)")
     if snap.known:
         _check_identity(pf, ctx, snap, for_write)
         _check_leases(pf, ctx)
@@ -158,6 +164,21 @@ def _check_leases(pf: Preflight, ctx: Context) -> None:
         pf.add("leases", "ok", f"{len(holders)} live: {'; '.join(holders)} (a migration would wait for them)")
     else:
         pf.add("leases", "ok", "no live lease")
+
+
+def _read(backend: Backend, recover: bool) -> Snapshot:
+    try:
+        with backend.reading() as conn:
+            return read_snapshot(backend, conn)
+    except StateError as err:
+        if not (recover and err.code == "RIVET_STATE_INTERRUPTED_WRITE"):
+            raise
+    # Opening a write transaction is what makes SQLite roll a hot journal back
+    # (https://www.sqlite.org/lockingv3.html#hot_journals); nothing else is written.
+    with backend.writing("RIVET_STATE_LOCK_TIMEOUT"):
+        pass
+    with backend.reading() as conn:
+        return read_snapshot(backend, conn)
 
 
 def _check_revision(pf: Preflight, snap: Snapshot) -> None:

@@ -84,7 +84,7 @@ def head_write(ctx: Context, *, backup_label: str | None, lock_code: str = "RIVE
     With ``lease_key``, that lease is held (waited on up to ``--lock-wait``) from after
     the pre-flight until the transaction ends.
     """
-    pf = run_preflight(ctx, for_write=True)
+    pf = run_preflight(ctx, for_write=True, recover=True)
     snap = require(pf, allow=allow)
     backend = ctx.backend()
     with contextlib.ExitStack() as stack:

@@ -1,0 +1,338 @@
+"""``statetool relocate --to DIR``: move a SQLite state into a declared directory (SPEC §1, §6, §9).
+
+The order, each step safe to interrupt at any instant:
+
+1. Pre-flight of the source (every check; it must be at head) and of the target (an
+   absolute, existing directory holding no state, or the copy an earlier interrupted
+   relocation of THIS source left there).
+2. Hold off writers: every run lease of the config's and the state's exports, then the
+   SQLite write lock (after a WAL checkpoint, so the file alone holds every committed row).
+3. Copy with the online backup API into ``<target>/.rivet_state.db.relocating``; verify
+   (``quick_check`` or ``--full-verify``'s ``integrity_check``, every table's row count,
+   and a digest of every page compared with the source's); fsync.
+4. Copy each CDC checkpoint with a relative path to where it resolves under the target
+   (temporary file, fsync, rename; sha256 compared).
+5. Write an audit row into the copy (from, to, source digest), link it into place as
+   ``<target>/.rivet_state.db`` (a link never replaces anything), fsync the directory.
+6. Switch: hard-link the source to ``.rivet_state.db.relocated-<UTC>`` (its bytes are
+   kept), then atomically rename a tombstone over ``.rivet_state.db``
+   (statetool/backends/tombstone.py): from then on every release refuses the old place.
+
+A re-run finds the leftovers: a ``.relocating`` file is removed and copied again; a
+target carrying this source's relocation row and the source's unchanged digest goes
+straight to the switch; a tombstone that already names the target means done.
+
+Fault injection for the crash tests: with ``STATETOOL_CRASH_AT=<point>`` in the
+environment the process SIGKILLs itself at that point (the points are listed in
+:data:`CRASH_POINTS`; ``copy-page-<n>`` kills during the copy after n pages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from statetool.backends.sqlite import SqliteBackend, content_digest, fsync_dir
+from statetool.backends.tombstone import read_tombstone, write_tombstone_tmp
+from statetool.errors import StateError, StateWarning
+from statetool.location import STATE_FILE, Location
+from statetool.operations.context import Context
+from statetool.operations.leases import holding, run_lease_key
+from statetool.operations.preflight import require, run_preflight
+from statetool.operations.probe import row_counts
+from statetool.operations.writes import now_iso
+
+COPY_NAME = f"{STATE_FILE}.relocating"
+CRASH_POINTS = ("leases", "checkpointed", "locked", "digested", "copied", "checkpoint-copied", "audited",
+                "linked", "kept", "tombstoned", "swapped")
+
+
+def _crash_point(name: str) -> None:
+    if os.environ.get("STATETOOL_CRASH_AT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass
+class CheckpointMove:
+    """One CDC checkpoint: where it is now, where it will resolve, and whether it exists."""
+
+    export: str
+    configured: str
+    source: str
+    target: str
+    present: bool
+    bytes: int | None
+
+
+@dataclass
+class RelocateResult:
+    """The plan and, unless ``dry_run``, what was done."""
+
+    source: str
+    target: str
+    state_url: str
+    size_bytes: int
+    tables: dict[str, int]
+    checkpoints: list[CheckpointMove]
+    lock: str
+    dry_run: bool = False
+    done: bool = False
+    resumed: bool = False
+    kept_as: str | None = None
+    source_digest: str | None = None
+    message: str = ""
+    warnings: list[StateWarning] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON shape of the plan and outcome."""
+        doc = asdict(self)
+        doc["warnings"] = [w.as_dict() for w in self.warnings]
+        return doc
+
+
+def _target_dir(to: str, create: bool, dry_run: bool) -> Path:
+    if not os.path.isabs(to):
+        raise StateError("RIVET_STATE_DIR_RELATIVE",
+                         f"target directory '{to}' is relative; every task must see the same absolute path")
+    target = Path(os.path.normpath(to))
+    if not target.is_dir():
+        if not create:
+            raise StateError("RIVET_STATE_DIR_MISSING",
+                             f"target directory {target} does not exist; mount it (or pass --create-dir)")
+        if not dry_run:
+            target.mkdir(parents=True)
+    return target
+
+
+def _checkpoints(ctx: Context, source_dir: Path, target_dir: Path) -> list[CheckpointMove]:
+    moves = []
+    for export in ctx.config.exports:
+        if not export.cdc or not export.cdc.checkpoint or os.path.isabs(export.cdc.checkpoint):
+            continue
+        rel = export.cdc.checkpoint
+        candidates = [source_dir / rel, ctx.config.directory / rel]
+        found = next((c for c in candidates if c.is_file()), None)
+        moves.append(CheckpointMove(export.name, rel, str(found or candidates[0]), str(target_dir / rel),
+                                    found is not None, found.stat().st_size if found else None))
+    return moves
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _copy_checkpoint(move: CheckpointMove, resuming: bool) -> None:
+    source, target = Path(move.source), Path(move.target)
+    if target.exists():
+        if _sha256(target) == _sha256(source):
+            return
+        if not resuming:
+            raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
+                             f"{target} already exists with other content (checkpoint of export {move.export})")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.relocating")
+    shutil.copyfile(source, tmp)
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    if _sha256(tmp) != _sha256(source):
+        tmp.unlink()
+        raise StateError("RIVET_STATE_VERIFY_FAILED", f"the copy of checkpoint {source} did not verify")
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+
+
+def _relocation_row(path: Path) -> dict[str, object] | None:
+    """The last ``relocate`` audit row of the state at ``path`` (read-only), or None."""
+    try:
+        db = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
+        try:
+            row = db.execute("SELECT detail FROM rivet_audit WHERE action = 'relocate' ORDER BY id DESC LIMIT 1"
+                             ).fetchone()
+            later = db.execute("SELECT count(*) FROM rivet_audit WHERE action != 'relocate' AND id > "
+                               "(SELECT max(id) FROM rivet_audit WHERE action = 'relocate')").fetchone()[0]
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
+    if row is None or later:
+        return None
+    detail = json.loads(row[0])
+    return detail if isinstance(detail, dict) else None
+
+
+def _check_target(ctx: Context, source: Path, target_dir: Path) -> dict[str, object] | None:
+    """Refuse a target that holds anything but this source's own interrupted relocation;
+    return that relocation's audit detail when resuming it."""
+    target = target_dir / STATE_FILE
+    if not os.path.lexists(target):
+        return None
+    target_ctx = Context(ctx.config_path, f"sqlite:{target_dir}", ctx.env, ctx.lock_wait, ctx.command)
+    pf = run_preflight(target_ctx)
+    foreign = next((c for c in pf.checks if c.code == "RIVET_STATE_FOREIGN"), None)
+    if foreign is not None:
+        raise StateError("RIVET_STATE_FOREIGN", f"the target {target_dir} holds the state of another source: "
+                         f"{foreign.message}", {"directory": str(target_dir)})
+    detail = _relocation_row(target) if pf.snapshot is not None else None
+    if detail is not None and detail.get("from") == str(source):
+        return detail
+    raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
+                     f"{target} already exists ({'a state' if pf.snapshot else 'not a state of this source'}); "
+                     "relocate only into a directory without a state")
+
+
+def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool = False,
+             full_verify: bool = False) -> RelocateResult:
+    """Move the SQLite state at the resolved location into directory ``to``.
+
+    Raises ``RIVET_STATE_BACKEND_UNSUPPORTED`` (not a SQLite state),
+    ``RIVET_STATE_DIR_RELATIVE`` / ``RIVET_STATE_DIR_MISSING`` (target),
+    ``RIVET_STATE_FOREIGN`` / ``RIVET_STATE_TARGET_NOT_EMPTY`` (target holds something),
+    ``RIVET_STATE_RUN_IN_PROGRESS`` (a live run past ``--lock-wait``),
+    ``RIVET_STATE_VERIFY_FAILED`` (the copy differs; the source is untouched), and every
+    pre-flight code of the source. ``dry_run`` prints the plan and writes nothing.
+    """
+    location = ctx.location
+    if location.backend != "sqlite":
+        raise StateError("RIVET_STATE_BACKEND_UNSUPPORTED",
+                         "relocate moves a SQLite state; to move a PostgreSQL state use pg_dump")
+    assert location.path is not None and location.directory is not None
+    source = location.path
+    target_dir = _target_dir(to, create_dir, dry_run)
+    state_url = f"sqlite:{target_dir}"
+    if target_dir == location.directory:
+        raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"the state is already in {target_dir}")
+    tomb = read_tombstone(source)
+    if tomb is not None and tomb.get("to") == str(target_dir / STATE_FILE):
+        return RelocateResult(str(source), tomb["to"], state_url, 0, {}, [], "none", dry_run, True, True,
+                              tomb.get("kept_as"), tomb.get("source_digest"),
+                              f"already relocated to {target_dir}; every task must run with RIVET_STATE_URL={state_url}")
+    pf = run_preflight(ctx, for_write=True, recover=not dry_run)
+    snap = require(pf)
+    resume = _check_target(ctx, source, target_dir) if target_dir.is_dir() else None
+    backend = SqliteBackend(location, ctx.lock_wait)
+    with backend.reading() as conn:
+        tables = row_counts(conn, snap.tables)
+    exports = sorted({e.name for e in ctx.config.exports} | set(snap.exports))
+    result = RelocateResult(
+        str(source), str(target_dir / STATE_FILE), state_url, source.stat().st_size, tables,
+        _checkpoints(ctx, location.directory, target_dir),
+        f"the run lease of every export ({len(exports)}) and the SQLite write lock",
+        dry_run=dry_run, resumed=resume is not None)
+    result.warnings = [StateWarning("RIVET_STATE_CHECKPOINT_BESIDE_CONFIG",
+                                    f"checkpoint of export {m.export} is missing at {m.source}; nothing to move")
+                       for m in result.checkpoints if not m.present]
+    if dry_run:
+        result.message = f"dry run: nothing was changed; after the move every task must run with RIVET_STATE_URL={state_url}"
+        return result
+    for suffix in ("", "-journal", "-wal", "-shm"):  # what a killed earlier attempt left
+        Path(f"{target_dir / COPY_NAME}{suffix}").unlink(missing_ok=True)
+    for stale in location.directory.glob(f"{STATE_FILE}.tombstone-*.tmp"):
+        stale.unlink()
+    with contextlib.ExitStack() as stack:
+        for export in exports:
+            try:
+                stack.enter_context(holding(ctx, run_lease_key(export), ctx.command))
+            except StateError as err:
+                if err.code != "RIVET_STATE_LOCK_TIMEOUT":
+                    raise
+                raise StateError("RIVET_STATE_RUN_IN_PROGRESS", err.message, err.details) from None
+        _crash_point("leases")
+        backend.checkpoint_wal()
+        _crash_point("checkpointed")
+        conn = stack.enter_context(backend.writing("RIVET_STATE_RUN_IN_PROGRESS"))
+        if not backend.wal_is_empty():
+            raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"a writer wrote to {source} during the checkpoint; re-run")
+        _crash_point("locked")
+        digest = content_digest(source)
+        result.source_digest = digest
+        _crash_point("digested")
+        if resume is not None and resume.get("source_digest") != digest:
+            raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
+                             f"an interrupted relocation left a copy at {result.target}, and the source changed "
+                             "since; move that copy aside and re-run")
+        if resume is None:
+            _copy_state(ctx, backend, conn, target_dir, result, full_verify)
+        else:
+            for move in result.checkpoints:
+                if move.present:
+                    _copy_checkpoint(move, resuming=True)
+        result.kept_as = _switch(ctx, source, target_dir, result)
+    for leftover in (Path(f"{source}-wal"), Path(f"{source}-shm")):
+        leftover.unlink(missing_ok=True)
+    result.done = True
+    result.message = f"relocated; every task must now run with RIVET_STATE_URL={state_url}"
+    return result
+
+
+def _copy_state(ctx: Context, backend: SqliteBackend, conn: object, target_dir: Path, result: RelocateResult,
+                full_verify: bool) -> None:
+    copy = target_dir / COPY_NAME
+
+    def progress(done: int, total: int) -> None:
+        update(done, total)
+        if os.environ.get("STATETOOL_CRASH_AT", "").startswith("copy-page-"):
+            _crash_point(f"copy-page-{done}")
+
+    with ctx.progress("copying") as update:
+        backend.copy_to(conn, copy, progress, full_verify)  # type: ignore[arg-type]
+    if content_digest(copy) != result.source_digest:
+        copy.unlink()
+        raise StateError("RIVET_STATE_VERIFY_FAILED", f"the copy at {copy} differs from {result.source}; "
+                         "nothing was changed")
+    _crash_point("copied")
+    for move in result.checkpoints:
+        if move.present:
+            _copy_checkpoint(move, resuming=False)
+    _crash_point("checkpoint-copied")
+    db = sqlite3.connect(copy)
+    try:
+        with db:
+            db.execute("INSERT INTO rivet_audit (at, actor, command, action, detail) VALUES (?, ?, ?, ?, ?)",
+                       (now_iso(), ctx.actor, ctx.command, "relocate", json.dumps({
+                           "from": result.source, "to": result.target, "source_digest": result.source_digest,
+                           "checkpoints": [m.target for m in result.checkpoints if m.present]}, sort_keys=True)))
+    finally:
+        db.close()
+    with open(copy, "rb+") as fh:
+        os.fsync(fh.fileno())
+    _crash_point("audited")
+    try:
+        os.link(copy, target_dir / STATE_FILE)
+    except FileExistsError:
+        raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
+                         f"{target_dir / STATE_FILE} appeared during the copy; nothing was replaced") from None
+    fsync_dir(target_dir)
+    _crash_point("linked")
+    copy.unlink()
+    fsync_dir(target_dir)
+
+
+def _switch(ctx: Context, source: Path, target_dir: Path, result: RelocateResult) -> str:
+    directory = source.parent
+    for old in directory.glob(f"{STATE_FILE}.relocated-*"):
+        if old.is_file() and os.path.samefile(old, source):
+            old.unlink()  # a link an interrupted switch made: the same bytes as the source
+    kept = directory / f"{STATE_FILE}.relocated-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    os.link(source, kept)
+    fsync_dir(directory)
+    _crash_point("kept")
+    tomb = write_tombstone_tmp(directory, {
+        "to": result.target, "state_url": result.state_url, "at": now_iso(), "by": ctx.actor,
+        "kept_as": str(kept), "source_digest": result.source_digest, "how": "statetool relocate"})
+    _crash_point("tombstoned")
+    os.replace(tomb, source)
+    fsync_dir(directory)
+    _crash_point("swapped")
+    return str(kept)
