@@ -116,10 +116,36 @@ def check(ctx: typer.Context,
     g = _g(ctx)
     result = op(g.context(), strict=strict)
     _emit(g, result.as_dict(), render.check)
+    if os.environ.get("GITHUB_ACTIONS") == "true":
+        render.github_annotations(result.as_dict()["checks"], to_stderr=g.json)
     if result.worst is not None and g.json_errors:
         render.print_check_failure(result.worst)
     if result.exit_code:
         raise typer.Exit(result.exit_code)
+
+
+@app.command()
+def doctor(ctx: typer.Context,
+           export: Annotated[str | None, typer.Option("--export", help="Only this export.")] = None) -> None:
+    """Per export: will the next run resume, or be a FIRST RUN, and why (exit 5 if any would)."""
+    from statetool import render
+    from statetool.operations.doctor import doctor as op
+
+    g = _g(ctx)
+    result = op(g.context(), export)
+    _emit(g, result.as_dict(), render.doctor)
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
+
+
+@app.command()
+def checkpoints(ctx: typer.Context) -> None:
+    """Every CDC checkpoint: resolved path and why, present, size, age, position, warnings."""
+    from statetool import render
+    from statetool.operations.checkpoints import checkpoints as op
+
+    g = _g(ctx)
+    _emit(g, op(g.context()).as_dict(), render.checkpoints)
 
 
 @app.command()

@@ -139,6 +139,10 @@ REGISTRY: dict[str, Entry] = {
         "a writer was killed mid-transaction; open the state once with a writing command "
         "(statetool migrate, or the pipeline) so SQLite rolls the hot journal back, then re-run",
     ),
+    "RIVET_STATE_CHECKPOINT_UNREADABLE": _e(
+        "integrity", "data_integrity",
+        "restore the checkpoint file from a backup; if none exists, reset the export on purpose",
+    ),
     "RIVET_STATE_VERIFY_FAILED": _e(
         "integrity", "data_integrity",
         "the state was left as it was before; report this with the message, and keep the backup it names",
@@ -161,6 +165,11 @@ REGISTRY: dict[str, Entry] = {
     ),
     "RIVET_STATE_TARGET_NOT_EMPTY": _e(
         "refusal", "refusal", "choose an empty target, or move what is there out of the way first",
+    ),
+    "RIVET_STATE_CHECKPOINT_MISSING": _e(
+        "refusal", "refusal",
+        "restore the checkpoint file (or set cdc.checkpoint to where it really is) before the next run; "
+        "a run without it re-anchors the stream and loses the changes in between",
     ),
     "RIVET_STATE_DATA_LOSS": _e(
         "refusal", "refusal",
@@ -186,6 +195,14 @@ WARNINGS: dict[str, str] = {
         "set cdc.checkpoint to an absolute path on storage that outlives the worker",
     "RIVET_STATE_CHECKPOINT_BESIDE_CONFIG":
         "move the checkpoint file into the declared state directory",
+    "RIVET_STATE_DIR_EPHEMERAL":
+        "mount a host path or a named volume at the state directory, or move the state to PostgreSQL",
+    "RIVET_STATE_DIR_NETWORK":
+        "keep a SQLite state on a local disk, or move it to PostgreSQL (statetool transfer)",
+    "RIVET_STATE_ORPHAN_WAL":
+        "with every run stopped, move the -wal/-shm files that do not belong to this state out of the directory",
+    "RIVET_EXPORT_NO_PROGRESS":
+        "nothing to do for a new export; otherwise point the pipeline at the state that holds its progress",
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -151,3 +152,65 @@ def _postgres(raw: str, origin: str) -> Location:
     rest = urlencode([(k, v) for k, v in query if k != "schema"])
     url = urlunsplit(("postgresql", parts.netloc, parts.path, rest, parts.fragment))
     return Location("postgres", "shared", origin, url=url, schema=schema)
+
+
+@dataclass(frozen=True)
+class CheckpointPlace:
+    """Where a CDC export's checkpoint file resolves (SPEC §6), and why.
+
+    ``path`` is absolute (None when the engine keeps its position server-side and no file
+    is configured); ``why`` says which rule chose it; ``warning`` is the warning code the
+    place carries (``RIVET_STATE_CHECKPOINT_BESIDE_CONFIG``,
+    ``RIVET_STATE_CHECKPOINT_RELATIVE``) or None.
+    """
+
+    path: Path | None
+    why: str
+    warning: str | None = None
+
+
+#: CDC engines whose position lives only in the checkpoint file (postgres keeps it in its slot).
+FILE_CHECKPOINT_ENGINES = frozenset({"mysql", "mongodb", "oracle"})
+
+
+def resolve_checkpoint(configured: str | None, engine: str, location: Location, config_dir: Path,
+                       exists: Callable[[Path], bool] = os.path.exists) -> CheckpointPlace:
+    """Resolve a ``cdc.checkpoint`` (SPEC §6); the one function the runtime, doctor,
+    checkpoints and relocate use.
+
+    Absolute: as given. Relative: under the declared directory with ``sqlite:<dir>``
+    (a file found only beside the config is used, warning
+    ``RIVET_STATE_CHECKPOINT_BESIDE_CONFIG``); beside the config otherwise, with warning
+    ``RIVET_STATE_CHECKPOINT_RELATIVE`` under PostgreSQL state. No file configured: the
+    postgres engine's position is in its replication slot (``path`` None); for the other
+    engines the file is mandatory and ``why`` says it is missing from the config.
+    ``exists`` is the only I/O (injectable for tests of the rule itself).
+    """
+    if not configured:
+        if engine in FILE_CHECKPOINT_ENGINES:
+            return CheckpointPlace(None, f"no cdc.checkpoint configured, but a {engine} stream keeps its "
+                                         "position only in that file")
+        return CheckpointPlace(None, "no file: the postgres engine keeps its position in its replication slot")
+    if os.path.isabs(configured):
+        return CheckpointPlace(Path(os.path.normpath(configured)), "absolute path in the config")
+    beside = Path(os.path.normpath(config_dir / configured))
+    if location.scope == "declared_dir":
+        assert location.directory is not None
+        declared = Path(os.path.normpath(location.directory / configured))
+        if not exists(declared) and exists(beside):
+            return CheckpointPlace(beside, "relative: not under the declared state directory, found beside the config",
+                                   "RIVET_STATE_CHECKPOINT_BESIDE_CONFIG")
+        return CheckpointPlace(declared, "relative: under the declared state directory")
+    if location.backend == "postgres":
+        return CheckpointPlace(beside, "relative: beside the config (the state is in PostgreSQL)",
+                               "RIVET_STATE_CHECKPOINT_RELATIVE")
+    return CheckpointPlace(beside, "relative: beside the config, with the state")
+
+
+def checkpoint_relative_message(export: str, path: Path) -> str:
+    """The text of ``RIVET_STATE_CHECKPOINT_RELATIVE`` (SPEC §6): every element it must state."""
+    return (f"CDC export {export}: its checkpoint resolves to {path}, a file on this worker's own disk, while the "
+            "state is in PostgreSQL. If that file is lost (a new pod, a rebuilt worker), the next run reads as a "
+            "first run: the stream re-anchors at the current position, and the changes between the lost position "
+            "and the new anchor are gone without an error. Set cdc.checkpoint to an absolute path on storage that "
+            "outlives the worker.")

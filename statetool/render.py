@@ -197,7 +197,54 @@ def relocate(doc: dict[str, Any]) -> None:
     if doc.get("kept_as"):
         out.print(f"old bytes kept as {doc['kept_as']}", markup=False)
     out.print(doc["message"], markup=False)
-    print_warnings(doc.get("warnings", []))
+
+
+def _annotation_escape(text: str) -> str:
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def github_annotations(rows: list[dict[str, Any]], to_stderr: bool) -> None:
+    """GitHub Actions workflow commands (``::error``/``::warning``) for failing and warning rows."""
+    stream = sys.stderr if to_stderr else sys.stdout
+    for row in rows:
+        level = {"fail": "error", "warn": "warning"}.get(row["status"])
+        if level:
+            title = _annotation_escape(f"statetool {row['id']}: {row['code']}")
+            body = _annotation_escape(f"{row['message']} (try: {row['action']})")
+            stream.write(f"::{level} title={title.replace(',', '%2C').replace(':', '%3A')}::{body}\n")
+
+
+def doctor(doc: dict[str, Any]) -> None:
+    """``statetool doctor`` for people: one block per export, verdict first."""
+    state = doc["state"]
+    out.print(_kv("State", [("location", state["location"]["display"]), ("set by", state["set_by"]),
+                            ("every task must share", state["every_task_must_share"])]))
+    for candidate in state.get("candidates", []):
+        out.print(f"  possible state: {json.dumps(candidate, sort_keys=True)}", markup=False)
+    for export in doc["exports"]:
+        verdict = "[green]resumes[/]" if export["verdict"] == "resumes" else "[bold red]FIRST RUN[/]"
+        line = f"{export['name']} ({export['mode']}): {verdict}"
+        if export["resumes_from"]:
+            line += f" from {export['resumes_from']}"
+            if export["age_seconds"] is not None:
+                line += f" ({export['age_seconds']:.0f} s old)"
+        out.print(line)
+        for reason in export["reasons"]:
+            out.print(f"  [{reason['code']}] {reason['message']}", markup=False)
+            out.print(f"    fix: {reason['action']}", markup=False)
+
+
+def checkpoints(doc: dict[str, Any]) -> None:
+    """``statetool checkpoints`` for people."""
+    table = Table(title="CDC checkpoints", title_justify="left")
+    for col in ("export", "engine", "resolved path", "why", "present", "bytes", "age (s)", "position"):
+        table.add_column(col, overflow="fold")
+    for row in doc["checkpoints"]:
+        position = row["error"] or (json.dumps(row["position"]) if row["position"] is not None else "-")
+        table.add_row(row["export"], row["engine"], _fmt(row["path"]), row["why"], _fmt(row["present"]),
+                      _fmt(row["size_bytes"]), _fmt(row["age_seconds"]), position)
+    out.print(table)
+    print_warnings(doc["warnings"])
 
 
 def revisions(doc: dict[str, Any]) -> None:

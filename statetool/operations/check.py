@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from statetool.errors import EXIT_CODES, REGISTRY, STOP_RANK
 from statetool.operations.context import Context
-from statetool.operations.preflight import Check, run_preflight
+from statetool.operations.preflight import Check, Preflight, run_preflight
 
 
 @dataclass
@@ -30,17 +30,43 @@ class CheckResult:
 def check(ctx: Context, *, strict: bool = False) -> CheckResult:
     """Run every pre-flight check. Never writes, never raises for a failing check.
 
-    Exit code: the class of the worst failing row by stop rank (SPEC §7: data_integrity >
+    Besides the pre-flight rows, ``doctor``'s findings are rows too (``doctor`` and
+    ``doctor:<export>``). Exit code: the class of the worst failing row by stop rank (SPEC §7: data_integrity >
     internal > refusal > schema_drift > retryable > generic); pending revisions fail with
     ``RIVET_STATE_MIGRATION_PENDING`` (3). With ``strict``, ``warn`` rows fail as refusal (5).
     """
     pf = run_preflight(ctx)
-    rows = pf.checks
+    rows = pf.checks + (_doctor_rows(ctx, pf) if pf.snapshot is not None else [])
     if strict:
         rows = [Check(c.id, "fail", c.message, c.code) if c.status == "warn" else c for c in rows]
     failed = [c for c in rows if c.status == "fail" and c.code]
     worst = max(reversed(failed), key=lambda c: STOP_RANK[_exit_class(c.code)], default=None)
     return CheckResult(rows, EXIT_CODES[_exit_class(worst.code)] if worst and worst.code else 0, worst)
+
+
+def _doctor_rows(ctx: Context, pf: Preflight) -> list[Check]:
+    """What ``doctor`` finds beyond the pre-flight rows: lost or unreadable CDC checkpoints
+    (fail), exports with no progress, relative checkpoints under PostgreSQL, ephemeral or
+    network state directories, orphaned -wal/-shm files (warn)."""
+    from statetool.operations.doctor import doctor
+
+    seen = {c.code for c in pf.checks if c.code}
+    rows: list[Check] = []
+    reported: set[tuple[str, str]] = set()
+    for diagnosis in doctor(ctx).exports:
+        for reason in diagnosis.reasons:
+            state_level = reason.code in _STATE_LEVEL
+            row_id = "doctor" if state_level else f"doctor:{diagnosis.name}"
+            if reason.code in seen or (row_id, reason.code) in reported:
+                continue
+            reported.add((row_id, reason.code))
+            rows.append(Check(row_id, "fail" if reason.code in REGISTRY else "warn", reason.message, reason.code))
+    return rows
+
+
+#: Doctor findings about the state as a whole (reported once, not per export).
+_STATE_LEVEL = frozenset({"RIVET_STATE_DIR_EPHEMERAL", "RIVET_STATE_DIR_NETWORK", "RIVET_STATE_ORPHAN_WAL",
+                          "RIVET_STATE_DIR_MISSING"})
 
 
 def _exit_class(code: str | None) -> str:

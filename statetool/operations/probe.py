@@ -73,12 +73,14 @@ class Snapshot:
         return any(e.has_progress for e in self.exports.values())
 
 
-def read_snapshot(backend: Backend, conn: Connection) -> Snapshot:
+def read_snapshot(backend: Backend, conn: Connection, *, integrity: bool = True, progress: bool = True) -> Snapshot:
     """Read the state on a read-only ``conn``.
 
     Raises ``RIVET_STATE_NOT_A_STATE`` (no table of the state, or a shape of no release)
     and ``RIVET_STATE_CORRUPT`` (``quick_check`` fails). A revision this release does not
     know is returned with ``known=False`` and no progress read (its tables may differ).
+    ``integrity=False`` skips ``quick_check`` and ``progress=False`` the per-export
+    progress (both read every page of a large state; ``doctor`` reads only what it needs).
     """
     where = backend.location.display
     tables = frozenset(backend.table_names(conn))
@@ -89,7 +91,7 @@ def read_snapshot(backend: Backend, conn: Connection) -> Snapshot:
         sample = ", ".join(sorted(tables)[:5])
         raise StateError("RIVET_STATE_NOT_A_STATE",
                          f"{where} is a database of another application (tables: {sample}), not a rivet state")
-    problems = backend.integrity_problems(conn)
+    problems = backend.integrity_problems(conn) if integrity else []
     if problems:
         raise StateError("RIVET_STATE_CORRUPT", f"{where} fails its integrity check: {'; '.join(problems[:3])}")
     if schema.VERSION_TABLE in tables:
@@ -109,7 +111,8 @@ def read_snapshot(backend: Backend, conn: Connection) -> Snapshot:
         known = False
     snap = Snapshot(tables, legacy, revision, known)
     if known:
-        snap.exports = _read_exports(conn, tables)
+        if progress:
+            snap.exports = _read_exports(conn, tables)
         if schema.identity.name in tables:
             snap.recorded_key = conn.execute(sa.select(schema.identity.c.state_key)).scalar() or None
     return snap

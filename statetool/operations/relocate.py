@@ -37,13 +37,13 @@ import shutil
 import signal
 import sqlite3
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from statetool.backends.sqlite import SqliteBackend, content_digest, fsync_dir
 from statetool.backends.tombstone import read_tombstone, write_tombstone_tmp
-from statetool.errors import StateError, StateWarning
-from statetool.location import STATE_FILE, Location
+from statetool.errors import StateError
+from statetool.location import STATE_FILE, Location, resolve_checkpoint
 from statetool.operations.context import Context
 from statetool.operations.leases import holding, run_lease_key
 from statetool.operations.preflight import require, run_preflight
@@ -89,13 +89,10 @@ class RelocateResult:
     kept_as: str | None = None
     source_digest: str | None = None
     message: str = ""
-    warnings: list[StateWarning] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
-        """JSON shape of the plan and outcome."""
-        doc = asdict(self)
-        doc["warnings"] = [w.as_dict() for w in self.warnings]
-        return doc
+        """JSON shape of the plan and outcome (a missing checkpoint has ``present: false``)."""
+        return asdict(self)
 
 
 def _target_dir(to: str, create: bool, dry_run: bool) -> Path:
@@ -112,16 +109,19 @@ def _target_dir(to: str, create: bool, dry_run: bool) -> Path:
     return target
 
 
-def _checkpoints(ctx: Context, source_dir: Path, target_dir: Path) -> list[CheckpointMove]:
+def _checkpoints(ctx: Context, target: Location) -> list[CheckpointMove]:
+    """Each relative checkpoint: where it resolves now, and where it will resolve after the move."""
     moves = []
     for export in ctx.config.exports:
         if not export.cdc or not export.cdc.checkpoint or os.path.isabs(export.cdc.checkpoint):
             continue
-        rel = export.cdc.checkpoint
-        candidates = [source_dir / rel, ctx.config.directory / rel]
-        found = next((c for c in candidates if c.is_file()), None)
-        moves.append(CheckpointMove(export.name, rel, str(found or candidates[0]), str(target_dir / rel),
-                                    found is not None, found.stat().st_size if found else None))
+        now = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, ctx.location, ctx.config.directory)
+        after = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, target, ctx.config.directory,
+                                   exists=lambda _path: True)
+        assert now.path is not None and after.path is not None
+        present = now.path.is_file()
+        moves.append(CheckpointMove(export.name, export.cdc.checkpoint, str(now.path), str(after.path), present,
+                                    now.path.stat().st_size if present else None))
     return moves
 
 
@@ -227,12 +227,10 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
     exports = sorted({e.name for e in ctx.config.exports} | set(snap.exports))
     result = RelocateResult(
         str(source), str(target_dir / STATE_FILE), state_url, source.stat().st_size, tables,
-        _checkpoints(ctx, location.directory, target_dir),
+        _checkpoints(ctx, Location("sqlite", "declared_dir", "flag", directory=target_dir,
+                                   path=target_dir / STATE_FILE)),
         f"the run lease of every export ({len(exports)}) and the SQLite write lock",
         dry_run=dry_run, resumed=resume is not None)
-    result.warnings = [StateWarning("RIVET_STATE_CHECKPOINT_BESIDE_CONFIG",
-                                    f"checkpoint of export {m.export} is missing at {m.source}; nothing to move")
-                       for m in result.checkpoints if not m.present]
     if dry_run:
         result.message = f"dry run: nothing was changed; after the move every task must run with RIVET_STATE_URL={state_url}"
         return result

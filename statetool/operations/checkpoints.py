@@ -1,0 +1,91 @@
+"""``statetool checkpoints``: every CDC export's checkpoint file, resolved (SPEC §6). Read-only."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+from statetool.errors import StateWarning
+from statetool.location import checkpoint_relative_message, resolve_checkpoint
+from statetool.operations.context import Context
+
+#: Largest checkpoint file read for its position (bytes); a position is a few hundred.
+MAX_READ = 1 << 20
+
+
+@dataclass
+class CheckpointReport:
+    """One CDC export's checkpoint: configured and resolved path, why, presence, size
+    (bytes), age (seconds since last write), the position it holds, or why it cannot be read."""
+
+    export: str
+    engine: str
+    configured: str | None
+    path: str | None
+    why: str
+    present: bool
+    size_bytes: int | None = None
+    age_seconds: float | None = None
+    position: object = None
+    error: str | None = None
+    warnings: list[StateWarning] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON shape of one checkpoint."""
+        doc = asdict(self)
+        doc["warnings"] = [w.as_dict() for w in self.warnings]
+        return doc
+
+
+@dataclass
+class CheckpointsResult:
+    """Every CDC export's checkpoint, and all their warnings."""
+
+    checkpoints: list[CheckpointReport]
+
+    @property
+    def warnings(self) -> list[StateWarning]:
+        """The warnings of every checkpoint, in export order."""
+        return [w for c in self.checkpoints for w in c.warnings]
+
+    def as_dict(self) -> dict[str, object]:
+        """``{"checkpoints": [...], "warnings": [...]}``."""
+        return {"checkpoints": [c.as_dict() for c in self.checkpoints],
+                "warnings": [w.as_dict() for w in self.warnings]}
+
+
+def _warning(code: str, export: str, path: object) -> StateWarning:
+    if code == "RIVET_STATE_CHECKPOINT_RELATIVE":
+        return StateWarning(code, checkpoint_relative_message(export, path))  # type: ignore[arg-type]
+    return StateWarning(code, f"CDC export {export}: its checkpoint was not found under the declared state "
+                              f"directory and is read from beside the config, {path}; move it into the state "
+                              "directory so it lives and moves with the state")
+
+
+def checkpoints(ctx: Context) -> CheckpointsResult:
+    """Resolve and read every CDC checkpoint of the config. Never writes. Raises the
+    resolver's and config loader's codes only; an unreadable file is reported in ``error``."""
+    location, config = ctx.location, ctx.config
+    out = []
+    for export in config.exports:
+        if export.cdc is None:
+            continue
+        place = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, location, config.directory)
+        report = CheckpointReport(export.name, export.cdc.engine, export.cdc.checkpoint,
+                                  str(place.path) if place.path else None, place.why, False)
+        if place.warning:
+            report.warnings.append(_warning(place.warning, export.name, place.path))
+        if place.path is not None and place.path.is_file():
+            stat = place.path.stat()
+            report.present, report.size_bytes = True, stat.st_size
+            report.age_seconds = round(time.time() - stat.st_mtime, 3)
+            try:
+                with open(place.path, "rb") as fh:
+                    report.position = json.loads(fh.read(MAX_READ))
+            except (OSError, UnicodeDecodeError, ValueError) as err:
+                report.error = f"{place.path} is not readable JSON: {err}"
+        elif place.path is not None and place.path.exists():
+            report.error = f"{place.path} is not a regular file"
+        out.append(report)
+    return CheckpointsResult(out)
