@@ -195,6 +195,20 @@ def relocate(
 
 
 @app.command()
+def transfer(
+    ctx: typer.Context,
+    to: Annotated[str, typer.Option("--to", help="PostgreSQL URL of the destination (?schema=NAME allowed).")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
+) -> None:
+    """Move a SQLite state into PostgreSQL: one transaction, verified, the old place retired."""
+    from statetool import render
+    from statetool.operations.transfer import transfer as op
+
+    g = _g(ctx)
+    _emit(g, op(g.context(), to, dry_run=dry_run).as_dict(), render.transfer)
+
+
+@app.command()
 def revisions(ctx: typer.Context) -> None:
     """Every revision of this release, oldest first, and which the state has."""
     from statetool import render

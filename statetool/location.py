@@ -65,7 +65,10 @@ class Location:
             return ""
         if self.backend == "sqlite":
             return f"sqlite:{self.directory}"
-        return redact_url(self.url or "")
+        url = self.url or ""
+        if self.schema != DEFAULT_SCHEMA:
+            url += f"{'&' if '?' in url else '?'}schema={self.schema}"
+        return redact_url(url)
 
     def as_dict(self) -> dict[str, object]:
         """JSON shape: ``{backend, scope, origin, path, directory, url, schema, display}``."""

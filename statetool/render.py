@@ -247,6 +247,25 @@ def checkpoints(doc: dict[str, Any]) -> None:
     print_warnings(doc["warnings"])
 
 
+def transfer(doc: dict[str, Any]) -> None:
+    """``statetool transfer`` for people: the plan, then the outcome."""
+    out.print(_kv("Transfer", [("from", doc["source"]), ("to", doc["destination"]), ("size (bytes)", doc["size_bytes"]),
+                               ("every task must set", f"RIVET_STATE_URL={doc['state_url']}")]))
+    table = Table(title="Tables", title_justify="left")
+    for col in ("table", "rows", "verified"):
+        table.add_column(col)
+    for row in doc["tables"]:
+        table.add_row(row["table"], str(row["rows"]), _fmt(row["verified"]))
+    out.print(table)
+    for cp in doc["checkpoints"]:
+        out.print(f"checkpoint {cp['export']}: {cp['configured']} -> set cdc.checkpoint to {cp['set_to']}",
+                  markup=False)
+    if doc.get("kept_as"):
+        out.print(f"old SQLite bytes kept as {doc['kept_as']}", markup=False)
+    out.print(doc["message"], markup=False)
+    print_warnings(doc.get("warnings", []))
+
+
 def revisions(doc: dict[str, Any]) -> None:
     """``statetool revisions`` for people."""
     table = Table(title="Revisions (oldest first)", title_justify="left")

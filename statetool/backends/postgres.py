@@ -120,6 +120,17 @@ class PostgresBackend:
                                      f"schema {self.schema} at {self.location.display} already holds tables")
                 build(conn)
 
+    @contextlib.contextmanager
+    def receiving(self) -> Iterator[Connection]:
+        """One writing transaction on the schema, created if absent, under the writers'
+        advisory lock; it may hold no table yet (a transfer builds and fills it). Committed
+        on a clean exit; nothing of it is visible before."""
+        with self._connect(read_only=False) as conn:
+            with conn.begin():
+                self._lock(conn, "RIVET_STATE_MIGRATION_LOCKED")
+                conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
+                yield conn
+
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> None:
         return None
 

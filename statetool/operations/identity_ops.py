@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from statetool.errors import StateError, StateWarning
-from statetool.identity import identity_verdict
+from statetool.identity import identity_verdict, state_key
 from statetool.operations.context import Context
 from statetool.operations.preflight import DESCRIBABLE, identity_message, raise_failures, run_preflight
 from statetool.operations.writes import head_write, record_identity
@@ -84,7 +84,11 @@ def rekey(ctx: Context, old: str, new: str | None = None, reason: str = "") -> I
     when the recorded key is not exactly ``old``; writes an audit row with both keys and
     ``reason``. The pre-flight's identity refusal does not apply (re-keying is the point).
     """
-    target = new or ctx.computed_key
+    # --new may be a key or a source URL: record its canonical key, never a user or password.
+    target = state_key(new) if new else ctx.computed_key
+    if new and not target:
+        raise StateError("RIVET_STATE_KEY_UNCOMPUTABLE", f"--new '{new}' is neither a state key nor a source URL "
+                         "(scheme://host[:port]/database)")
     if not target:
         raise StateError("RIVET_STATE_KEY_UNCOMPUTABLE", "give --new, or set the config's source URL")
     with head_write(ctx, backup_label=None, claim=False, allow=frozenset({"RIVET_STATE_FOREIGN"})) as session:

@@ -74,9 +74,10 @@ def info(ctx: Context) -> InfoResult:
         "message": identity_message(verdict, str(ctx.location.directory or ctx.location.display), False)
         if verdict else "no state: nothing recorded",
     }
+    from statetool.operations.checkpoints import checkpoints
     from statetool.operations.leases import list_leases
 
-    warnings = [w.as_dict() for w in pf.warnings]
+    warnings = [w.as_dict() for w in pf.warnings + checkpoints(ctx).warnings]
     leases = list_leases(ctx).leases if snap is not None and snap.known else []
     return InfoResult(ctx.location.as_dict(), _revision_doc(snap), identity, _export_rows(ctx, snap), warnings,
                       leases)

@@ -55,7 +55,8 @@ CRASH_POINTS = ("leases", "checkpointed", "locked", "digested", "copied", "check
                 "linked", "kept", "tombstoned", "swapped")
 
 
-def _crash_point(name: str) -> None:
+def crash_point(name: str) -> None:
+    """SIGKILL this process at ``name`` when ``STATETOOL_CRASH_AT`` says so (crash tests only)."""
     if os.environ.get("STATETOOL_CRASH_AT") == name:
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -246,16 +247,16 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
                 if err.code != "RIVET_STATE_LOCK_TIMEOUT":
                     raise
                 raise StateError("RIVET_STATE_RUN_IN_PROGRESS", err.message, err.details) from None
-        _crash_point("leases")
+        crash_point("leases")
         backend.checkpoint_wal()
-        _crash_point("checkpointed")
+        crash_point("checkpointed")
         conn = stack.enter_context(backend.writing("RIVET_STATE_RUN_IN_PROGRESS"))
         if not backend.wal_is_empty():
             raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"a writer wrote to {source} during the checkpoint; re-run")
-        _crash_point("locked")
+        crash_point("locked")
         digest = content_digest(source)
         result.source_digest = digest
-        _crash_point("digested")
+        crash_point("digested")
         if resume is not None and resume.get("source_digest") != digest:
             raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
                              f"an interrupted relocation left a copy at {result.target}, and the source changed "
@@ -266,9 +267,7 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
             for move in result.checkpoints:
                 if move.present:
                     _copy_checkpoint(move, resuming=True)
-        result.kept_as = _switch(ctx, source, target_dir, result)
-    for leftover in (Path(f"{source}-wal"), Path(f"{source}-shm")):
-        leftover.unlink(missing_ok=True)
+        result.kept_as = retire_source(ctx, source, result.target, state_url, digest, "statetool relocate")
     result.done = True
     result.message = f"relocated; every task must now run with RIVET_STATE_URL={state_url}"
     return result
@@ -281,7 +280,7 @@ def _copy_state(ctx: Context, backend: SqliteBackend, conn: object, target_dir: 
     def progress(done: int, total: int) -> None:
         update(done, total)
         if os.environ.get("STATETOOL_CRASH_AT", "").startswith("copy-page-"):
-            _crash_point(f"copy-page-{done}")
+            crash_point(f"copy-page-{done}")
 
     with ctx.progress("copying") as update:
         backend.copy_to(conn, copy, progress, full_verify)  # type: ignore[arg-type]
@@ -289,11 +288,11 @@ def _copy_state(ctx: Context, backend: SqliteBackend, conn: object, target_dir: 
         copy.unlink()
         raise StateError("RIVET_STATE_VERIFY_FAILED", f"the copy at {copy} differs from {result.source}; "
                          "nothing was changed")
-    _crash_point("copied")
+    crash_point("copied")
     for move in result.checkpoints:
         if move.present:
             _copy_checkpoint(move, resuming=False)
-    _crash_point("checkpoint-copied")
+    crash_point("checkpoint-copied")
     db = sqlite3.connect(copy)
     try:
         with db:
@@ -305,19 +304,22 @@ def _copy_state(ctx: Context, backend: SqliteBackend, conn: object, target_dir: 
         db.close()
     with open(copy, "rb+") as fh:
         os.fsync(fh.fileno())
-    _crash_point("audited")
+    crash_point("audited")
     try:
         os.link(copy, target_dir / STATE_FILE)
     except FileExistsError:
         raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
                          f"{target_dir / STATE_FILE} appeared during the copy; nothing was replaced") from None
     fsync_dir(target_dir)
-    _crash_point("linked")
+    crash_point("linked")
     copy.unlink()
     fsync_dir(target_dir)
 
 
-def _switch(ctx: Context, source: Path, target_dir: Path, result: RelocateResult) -> str:
+def retire_source(ctx: Context, source: Path, to: str, state_url: str, digest: str | None, how: str) -> str:
+    """Keep the source's bytes as ``.rivet_state.db.relocated-<UTC>`` and put a tombstone
+    at its path in one atomic rename (statetool/backends/tombstone.py). Shared by relocate
+    and transfer. Returns the path the old bytes are kept at."""
     directory = source.parent
     for old in directory.glob(f"{STATE_FILE}.relocated-*"):
         if old.is_file() and os.path.samefile(old, source):
@@ -325,12 +327,13 @@ def _switch(ctx: Context, source: Path, target_dir: Path, result: RelocateResult
     kept = directory / f"{STATE_FILE}.relocated-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     os.link(source, kept)
     fsync_dir(directory)
-    _crash_point("kept")
-    tomb = write_tombstone_tmp(directory, {
-        "to": result.target, "state_url": result.state_url, "at": now_iso(), "by": ctx.actor,
-        "kept_as": str(kept), "source_digest": result.source_digest, "how": "statetool relocate"})
-    _crash_point("tombstoned")
+    crash_point("kept")
+    tomb = write_tombstone_tmp(directory, {"to": to, "state_url": state_url, "at": now_iso(), "by": ctx.actor,
+                                           "kept_as": str(kept), "source_digest": digest, "how": how})
+    crash_point("tombstoned")
     os.replace(tomb, source)
     fsync_dir(directory)
-    _crash_point("swapped")
+    crash_point("swapped")
+    for leftover in (Path(f"{source}-wal"), Path(f"{source}-shm")):
+        leftover.unlink(missing_ok=True)
     return str(kept)

@@ -1,0 +1,275 @@
+"""``statetool transfer --to URL``: move a SQLite state into PostgreSQL (SPEC §1, §3, §6, §9).
+
+Order (interrupt it at any instant: the destination has all of the state or nothing,
+the source is untouched until the switch, and a re-run converges):
+
+1. Pre-flight of the source (every check; at head) and of the destination (reachable;
+   no state of another identity, even though PostgreSQL state is shared by design: a
+   transfer must not merge two sources; no progress for any export of this config).
+2. Hold off writers on the source: every run lease of its exports, a WAL checkpoint,
+   the SQLite write lock; the source's page digest is taken.
+3. ONE destination transaction (under the writers' advisory lock): the schema is
+   created and migrated to head if absent; every table is streamed with ``COPY`` (rows
+   read and written in batches: memory stays flat); each table's row count and an
+   additive content checksum (sum of the first 60 bits of each row's md5) are compared
+   with the source's; a ``transfer`` audit row is added; COMMIT.
+4. Switch: the source gets the tombstone relocation leaves (``RIVET_STATE_RELOCATED``,
+   naming the ``RIVET_STATE_URL`` to set, password masked).
+
+A re-run after a crash between 3 and 4 finds the destination's ``transfer`` row for
+this source and, if the source's digest is unchanged, goes straight to the switch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import sqlite3
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from statetool import migrations, schema
+from statetool.backends.postgres import PostgresBackend
+from statetool.backends.sqlite import SqliteBackend, content_digest
+from statetool.errors import StateError
+from statetool.location import ENV_VAR, Location, checkpoint_relative_message, resolve_checkpoint, resolve_location
+from statetool.operations.context import Context
+from statetool.operations.leases import holding, run_lease_key
+from statetool.operations.preflight import require, run_preflight
+from statetool.operations.probe import read_snapshot
+from statetool.operations.relocate import crash_point, retire_source
+from statetool.operations.writes import now_iso
+
+#: Tables copied, parents first; ``id`` columns of the append-only tables are not copied
+#: (the destination assigns its own, so a shared schema's rows never collide).
+COPIED = (schema.exports, schema.runs, schema.chunks, schema.run_aggregates, schema.load_ledger, schema.identity,
+          schema.audit)
+_FRESH_IDS = {schema.load_ledger.name, schema.audit.name}
+BATCH_ROWS = 5000
+_NULL = "\\N"
+
+
+def _columns(table: sa.Table) -> list[str]:
+    return [c.name for c in table.columns if not (table.name in _FRESH_IDS and c.name == "id")]
+
+
+def row_checksum(values: tuple[Any, ...]) -> int:
+    """The first 60 bits of the md5 of a row's canonical text (columns as text, NULL as
+    ``\\N``, joined by tabs): the same number PostgreSQL computes in :func:`_pg_checksum`."""
+    text = "\t".join(_NULL if v is None else str(v) for v in values)
+    return int(hashlib.md5(text.encode()).hexdigest()[:15], 16)
+
+
+def _pg_checksum(conn: Connection, table: str, columns: list[str]) -> tuple[int, int]:
+    joined = ", ".join(f"coalesce(\"{c}\"::text, '{_NULL}')" for c in columns)
+    row = conn.execute(sa.text(
+        f"SELECT count(*), coalesce(sum(('x' || substr(md5(concat_ws(E'\\t', {joined})), 1, 15))::bit(60)::bigint), 0) "
+        f'FROM "{table}"')).one()
+    return int(row[0]), int(row[1])
+
+
+@dataclass
+class TableCopy:
+    """One table: rows in the source, and what the destination gained (rows, checksum)."""
+
+    table: str
+    rows: int
+    checksum: int | None = None
+    verified: bool = False
+
+
+@dataclass
+class TransferResult:
+    """The plan and, unless ``dry_run``, what was done."""
+
+    source: str
+    destination: str
+    state_url: str
+    size_bytes: int
+    tables: list[TableCopy]
+    checkpoints: list[dict[str, str]]
+    dry_run: bool = False
+    done: bool = False
+    resumed: bool = False
+    kept_as: str | None = None
+    message: str = ""
+    warnings: list[dict[str, str]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON shape of the plan and outcome."""
+        return asdict(self)
+
+
+def _destination(ctx: Context, url: str) -> PostgresBackend:
+    location = resolve_location(None, url, ctx.config_path)
+    if location.backend != "postgres":
+        raise StateError("RIVET_STATE_BACKEND_UNSUPPORTED",
+                         f"transfer moves a state into PostgreSQL; '{location.display}' is not a PostgreSQL URL "
+                         "(to move a SQLite state into a directory, use statetool relocate)")
+    return PostgresBackend(location, ctx.lock_wait)
+
+
+def _transfer_row(conn: Connection, tables: set[str], source: str) -> dict[str, Any] | None:
+    if schema.audit.name not in tables:
+        return None
+    a = schema.audit
+    for (detail,) in conn.execute(sa.select(a.c.detail).where(a.c.action == "transfer").order_by(a.c.id.desc())):
+        doc = json.loads(detail)
+        if doc.get("from") == source:
+            return doc
+    return None
+
+
+def _check_destination(ctx: Context, dest: PostgresBackend, conn: Connection, source_key: str | None,
+                       source: str) -> dict[str, Any] | None:
+    """Refuse a destination that holds another source's state or progress of this config;
+    return an earlier completed transfer of THIS source (to converge on), else None."""
+    tables = dest.table_names(conn)
+    if not tables:
+        return None
+    snap = read_snapshot(dest, conn, integrity=False)
+    if not snap.known or snap.pending:
+        raise StateError("RIVET_STATE_MIGRATION_PENDING" if snap.known else "RIVET_STATE_SCHEMA_NEWER",
+                         f"the destination {dest.location.display} is at revision {snap.revision or 'legacy'}, not "
+                         f"at this release's head {migrations.head()}; bring it to head first")
+    earlier = _transfer_row(conn, set(tables), source)
+    if earlier is not None:
+        return earlier
+    if snap.recorded_key and source_key and snap.recorded_key != source_key:
+        raise StateError("RIVET_STATE_FOREIGN",
+                         f"the destination {dest.location.display} holds the state of {snap.recorded_key}, not of "
+                         f"{source_key}; a transfer never merges two sources: choose another schema (?schema=NAME)",
+                         {"recorded": snap.recorded_key, "computed": source_key})
+    busy = sorted(e.name for e in ctx.config.exports if e.name in snap.exports and snap.exports[e.name].has_progress)
+    if busy:
+        raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
+                         f"the destination {dest.location.display} already holds progress for {', '.join(busy)}; "
+                         "a transfer never overwrites progress")
+    return None
+
+
+def _checkpoint_plan(ctx: Context, dest_location: Location) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    plan, warnings = [], []
+    for export in ctx.config.exports:
+        if export.cdc is None or not export.cdc.checkpoint:
+            continue
+        place = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, dest_location, ctx.config.directory)
+        plan.append({"export": export.name, "configured": export.cdc.checkpoint, "resolves_to": str(place.path),
+                     "set_to": str(place.path) if place.warning else export.cdc.checkpoint})
+        if place.warning == "RIVET_STATE_CHECKPOINT_RELATIVE":
+            warnings.append({"code": place.warning,
+                             "message": checkpoint_relative_message(export.name, place.path),  # type: ignore[arg-type]
+                             "action": "set cdc.checkpoint to an absolute path on storage that outlives the worker"})
+    return plan, warnings
+
+
+def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
+    """Move the SQLite state at the resolved location into the PostgreSQL state at ``to``.
+
+    Raises ``RIVET_STATE_BACKEND_UNSUPPORTED`` (source not SQLite, or ``to`` not
+    PostgreSQL), ``RIVET_STATE_UNREACHABLE`` / ``RIVET_STATE_AUTH_FAILED`` (destination),
+    ``RIVET_STATE_FOREIGN`` / ``RIVET_STATE_TARGET_NOT_EMPTY`` (destination holds another
+    source or this config's progress), ``RIVET_STATE_RUN_IN_PROGRESS`` (a live run past
+    ``--lock-wait``), ``RIVET_STATE_VERIFY_FAILED`` (rolled back; nothing committed), and
+    every pre-flight code of the source. ``dry_run`` writes nothing anywhere.
+    """
+    location = ctx.location
+    if location.backend != "sqlite":
+        raise StateError("RIVET_STATE_BACKEND_UNSUPPORTED", "transfer moves a SQLite state; this state is already "
+                         "in PostgreSQL")
+    assert location.path is not None
+    dest = _destination(ctx, to)
+    source_path = location.path
+    pf = run_preflight(ctx, for_write=True, recover=not dry_run)
+    snap = require(pf)
+    source_key = snap.recorded_key or ctx.computed_key or None
+    backend = SqliteBackend(location, ctx.lock_wait)
+    with backend.reading() as conn:
+        counts = {t.name: int(conn.execute(sa.select(sa.func.count()).select_from(t)).scalar() or 0) for t in COPIED}
+    with dest._connect(read_only=True) as conn:  # noqa: SLF001 - the destination's read-only session
+        earlier = _check_destination(ctx, dest, conn, source_key, str(source_path))
+    checkpoints, warnings = _checkpoint_plan(ctx, dest.location)
+    result = TransferResult(str(source_path), dest.location.display, dest.location.state_url,
+                            source_path.stat().st_size, [TableCopy(t.name, counts[t.name]) for t in COPIED],
+                            checkpoints, dry_run=dry_run, resumed=earlier is not None, warnings=warnings)
+    if dry_run:
+        result.message = f"dry run: nothing was changed; after the transfer every task must run with " \
+                         f"{ENV_VAR}={result.state_url}"
+        return result
+    exports = sorted({e.name for e in ctx.config.exports} | set(snap.exports))
+    with contextlib.ExitStack() as stack:
+        for export in exports:
+            try:
+                stack.enter_context(holding(ctx, run_lease_key(export), ctx.command))
+            except StateError as err:
+                if err.code != "RIVET_STATE_LOCK_TIMEOUT":
+                    raise
+                raise StateError("RIVET_STATE_RUN_IN_PROGRESS", err.message, err.details) from None
+        backend.checkpoint_wal()
+        source_conn = stack.enter_context(backend.writing("RIVET_STATE_RUN_IN_PROGRESS"))
+        if not backend.wal_is_empty():
+            raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"a writer wrote to {source_path} during the checkpoint")
+        digest = content_digest(source_path)
+        crash_point("digested")
+        raw: sqlite3.Connection = source_conn.connection.driver_connection  # type: ignore[assignment]
+        with dest.receiving() as conn:
+            earlier = _check_destination(ctx, dest, conn, source_key, str(source_path))
+            if earlier is not None and earlier.get("source_digest") != digest:
+                raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
+                                 f"an earlier transfer of {source_path} is in {dest.location.display}, and the source "
+                                 "changed since; nothing was changed")
+            if earlier is None:
+                _copy(ctx, raw, dest, conn, result)
+                conn.execute(sa.insert(schema.audit).values(
+                    at=now_iso(), actor=ctx.actor, command=ctx.command, action="transfer",
+                    detail=json.dumps({"from": str(source_path), "to": result.destination,
+                                       "source_digest": digest, "rows": counts}, sort_keys=True)))
+            crash_point("copied")
+        crash_point("committed")
+        result.kept_as = retire_source(ctx, source_path, result.destination, result.state_url, digest,
+                                       "statetool transfer")
+    result.done = True
+    result.message = f"transferred; every task must now run with {ENV_VAR}={result.state_url}"
+    return result
+
+
+def _copy(ctx: Context, raw: sqlite3.Connection, dest: PostgresBackend, conn: Connection,
+          result: TransferResult) -> None:
+    if not dest.table_names(conn):
+        migrations.apply(conn, migrations.head(), dest.schema, "up")
+    has_identity = conn.execute(sa.select(sa.func.count()).select_from(schema.identity)).scalar()
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    total = sum(t.rows for t in result.tables)
+    done = 0
+    with ctx.progress("transferring rows") as update:
+        update(0, total)
+        for table, copy in zip(COPIED, result.tables, strict=True):
+            if table is schema.identity and has_identity:
+                copy.verified = True  # the destination already records this very identity
+                continue
+            columns = _columns(table)
+            before_rows, before_sum = _pg_checksum(conn, table.name, columns)
+            quoted = ", ".join(f'"{c}"' for c in columns)
+            source_sum = 0
+            rows = raw.execute(f'SELECT {quoted} FROM "{table.name}" ORDER BY rowid')
+            with cursor.copy(f'COPY "{table.name}" ({quoted}) FROM STDIN') as pg_copy:
+                while batch := rows.fetchmany(BATCH_ROWS):
+                    for row in batch:
+                        pg_copy.write_row(row)
+                        source_sum += row_checksum(row)
+                    done += len(batch)
+                    update(done, total)
+            after_rows, after_sum = _pg_checksum(conn, table.name, columns)
+            copy.checksum = source_sum
+            if after_rows - before_rows != copy.rows or after_sum - before_sum != source_sum:
+                raise StateError("RIVET_STATE_VERIFY_FAILED",
+                                 f"{table.name}: the destination gained {after_rows - before_rows} rows (checksum "
+                                 f"{after_sum - before_sum}), the source has {copy.rows} (checksum {source_sum}); "
+                                 "the transaction was rolled back, nothing was changed")
+            copy.verified = True
+    if schema.VERSION_TABLE not in dest.table_names(conn):
+        raise StateError("RIVET_STATE_VERIFY_FAILED", "the destination has no version table after the copy")
