@@ -5,8 +5,6 @@ its operation (SQLAlchemy, alembic, psycopg, rich) when it runs, so ``statetool 
 costs about what ``import typer`` does.
 """
 
-from __future__ import annotations
-
 import os
 import sys
 from dataclasses import dataclass
@@ -88,10 +86,10 @@ def _g(ctx: typer.Context) -> Globals:
 
 
 def _emit(g: Globals, doc: dict[str, Any], human: Any) -> None:
-    if g.json:
-        from statetool.render import print_json
+    if g.json:  # one JSON document on stdout; rich is not even imported
+        import json
 
-        print_json(doc)
+        sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
     else:
         human(doc)
 
@@ -369,9 +367,16 @@ def _print_traceback() -> None:
 
 
 def _fail(error: StateError, json_errors: bool) -> NoReturn:
-    from statetool.render import print_error
+    if json_errors:  # one line on stderr, without loading rich
+        import json
 
-    print_error(error, json_errors)
+        from statetool.errors import error_object
+
+        sys.stderr.write(json.dumps(error_object(error)) + "\n")
+    else:
+        from statetool.render import print_error
+
+        print_error(error)
     raise SystemExit(error.exit_code)
 
 
@@ -390,6 +395,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     except Exception as exc:  # noqa: BLE001 - the one place an unexpected error is turned into RIVET_INTERNAL
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare command group: its help is the answer
+            sys.stdout.write(exc.format_message() + "\n")  # type: ignore[attr-defined]
+            raise SystemExit(0) from None
         if callable(getattr(exc, "format_message", None)):  # the argument parser's usage errors
             _fail(StateError("RIVET_CLI_USAGE", exc.format_message()), json_errors)
         if debug:

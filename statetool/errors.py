@@ -82,7 +82,7 @@ REGISTRY: dict[str, Entry] = {
         "usage", "generic", "name an export of the config or of the state (statetool exports list)",
     ),
     "RIVET_STATE_REVISION_UNKNOWN": _e(
-        "usage", "generic", "name a revision that statetool revisions lists, or head or base",
+        "usage", "generic", "name a revision that statetool revisions lists, or head",
     ),
     "RIVET_STATE_DIR_MISSING": _e(
         "usage", "generic",
@@ -103,6 +103,12 @@ REGISTRY: dict[str, Entry] = {
     "RIVET_STATE_KEY_UNCOMPUTABLE": _e(
         "usage", "generic",
         "set the source URL (source.url, or the variable source.url_env names) so the state key can be computed",
+    ),
+    # generic, not retryable: a re-run fails the same way until someone frees space.
+    "RIVET_STATE_DISK_FULL": _e(
+        "environment", "generic",
+        "free space on the filesystem named in the message (or choose a directory on a larger one), then re-run; "
+        "the state was left as it was",
     ),
     # retryable (2): a re-run without human action may succeed
     "RIVET_STATE_UNREACHABLE": _e(

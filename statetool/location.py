@@ -146,6 +146,12 @@ def _postgres(raw: str, origin: str) -> Location:
     except ValueError as err:
         raise StateError("RIVET_STATE_URL_INVALID", f"'{raw}' does not parse as a URL ({err}); "
                          f"accepted forms: {ACCEPTED_FORMS}", {"value": raw}) from None
+    if "@" in parts.path:
+        # user:p@ss/word@host: the password's own '/' ended the host part, so the "host"
+        # is a piece of the password. Connecting there would send (and echo) it.
+        raise StateError("RIVET_STATE_URL_INVALID",
+                         f"'{raw}' has an '@' after its host: a password containing '@', '/', '?' or '#' "
+                         "must be percent-encoded (%40, %2F, %3F, %23)", {"value": raw})
     schemas = [v for k, v in query if k == "schema"]
     schema = schemas[-1] if schemas else DEFAULT_SCHEMA
     if not _IDENTIFIER.match(schema):

@@ -7,6 +7,7 @@ migrate. Every path uses the version table ``rivet_state_version`` (alembic/env.
 
 from __future__ import annotations
 
+import ast
 import functools
 import io
 from collections.abc import Callable
@@ -44,21 +45,37 @@ class Revision:
 
 @functools.cache
 def revisions() -> tuple[Revision, ...]:
-    """Every revision, oldest first (a single line of history: no branches)."""
-    from alembic.script import ScriptDirectory
+    """Every revision, oldest first (a single line of history: no branches).
 
-    scripts = ScriptDirectory(str(script_location()))
-    out = []
-    for script in reversed(list(scripts.walk_revisions())):
-        module = script.module
-        out.append(Revision(
-            id=script.revision,
-            description=(script.doc or "").strip().splitlines()[0] if script.doc else "",
-            down=script.down_revision,  # type: ignore[arg-type]
-            rebuilds=tuple(getattr(module, "UPGRADE_REBUILDS", ())),
-            loses=dict(getattr(module, "DOWNGRADE_LOSES", {})),
-        ))
-    return tuple(out)
+    Read from the revision files' text (their module-level constants and docstring),
+    without importing alembic: ``check`` and ``info`` need the list, not the engine.
+    """
+    found: dict[str, Revision] = {}
+    for path in sorted((script_location() / "versions").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        values: dict[str, Any] = {}
+        for node in tree.body:
+            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+                node.target if isinstance(node, ast.AnnAssign) else None
+            if isinstance(target, ast.Name) and node.value is not None:  # type: ignore[union-attr]
+                values[target.id] = ast.literal_eval(node.value)  # type: ignore[union-attr, arg-type]
+        doc = (ast.get_docstring(tree) or "").strip()
+        rev = Revision(values["revision"], doc.splitlines()[0] if doc else "", values["down_revision"],
+                       tuple(values.get("UPGRADE_REBUILDS", ())), dict(values.get("DOWNGRADE_LOSES", {})))
+        found[rev.id] = rev
+    ordered: list[Revision] = []
+    parent: str | None = None
+    while True:
+        children = [r for r in found.values() if r.down == parent]
+        if len(children) > 1:
+            raise RuntimeError(f"the revision history branches after {parent}: {[r.id for r in children]}")
+        if not children:
+            break
+        ordered.append(children[0])
+        parent = children[0].id
+    if len(ordered) != len(found):
+        raise RuntimeError(f"revisions not on the line from base: {sorted(set(found) - {r.id for r in ordered})}")
+    return tuple(ordered)
 
 
 def head() -> str:
@@ -85,6 +102,8 @@ def resolve_target(target: str | None) -> str:
     if target in (None, "head"):
         return head()
     try:
+        if target == "base":
+            raise KeyError(target)
         index_of(target)
     except KeyError:
         known = ", ".join(r.id for r in revisions())

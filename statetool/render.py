@@ -21,16 +21,8 @@ out = Console(highlight=False, soft_wrap=False)
 err = Console(stderr=True, highlight=False)
 
 
-def print_json(doc: Any) -> None:
-    """One JSON document on stdout."""
-    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
-
-
-def print_error(error: StateError, as_json: bool) -> None:
-    """``Error: …`` and ``Try: …`` on stderr, or the one-line error object (SPEC §7)."""
-    if as_json:
-        sys.stderr.write(json.dumps(error_object(error)) + "\n")
-        return
+def print_error(error: StateError) -> None:
+    """``Error: …`` and ``Try: …`` on stderr (the ``--json-errors`` line is cli.py's)."""
     err.print(f"[bold red]Error[/] [{error.code}]: {error.message}", markup=True, highlight=False)
     err.print(f"Try: {error.entry.action}", markup=False)
 

@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from statetool import schema
-from statetool.errors import StateWarning
+from statetool.errors import StateError, StateWarning
 from statetool.operations.context import Context
 from statetool.operations.create import init
 from statetool.operations.writes import head_write, now_iso
@@ -96,7 +96,13 @@ class StateStore:
         ctx = Context(Path(config_path), state_url, dict(os.environ if env is None else env), lock_wait,
                       command="runtime")
         if create and not ctx.backend().present():
-            init(ctx)
+            try:
+                init(ctx)
+            except StateError as err:
+                # Another task of this pipeline created it meanwhile (first runs started
+                # together): open that one; the pre-flight below judges it like any state.
+                if err.code != "RIVET_STATE_TARGET_NOT_EMPTY":
+                    raise
         with head_write(ctx, backup_label=None) as session:
             warnings = session.warnings
         return cls(ctx, warnings)

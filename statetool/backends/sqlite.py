@@ -137,6 +137,11 @@ class SqliteBackend:
             {"path": str(self.path), "to": doc.get("to"), "state_url": url},
         )
 
+    def _orphan_wal_beside(self) -> bool:
+        """A -wal or -shm beside the file, and no hot -journal (which mode=ro must still see)."""
+        wal, shm, journal = (Path(f"{self.path}{suffix}") for suffix in ("-wal", "-shm", "-journal"))
+        return (wal.exists() or shm.exists()) and not journal.exists()
+
     def _wal_has_frames(self) -> bool:
         wal = Path(f"{self.path}-wal")
         return wal.exists() and wal.stat().st_size > 32
@@ -148,7 +153,11 @@ class SqliteBackend:
         header = self._header()
         wal_mode = header[18] == 2
         with contextlib.ExitStack() as stack:
-            if not wal_mode:
+            if not wal_mode and self._orphan_wal_beside() and lock_holders(self.path) == set():
+                # A rollback-journal state with a -wal/-shm beside it (restored or copied apart): a
+                # mode=ro open adopts that -wal and rewrites the -shm; immutable=1 reads the main file alone.
+                uri = f"file:{self._quoted(self.path)}?immutable=1"
+            elif not wal_mode:
                 uri = f"file:{self._quoted(self.path)}?mode=ro"
             elif not self._wal_has_frames():
                 uri = f"file:{self._quoted(self.path)}?immutable=1"
@@ -323,8 +332,19 @@ class SqliteBackend:
         return got
 
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> Path:
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        final = self.path.with_name(f"{self.path.name}.backup-{label}-{stamp}")
+        from urllib.parse import quote
+
+        # The label may carry an export name: percent-encoded (as lease file names are) so a
+        # "/" in it can neither fail the backup nor place it outside the state's directory.
+        label = quote(label, safe="-_.")
+        while True:
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            final = self.path.with_name(f"{self.path.name}.backup-{label}-{stamp}")
+            if not os.path.lexists(final):
+                break
+            # A backup of the same label was taken within this second (two changes in a row):
+            # never replace it, it holds the state before the earlier change. Wait for a free name.
+            time.sleep(0.05)
         tmp = final.with_name(final.name + ".tmp")
         # A .tmp left by a backup that was killed: no other backup can be running, since
         # every backup is taken under the write lock this connection holds.

@@ -30,11 +30,14 @@ _MAX_NAME = 240
 
 def key_to_filename(key: str) -> str:
     """Percent-encode every byte of ``key`` outside ``[A-Za-z0-9_-]`` (``.`` and ``/`` too),
-    so no key can name ``..``, a path, or a hidden file. Raises ValueError for a key whose
-    encoding is longer than a file name may be."""
+    so no key can name ``..``, a path, or a hidden file. Raises ``RIVET_CLI_USAGE`` for an
+    empty key or one whose encoding is longer than a file name may be (the key comes from
+    user input, e.g. ``--export``: fix the input, not a bug)."""
     name = "".join(ch if ch in _SAFE else "".join(f"%{b:02X}" for b in ch.encode()) for ch in key)
     if not name or len(name) > _MAX_NAME:
-        raise ValueError(f"lease key {key!r} is empty or too long ({len(name)} bytes encoded)")
+        raise StateError("RIVET_CLI_USAGE", f"lease key {key[:60]!r}{'…' if len(key) > 60 else ''} is empty or "
+                         f"too long for a SQLite lease file ({len(name)} bytes encoded, at most {_MAX_NAME})",
+                         {"key": key})
     return name
 
 
@@ -100,8 +103,14 @@ class FlockLeases:
         return False
 
     def _info(self, key: str, path: Path) -> LeaseInfo:
-        holder = _read_record(path)
+        # Liveness first, record after: a clean release empties the record BEFORE it
+        # unlocks, so a record still there once the lock is seen gone was left by a dead
+        # holder. Read the other way round, a release in between reads as "stale". A record
+        # found while unlocked is re-checked, in case a new holder just took the lock.
         if self._live(path):
+            return LeaseInfo(key, "live", _read_record(path))
+        holder = _read_record(path)
+        if holder is not None and self._live(path):
             return LeaseInfo(key, "live", holder)
         return LeaseInfo(key, "stale" if holder else "free", holder)
 

@@ -36,7 +36,9 @@ def check(ctx: Context, *, strict: bool = False) -> CheckResult:
     ``RIVET_STATE_MIGRATION_PENDING`` (3). With ``strict``, ``warn`` rows fail as refusal (5).
     """
     pf = run_preflight(ctx)
-    rows = pf.checks + (_doctor_rows(ctx, pf) if pf.snapshot is not None else [])
+    # doctor reads the config: with a config that failed its row there is nothing more to diagnose.
+    config_read = not any(c.id == "config" and c.status == "fail" for c in pf.checks)
+    rows = pf.checks + (_doctor_rows(ctx, pf) if pf.snapshot is not None and config_read else [])
     if strict:
         rows = [Check(c.id, "fail", c.message, c.code) if c.status == "warn" else c for c in rows]
     failed = [c for c in rows if c.status == "fail" and c.code]

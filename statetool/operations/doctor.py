@@ -110,7 +110,14 @@ def _candidate(path: Path) -> dict[str, Any] | None:
 
     tomb = read_tombstone(path)
     if tomb is not None:
-        return {"path": str(path), "kind": "relocated", "moved_to": tomb.get("to"), "state_url": tomb.get("state_url")}
+        found = {"path": str(path), "kind": "relocated", "moved_to": tomb.get("to"), "state_url": tomb.get("state_url")}
+        target = tomb.get("to")
+        if isinstance(target, str) and os.path.isabs(target) and read_tombstone(Path(target)) is None:
+            moved = _candidate(Path(target)) if os.path.isfile(target) else None
+            # What the state it names holds (identity, last run, progress), when it is a readable file.
+            for key in ("identity", "revision", "last_run_finished_at", "exports_with_cursor"):
+                found[key] = moved.get(key) if moved else None
+        return found
     directory = path.parent
     backend = SqliteBackend(Location("sqlite", "declared_dir", "flag", directory=directory, path=path), 5.0)
     try:
@@ -147,6 +154,9 @@ def _search(ctx: Context, key: str) -> list[dict[str, Any]]:
         found.append(candidate)
 
     consider(ctx.config.directory / STATE_FILE, same_identity_only=False)
+    here = read_tombstone(ctx.location.path) if ctx.location.path is not None else None
+    if here is not None and isinstance(here.get("to"), str) and os.path.isabs(here["to"]):
+        consider(Path(here["to"]), same_identity_only=False)  # where the state at this place was moved
     for directory in WELL_KNOWN_DIRS:
         consider(Path(directory) / STATE_FILE, same_identity_only=False)
     root = ctx.config.directory
@@ -238,27 +248,44 @@ def _progress(conn: Connection, tables: frozenset[str], names: list[str]) -> dic
             .group_by(c.c.export_name)):
         if name in out:
             out[name].chunks_total, out[name].chunks_pending = int(total), int(pending or 0)
-    last_ok = (sa.select(r.c.finished_at).where(r.c.export_name == sa.bindparam("name"), r.c.status == "succeeded")
-               .order_by(r.c.started_at.desc()).limit(1))
-    ledger = schema.load_ledger
-    for name, progress in out.items():
-        progress.last_success = conn.execute(last_ok, {"name": name}).scalar()
-        if ledger.name in tables:
-            progress.ledger = conn.execute(sa.select(ledger.c.id).where(ledger.c.export_name == name).limit(1)
-                                           ).first() is not None
+    # The last succeeded run of each export (a backward scan of ix_rivet_runs_export_started)
+    # and whether it has a ledger row: one statement per batch of names, not two per export.
+    with_ledger = schema.load_ledger.name in tables
+    for start in range(0, len(names), _BATCH):
+        batch = names[start:start + _BATCH]
+        values = ", ".join(f"(:n{i})" for i in range(len(batch)))
+        ledger = (f", EXISTS (SELECT 1 FROM {schema.load_ledger.name} AS l WHERE l.export_name = names.name)"
+                  if with_ledger else "")
+        query = sa.text(
+            f"WITH names(name) AS (VALUES {values}) "
+            f"SELECT names.name, (SELECT r.finished_at FROM {r.name} AS r WHERE r.export_name = names.name "
+            f"AND r.status = 'succeeded' ORDER BY r.started_at DESC LIMIT 1){ledger} FROM names")
+        for row in conn.execute(query, {f"n{i}": name for i, name in enumerate(batch)}):
+            out[row[0]].last_success = row[1]
+            out[row[0]].ledger = bool(row[2]) if with_ledger else False
     return out
 
 
-def _last_reset(conn: Connection, tables: frozenset[str], name: str) -> dict[str, Any] | None:
+#: Export names per lookup statement (bind parameters stay far below every backend's limit).
+_BATCH = 500
+
+
+def _last_resets(conn: Connection, tables: frozenset[str]) -> dict[str, dict[str, Any]]:
+    """The latest ``exports.reset`` audit row of each export, in one pass over those rows."""
     if schema.audit.name not in tables:
-        return None
+        return {}
     a = schema.audit
+    found: dict[str, dict[str, Any]] = {}
     for row in conn.execute(sa.select(a.c.at, a.c.actor, a.c.detail).where(a.c.action == "exports.reset")
                             .order_by(a.c.id.desc())):
-        detail = json.loads(row.detail)
-        if detail.get("export") == name:
-            return {"at": row.at, "by": row.actor, "detail": detail}
-    return None
+        try:
+            detail = json.loads(row.detail)
+        except ValueError:
+            continue
+        name = detail.get("export") if isinstance(detail, dict) else None
+        if isinstance(name, str) and name not in found:
+            found[name] = {"at": row.at, "by": row.actor, "detail": detail}
+    return found
 
 
 def _checkpoint(ctx: Context, export: Export, has_progress: bool) -> tuple[list[Reason], str | None, float | None]:
@@ -302,8 +329,12 @@ def _diagnose(ctx: Context, export: Export, progress: _Progress | None, state_re
     resumes_from: str | None = None
     age: float | None = None
     if progress is not None:
-        if not progress.any and export.mode != "full":
-            evidence: dict[str, Any] = {"export": export.name}
+        # A reset clears the cursor and chunk checkpoints and keeps run history and the ledger
+        # (history, not progress to resume from): nothing committed since the reset is no progress.
+        reset_since = (reset is not None and export.cdc is None and progress.cursor is None
+                       and not progress.chunks_total and (progress.last_success or "") <= str(reset["at"]))
+        if (not progress.any or reset_since) and export.mode != "full":
+            evidence: dict[str, Any] = {"export": export.name, "state": ctx.location.display}
             message = f"the state holds no progress for {export.name}"
             if reset is not None:
                 evidence["reset"] = reset
@@ -355,7 +386,7 @@ def doctor(ctx: Context, export: str | None = None) -> DoctorResult:
     backend = ctx.backend()
     snap: Snapshot | None = None
     progress: dict[str, _Progress] = {}
-    resets: dict[str, dict[str, Any] | None] = {}
+    resets: dict[str, dict[str, Any]] = {}
     try:
         present = backend.present()
         if present:
@@ -363,19 +394,21 @@ def doctor(ctx: Context, export: str | None = None) -> DoctorResult:
                 snap = read_snapshot(backend, conn, integrity=False, progress=False)
                 if snap.known:
                     progress = _progress(conn, snap.tables, [e.name for e in exports])
-                    resets = {e.name: _last_reset(conn, snap.tables, e.name) for e in exports}
+                    resets = _last_resets(conn, snap.tables)
     except StateError as err:
         state_reasons.append(Reason(err.code, err.message, err.details))
         present = True
     if not present and not any(r.code == "RIVET_STATE_MISSING" for r in state_reasons):
         state_reasons.append(Reason("RIVET_STATE_MISSING", f"no state at {location.display}: every export starts "
-                                    "from nothing", {"path": str(location.path) if location.path else None}))
+                                    "from nothing", {"path": str(location.path) if location.path else None,
+                                                     "state": location.display}))
     if snap is not None:
         state["revision"] = snap.revision or "legacy"
         if snap.pending:
             state_reasons.append(Reason("RIVET_STATE_MIGRATION_PENDING",
                                         f"the state was written by an older release (pending: {', '.join(snap.pending)})",
-                                        {"revision": snap.revision or "legacy", "pending": snap.pending}))
+                                        {"state": location.display, "revision": snap.revision or "legacy",
+                                         "pending": snap.pending}))
         if not snap.known:
             state_reasons.append(Reason("RIVET_STATE_SCHEMA_NEWER", f"revision {snap.revision} is unknown here",
                                         {"revision": snap.revision}))
@@ -383,9 +416,10 @@ def doctor(ctx: Context, export: str | None = None) -> DoctorResult:
                                    any(p.any for p in progress.values()))
         state["identity"] = {"recorded": snap.recorded_key, "computed": ctx.computed_key, "verdict": verdict.action}
         if verdict.code in ("RIVET_STATE_FOREIGN", "RIVET_STATE_FOREIGN_BESIDE_CONFIG"):
-            state_reasons.append(Reason(verdict.code, f"the state belongs to {verdict.recorded}, this config's "
-                                        f"source is {verdict.computed}",
-                                        {"recorded": verdict.recorded, "computed": verdict.computed}))
+            state_reasons.append(Reason(verdict.code, f"the state at {location.display} belongs to {verdict.recorded}, "
+                                        f"this config's source is {verdict.computed}",
+                                        {"state": location.display, "recorded": verdict.recorded,
+                                         "computed": verdict.computed}))
     if any(r.code in ("RIVET_STATE_MISSING", "RIVET_STATE_DIR_MISSING", "RIVET_STATE_RELOCATED", "RIVET_STATE_FOREIGN")
            for r in state_reasons):
         state["candidates"] = _search(ctx, ctx.computed_key)

@@ -15,7 +15,8 @@ from statetool import schema
 from statetool.errors import StateError, StateWarning
 from statetool.operations.context import Context
 from statetool.operations.leases import run_lease_key
-from statetool.operations.writes import WriteSession, audit, head_write, now_iso
+from statetool.operations.probe import Snapshot
+from statetool.operations.writes import audit, head_write, now_iso
 
 
 @dataclass
@@ -36,11 +37,11 @@ class ExportChange:
                 "next_run": self.next_run, "backup": self.backup, "warnings": [w.as_dict() for w in self.warnings]}
 
 
-def _known(ctx: Context, session: WriteSession, name: str) -> str:
+def _known(ctx: Context, snapshot: Snapshot, name: str) -> str:
     export = ctx.config.export(name)
-    if export is None and name not in session.snapshot.exports:
+    if export is None and name not in snapshot.exports:
         raise StateError("RIVET_EXPORT_UNKNOWN", f"export '{name}' is in neither {ctx.config.path} nor the state")
-    return export.mode if export else (session.snapshot.exports[name].mode or "incremental")
+    return export.mode if export else (snapshot.exports[name].mode or "incremental")
 
 
 def set_cursor(ctx: Context, name: str, value: str) -> ExportChange:
@@ -49,8 +50,9 @@ def set_cursor(ctx: Context, name: str, value: str) -> ExportChange:
     Raises ``RIVET_EXPORT_UNKNOWN`` and every pre-flight code; nothing is written then.
     """
     e = schema.exports
-    with head_write(ctx, backup_label=f"set-cursor-{name}", lease_key=run_lease_key(name)) as session:
-        mode = _known(ctx, session, name)
+    with head_write(ctx, backup_label=f"set-cursor-{name}", lease_key=run_lease_key(name),
+                    check=lambda snap: _known(ctx, snap, name)) as session:
+        mode = _known(ctx, session.snapshot, name)
         conn = session.conn
         old = conn.execute(sa.select(e.c.cursor_value).where(e.c.export_name == name)).scalar()
         now = now_iso()
@@ -72,8 +74,9 @@ def reset(ctx: Context, name: str) -> ExportChange:
     from). Raises ``RIVET_EXPORT_UNKNOWN`` and every pre-flight code.
     """
     e, c = schema.exports, schema.chunks
-    with head_write(ctx, backup_label=f"reset-{name}", lease_key=run_lease_key(name)) as session:
-        _known(ctx, session, name)
+    with head_write(ctx, backup_label=f"reset-{name}", lease_key=run_lease_key(name),
+                    check=lambda snap: _known(ctx, snap, name)) as session:
+        _known(ctx, session.snapshot, name)
         conn = session.conn
         old = conn.execute(sa.select(e.c.cursor_value).where(e.c.export_name == name)).scalar()
         chunks = conn.execute(sa.delete(c).where(c.c.export_name == name)).rowcount

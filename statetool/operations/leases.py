@@ -153,15 +153,16 @@ def live_holders(ctx: Context) -> list[str]:
 
 
 def release(ctx: Context, key: str, reason: str) -> dict[str, object]:
-    """Release a STALE lease: remove its holder record and write an audit row.
+    """Release a STALE lease: remove its holder record and write an audit row, in that
+    order, after the whole pre-flight passed (a refused release removes nothing).
 
-    Raises ``RIVET_STATE_RUN_IN_PROGRESS`` (exit 2) for a live holder, naming it.
-    Returns ``{"key", "released": {holder doc} | None, "reason"}``.
+    Raises ``RIVET_STATE_RUN_IN_PROGRESS`` (exit 2) for a live holder, naming it, and
+    every pre-flight code. Returns ``{"key", "released": {holder doc} | None, "reason"}``.
     """
-    with _unreachable_as_state_error(ctx):
-        removed = _store(ctx).clear_stale(key)
-    doc = _lease_doc(removed) if removed.holder else None
     with head_write(ctx, backup_label=None, claim=False) as session:
+        with _unreachable_as_state_error(ctx):
+            removed = _store(ctx).clear_stale(key)
+        doc = _lease_doc(removed) if removed.holder else None
         audit(session.conn, ctx, "leases.release", {"key": key, "removed": doc, "reason": reason or None})
     return {"key": key, "released": doc, "reason": reason or None}
 

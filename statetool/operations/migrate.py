@@ -89,7 +89,7 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     ``RIVET_STATE_MIGRATION_LOCKED`` (another writer past ``--lock-wait``) and
     ``RIVET_STATE_VERIFY_FAILED`` (rolled back). ``dry_run`` and ``sql`` write nothing.
     """
-    pf = run_preflight(ctx, for_write=True, recover=not (dry_run or sql))
+    pf = run_preflight(ctx, for_write=True, recover=not (dry_run or sql), progress=False)
     missing = next((c for c in pf.failures if c.code == "RIVET_STATE_MISSING"), None)
     if missing is not None and missing.id == "state":
         raise StateError("RIVET_STATE_MISSING", f"{missing.message}; migrate never creates a state "
@@ -108,6 +108,9 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     if lost and not allow_data_loss:
         raise StateError("RIVET_STATE_DATA_LOSS", "downgrading to " + target + " drops data: " +
                          ", ".join(f"{n} rows of {k.split(':')[1]} (undoing {k.split(':')[0]})" for k, n in lost.items()))
+    if direction == "none" and not snap.legacy:
+        result.message = f"already at {target}; nothing to do"
+        return result
     if sql:
         if backend.dialect_name != "postgresql":
             raise StateError("RIVET_STATE_SQL_UNSUPPORTED", "--sql prints PostgreSQL DDL; this state is SQLite")
@@ -118,9 +121,6 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
             text += migrations.offline_sql(backend.dialect_name, backend.schema, current, target, direction)
         result.sql = text
         result.message = "SQL printed; nothing was changed"
-        return result
-    if direction == "none" and not snap.legacy:
-        result.message = f"already at {target}; nothing to do"
         return result
     if dry_run:
         result.message = "dry run: nothing was changed"

@@ -96,11 +96,14 @@ def identity_message(verdict: Verdict, where: str, for_write: bool) -> str:
     }[verdict.action]
 
 
-def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = False) -> Preflight:
+def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = False,
+                  progress: bool = True) -> Preflight:
     """Run every check in order on a read-only open. Never raises a :class:`StateError`:
     failures become ``fail`` rows carrying their error.
 
     ``for_write`` only changes wording (what happens vs what a write would do).
+    ``progress=False`` reads only whether any progress exists, not each export's (a
+    migration needs no more, and on a large legacy state the full read costs seconds).
     ``recover`` (a command that is about to write) lets SQLite roll back the hot journal
     of a killed writer (``RIVET_STATE_INTERRUPTED_WRITE``) and reads again: the action
     of that code tells the operator to run a writing command for exactly this.
@@ -132,7 +135,7 @@ def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = Fals
         return pf
     pf.add("state", "ok", f"found at {location.display}")
     try:
-        snap = _read(backend, recover)
+        snap = _read(backend, recover, progress)
     except StateError as err:
         pf.fail(err, _READ_FAILURE_ROW.get(err.code, "integrity"))
         pf.skip_rest("the state cannot be read")
@@ -166,10 +169,10 @@ def _check_leases(pf: Preflight, ctx: Context) -> None:
         pf.add("leases", "ok", "no live lease")
 
 
-def _read(backend: Backend, recover: bool) -> Snapshot:
+def _read(backend: Backend, recover: bool, progress: bool) -> Snapshot:
     try:
         with backend.reading() as conn:
-            return read_snapshot(backend, conn)
+            return read_snapshot(backend, conn, progress=progress)
     except StateError as err:
         if not (recover and err.code == "RIVET_STATE_INTERRUPTED_WRITE"):
             raise
@@ -178,7 +181,7 @@ def _read(backend: Backend, recover: bool) -> Snapshot:
     with backend.writing("RIVET_STATE_LOCK_TIMEOUT"):
         pass
     with backend.reading() as conn:
-        return read_snapshot(backend, conn)
+        return read_snapshot(backend, conn, progress=progress)
 
 
 def _check_revision(pf: Preflight, snap: Snapshot) -> None:

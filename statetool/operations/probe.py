@@ -54,6 +54,8 @@ class Snapshot:
     recorded_key: str | None = None
     exports: dict[str, ExportProgress] = field(default_factory=dict)
     integrity: list[str] = field(default_factory=list)
+    #: Whether any export has progress, when per-export progress was not read.
+    any_progress: bool | None = None
 
     @property
     def effective_revision(self) -> str | None:
@@ -70,6 +72,8 @@ class Snapshot:
     @property
     def has_progress(self) -> bool:
         """True when any export has progress (SPEC §3)."""
+        if self.any_progress is not None:
+            return self.any_progress
         return any(e.has_progress for e in self.exports.values())
 
 
@@ -113,6 +117,8 @@ def read_snapshot(backend: Backend, conn: Connection, *, integrity: bool = True,
     if known:
         if progress:
             snap.exports = _read_exports(conn, tables)
+        else:
+            snap.any_progress = _any_progress(conn, tables)
         if schema.identity.name in tables:
             snap.recorded_key = conn.execute(sa.select(schema.identity.c.state_key)).scalar() or None
     return snap
@@ -155,6 +161,18 @@ def _read_exports(conn: Connection, tables: frozenset[str]) -> dict[str, ExportP
         for name, total in conn.execute(sa.select(ledger.c.export_name, sa.func.count()).group_by(ledger.c.export_name)):
             get(name).ledger_rows = int(total)
     return out
+
+
+def _any_progress(conn: Connection, tables: frozenset[str]) -> bool:
+    """SPEC §3 progress anywhere in the state, by ``LIMIT 1`` probes (no full scan)."""
+    probes = [
+        sa.select(schema.exports.c.export_name).where(schema.exports.c.cursor_value.is_not(None)),
+        sa.select(schema.runs.c.run_id).where(schema.runs.c.status == "succeeded"),
+        sa.select(schema.chunks.c.run_id),
+    ]
+    if schema.load_ledger.name in tables:
+        probes.append(sa.select(schema.load_ledger.c.id))
+    return any(conn.execute(probe.limit(1)).first() is not None for probe in probes)
 
 
 def row_counts(conn: Connection, tables: set[str] | frozenset[str]) -> dict[str, int]:

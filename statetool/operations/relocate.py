@@ -30,6 +30,7 @@ environment the process SIGKILLs itself at that point (the points are listed in
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -40,6 +41,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from statetool.backends.proclocks import lock_holders
 from statetool.backends.sqlite import SqliteBackend, content_digest, fsync_dir
 from statetool.backends.tombstone import read_tombstone, write_tombstone_tmp
 from statetool.errors import StateError
@@ -210,17 +212,22 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
                          "relocate moves a SQLite state; to move a PostgreSQL state use pg_dump")
     assert location.path is not None and location.directory is not None
     source = location.path
-    target_dir = _target_dir(to, create_dir, dry_run)
+    target_dir = _target_dir(to, create_dir, dry_run=True)  # created below, once the source passed
     state_url = f"sqlite:{target_dir}"
     if target_dir == location.directory:
         raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"the state is already in {target_dir}")
     tomb = read_tombstone(source)
     if tomb is not None and tomb.get("to") == str(target_dir / STATE_FILE):
+        if not dry_run:
+            for leftover in (Path(f"{source}-wal"), Path(f"{source}-shm")):  # a kill right after the swap
+                leftover.unlink(missing_ok=True)
         return RelocateResult(str(source), tomb["to"], state_url, 0, {}, [], "none", dry_run, True, True,
                               tomb.get("kept_as"), tomb.get("source_digest"),
                               f"already relocated to {target_dir}; every task must run with RIVET_STATE_URL={state_url}")
     pf = run_preflight(ctx, for_write=True, recover=not dry_run)
     snap = require(pf)
+    if not dry_run and not target_dir.is_dir():  # --create-dir (a refused relocation creates nothing)
+        target_dir.mkdir(parents=True)
     resume = _check_target(ctx, source, target_dir) if target_dir.is_dir() else None
     backend = SqliteBackend(location, ctx.lock_wait)
     with backend.reading() as conn:
@@ -248,6 +255,7 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
                     raise
                 raise StateError("RIVET_STATE_RUN_IN_PROGRESS", err.message, err.details) from None
         crash_point("leases")
+        _wait_for_openers(source, ctx.lock_wait)
         backend.checkpoint_wal()
         crash_point("checkpointed")
         conn = stack.enter_context(backend.writing("RIVET_STATE_RUN_IN_PROGRESS"))
@@ -261,16 +269,84 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
             raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
                              f"an interrupted relocation left a copy at {result.target}, and the source changed "
                              "since; move that copy aside and re-run")
-        if resume is None:
-            _copy_state(ctx, backend, conn, target_dir, result, full_verify)
-        else:
-            for move in result.checkpoints:
-                if move.present:
-                    _copy_checkpoint(move, resuming=True)
+        created = _absent_paths(target_dir, result.checkpoints)
+        try:
+            if resume is None:
+                _copy_state(ctx, backend, conn, target_dir, result, full_verify)
+            else:
+                for move in result.checkpoints:
+                    if move.present:
+                        _copy_checkpoint(move, resuming=True)
+        except (OSError, sqlite3.Error) as err:
+            if not _disk_full(err):
+                raise
+            _remove_partial_copy(target_dir, result.checkpoints, created)
+            raise StateError("RIVET_STATE_DISK_FULL",
+                             f"the filesystem of {target_dir} is full ({err}); what this run had copied there was "
+                             f"removed, and the state at {source} was not changed", {"directory": str(target_dir)}
+                             ) from None
+        _wait_for_openers(source, ctx.lock_wait)  # again, at the last instant before the switch
         result.kept_as = retire_source(ctx, source, result.target, state_url, digest, "statetool relocate")
     result.done = True
     result.message = f"relocated; every task must now run with RIVET_STATE_URL={state_url}"
     return result
+
+
+def _wait_for_openers(source: Path, lock_wait: float) -> None:
+    """Wait up to ``lock_wait`` seconds until no other process holds the source file open,
+    then refuse (``RIVET_STATE_RUN_IN_PROGRESS``) naming them.
+
+    A connection to a WAL state holds a lock on the file for as long as it is open, even
+    idle, and SQLite notices a moved database only in rollback-journal mode (on opening its
+    journal: SQLITE_READONLY_DBMOVED). Such a process would go on committing into the old
+    place after the switch, rows no one would ever read again. Read from /proc/locks, so
+    nobody is disturbed; where it cannot be read this check is skipped.
+    """
+    deadline = time.monotonic() + lock_wait
+    while True:
+        others = sorted((lock_holders(source) or set()) - {os.getpid()})
+        if not others:
+            return
+        if time.monotonic() >= deadline:
+            raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
+                             f"process(es) {', '.join(f'pid {p}' for p in others)} hold {source} open (an open "
+                             f"SQLite connection); after the move they would go on writing into the old place. "
+                             f"Stop them, or wait until they close it (waited {lock_wait:g} s, --lock-wait)",
+                             {"path": str(source), "pids": others})
+        time.sleep(0.2)
+
+
+def _disk_full(err: BaseException) -> bool:
+    """True for "no space left" from the OS (ENOSPC, EDQUOT) or from SQLite (SQLITE_FULL)."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    code = getattr(err, "sqlite_errorcode", None)
+    return (code is not None and code & 0xFF == 13) or "database or disk is full" in str(err)
+
+
+def _absent_paths(target_dir: Path, moves: list[CheckpointMove]) -> list[Path]:
+    """The checkpoint files, and the directories above them inside ``target_dir``, that do
+    not exist yet: what a copy that fails half-way must remove again."""
+    absent: list[Path] = []
+    for move in moves:
+        path = Path(move.target)
+        while path != target_dir and target_dir in path.parents and not os.path.lexists(path):
+            absent.append(path)
+            path = path.parent
+    return absent
+
+
+def _remove_partial_copy(target_dir: Path, moves: list[CheckpointMove], created: list[Path]) -> None:
+    for suffix in ("", "-journal", "-wal", "-shm"):
+        Path(f"{target_dir / COPY_NAME}{suffix}").unlink(missing_ok=True)
+    for move in moves:
+        Path(move.target).with_name(f".{Path(move.target).name}.relocating").unlink(missing_ok=True)
+    for path in sorted(set(created), key=lambda p: len(p.parts), reverse=True):  # files, then their folders
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()  # only when empty: what was there before stays
+            else:
+                path.unlink()
 
 
 def _copy_state(ctx: Context, backend: SqliteBackend, conn: object, target_dir: Path, result: RelocateResult,

@@ -10,9 +10,10 @@ the source is untouched until the switch, and a re-run converges):
    the SQLite write lock; the source's page digest is taken.
 3. ONE destination transaction (under the writers' advisory lock): the schema is
    created and migrated to head if absent; every table is streamed with ``COPY`` (rows
-   read and written in batches: memory stays flat); each table's row count and an
-   additive content checksum (sum of the first 60 bits of each row's md5) are compared
-   with the source's; a ``transfer`` audit row is added; COMMIT.
+   read and written in blocks of COPY text: memory stays flat); each table's row count
+   (counted under the write lock) and an additive content checksum (sum of the first 60
+   bits of each row's md5) are compared with the source's; a ``transfer`` audit row is
+   added; COMMIT.
 4. Switch: the source gets the tombstone relocation leaves (``RIVET_STATE_RELOCATED``,
    naming the ``RIVET_STATE_URL`` to set, password masked).
 
@@ -26,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import sqlite3
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,13 +38,15 @@ from statetool import migrations, schema
 from statetool.backends.postgres import PostgresBackend
 from statetool.backends.sqlite import SqliteBackend, content_digest
 from statetool.errors import StateError
-from statetool.location import ENV_VAR, Location, checkpoint_relative_message, resolve_checkpoint, resolve_location
+from statetool.location import (ENV_VAR, STATE_FILE, Location, checkpoint_relative_message, resolve_checkpoint,
+                                resolve_location)
 from statetool.operations.context import Context
 from statetool.operations.leases import holding, run_lease_key
 from statetool.operations.preflight import require, run_preflight
 from statetool.operations.probe import read_snapshot
 from statetool.operations.relocate import crash_point, retire_source
 from statetool.operations.writes import now_iso
+from statetool.redact import redact_text
 
 #: Tables copied, parents first; ``id`` columns of the append-only tables are not copied
 #: (the destination assigns its own, so a shared schema's rows never collide).
@@ -51,17 +55,64 @@ COPIED = (schema.exports, schema.runs, schema.chunks, schema.run_aggregates, sch
 _FRESH_IDS = {schema.load_ledger.name, schema.audit.name}
 BATCH_ROWS = 5000
 _NULL = "\\N"
+#: What COPY's text format escapes inside a value.
+_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 
 
 def _columns(table: sa.Table) -> list[str]:
     return [c.name for c in table.columns if not (table.name in _FRESH_IDS and c.name == "id")]
 
 
-def row_checksum(values: tuple[Any, ...]) -> int:
+def row_checksum(values: Iterable[Any]) -> int:
     """The first 60 bits of the md5 of a row's canonical text (columns as text, NULL as
     ``\\N``, joined by tabs): the same number PostgreSQL computes in :func:`_pg_checksum`."""
     text = "\t".join(_NULL if v is None else str(v) for v in values)
-    return int(hashlib.md5(text.encode()).hexdigest()[:15], 16)
+    return _sum60([text.encode()])
+
+
+def _sum60(lines: Iterable[bytes]) -> int:
+    """The sum over ``lines`` of the first 60 bits of each one's md5."""
+    total = 0
+    md5, from_bytes = hashlib.md5, int.from_bytes
+    for line in lines:
+        total += from_bytes(md5(line).digest()[:8], "big") >> 4
+    return total
+
+
+def _blocks(raw: sqlite3.Connection, table: str, columns: list[str]) -> Iterator[tuple[bytes, int, int]]:
+    """``table``'s rows in rowid order, as blocks of COPY text: ``(data, rows, checksum)``.
+
+    SQLite joins each row's values itself (tab between values, NUL for NULL: no PostgreSQL
+    text can hold one). A block with no backslash, no CR, and exactly the tabs and newlines
+    the joins put there holds no value COPY would escape: each row's text is then its COPY
+    line and its checksum text at once (NUL spelled ``\\N``), and the block goes out as it
+    is, without a Python step per value. Any other block is read again and escaped value
+    by value (:func:`_escaped_block`).
+    """
+    quoted = ", ".join(f'"{c}"' for c in columns)
+    joined = " || :tab || ".join(f'ifnull("{c}", :null)' for c in columns)
+    tabs = len(columns) - 1
+    rows = raw.execute(f'SELECT rowid, {joined} FROM "{table}" ORDER BY rowid', {"tab": "\t", "null": "\0"})
+    while batch := rows.fetchmany(BATCH_ROWS):
+        n = len(batch)
+        text = "\n".join([r[1] for r in batch])
+        if "\\" in text or "\r" in text or text.count("\n") != n - 1 or text.count("\t") != n * tabs:
+            data, checksum = _escaped_block(raw, table, quoted, batch[0][0], batch[-1][0])
+        else:
+            data = text.replace("\0", _NULL).encode()
+            checksum = _sum60(data.split(b"\n"))
+        yield data + b"\n", n, checksum
+
+
+def _escaped_block(raw: sqlite3.Connection, table: str, quoted: str, first: int, last: int) -> tuple[bytes, int]:
+    """The rows ``first``..``last`` (rowids) as COPY text, each value escaped, and their checksum."""
+    lines, checksum = [], 0
+    for row in raw.execute(f'SELECT {quoted} FROM "{table}" WHERE rowid BETWEEN ? AND ? ORDER BY rowid',
+                           (first, last)):
+        texts = [None if v is None else v.decode() if isinstance(v, bytes) else str(v) for v in row]
+        checksum += row_checksum(texts)
+        lines.append("\t".join(_NULL if t is None else t.translate(_COPY_ESCAPES) for t in texts))
+    return "\n".join(lines).encode(), checksum
 
 
 def _pg_checksum(conn: Connection, table: str, columns: list[str]) -> tuple[int, int]:
@@ -201,6 +252,8 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
                          f"{ENV_VAR}={result.state_url}"
         return result
     exports = sorted({e.name for e in ctx.config.exports} | set(snap.exports))
+    for stale in source_path.parent.glob(f"{STATE_FILE}.tombstone-*.tmp"):  # a kill before the switch left it
+        stale.unlink()
     with contextlib.ExitStack() as stack:
         for export in exports:
             try:
@@ -216,6 +269,10 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
         digest = content_digest(source_path)
         crash_point("digested")
         raw: sqlite3.Connection = source_conn.connection.driver_connection  # type: ignore[assignment]
+        # counted again under the write lock: a run waited for above may have added rows
+        counts = {t.name: int(raw.execute(f'SELECT count(*) FROM "{t.name}"').fetchone()[0]) for t in COPIED}
+        for copy in result.tables:
+            copy.rows = counts[copy.table]
         with dest.receiving() as conn:
             earlier = _check_destination(ctx, dest, conn, source_key, str(source_path))
             if earlier is not None and earlier.get("source_digest") != digest:
@@ -224,8 +281,8 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
                                  "changed since; nothing was changed")
             if earlier is None:
                 _copy(ctx, raw, dest, conn, result)
-                conn.execute(sa.insert(schema.audit).values(
-                    at=now_iso(), actor=ctx.actor, command=ctx.command, action="transfer",
+                conn.execute(sa.insert(schema.audit).values(  # --to URL on the command line: redacted
+                    at=now_iso(), actor=ctx.actor, command=redact_text(ctx.command), action="transfer",
                     detail=json.dumps({"from": str(source_path), "to": result.destination,
                                        "source_digest": digest, "rows": counts}, sort_keys=True)))
             crash_point("copied")
@@ -255,13 +312,11 @@ def _copy(ctx: Context, raw: sqlite3.Connection, dest: PostgresBackend, conn: Co
             before_rows, before_sum = _pg_checksum(conn, table.name, columns)
             quoted = ", ".join(f'"{c}"' for c in columns)
             source_sum = 0
-            rows = raw.execute(f'SELECT {quoted} FROM "{table.name}" ORDER BY rowid')
             with cursor.copy(f'COPY "{table.name}" ({quoted}) FROM STDIN') as pg_copy:
-                while batch := rows.fetchmany(BATCH_ROWS):
-                    for row in batch:
-                        pg_copy.write_row(row)
-                        source_sum += row_checksum(row)
-                    done += len(batch)
+                for data, rows, checksum in _blocks(raw, table.name, columns):
+                    pg_copy.write(data)
+                    source_sum += checksum
+                    done += rows
                     update(done, total)
             after_rows, after_sum = _pg_checksum(conn, table.name, columns)
             copy.checksum = source_sum

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -20,6 +20,7 @@ from statetool.identity import Verdict
 from statetool.operations.context import Context
 from statetool.operations.preflight import identity_message, require, run_preflight
 from statetool.operations.probe import Snapshot
+from statetool.redact import redact_text
 
 
 def now_iso() -> str:
@@ -28,10 +29,13 @@ def now_iso() -> str:
 
 
 def audit(conn: Connection, ctx: Context, action: str, detail: dict[str, object]) -> None:
-    """Append one row to ``rivet_audit``: who (user@host), when, which command, what."""
+    """Append one row to ``rivet_audit``: who (user@host), when, which command, what.
+
+    The command line and the detail are redacted: a ``--state-url`` or ``--new`` given with
+    a password must not land in the audit trail (SPEC §7)."""
     conn.execute(sa.insert(schema.audit).values(
-        at=now_iso(), actor=ctx.actor, command=ctx.command, action=action,
-        detail=json.dumps(detail, sort_keys=True, default=str),
+        at=now_iso(), actor=ctx.actor, command=redact_text(ctx.command), action=action,
+        detail=redact_text(json.dumps(detail, sort_keys=True, default=str)),
     ))
 
 
@@ -73,7 +77,8 @@ class WriteSession:
 @contextmanager
 def head_write(ctx: Context, *, backup_label: str | None, lock_code: str = "RIVET_STATE_LOCK_TIMEOUT",
                claim: bool = True, allow: frozenset[str] = frozenset(),
-               lease_key: str | None = None) -> Iterator[WriteSession]:
+               lease_key: str | None = None,
+               check: Callable[[Snapshot], object] | None = None) -> Iterator[WriteSession]:
     """Pre-flight, then one writing transaction on a state at head.
 
     Raises every pre-flight failure (a state with pending revisions:
@@ -82,10 +87,14 @@ def head_write(ctx: Context, *, backup_label: str | None, lock_code: str = "RIVE
     With ``claim``, the identity verdict is applied in the same transaction. ``allow``
     lists pre-flight codes this write may pass (rekey passes ``RIVET_STATE_FOREIGN``).
     With ``lease_key``, that lease is held (waited on up to ``--lock-wait``) from after
-    the pre-flight until the transaction ends.
+    the pre-flight until the transaction ends. ``check`` validates the request against
+    the pre-flight's snapshot (an unknown export) before any lease, backup or write, so a
+    refused request leaves no file behind.
     """
     pf = run_preflight(ctx, for_write=True, recover=True)
     snap = require(pf, allow=allow)
+    if check is not None:
+        check(snap)
     backend = ctx.backend()
     with contextlib.ExitStack() as stack:
         if lease_key is not None:

@@ -1,0 +1,804 @@
+"""Leases (SPEC §5, issue #3), end to end on both backends.
+
+Real processes hold real leases: ``statetool leases run`` wrappers around a small Python
+command, or the library's ``holding`` in subprocesses. Holders are killed with SIGKILL,
+waiters really wait. "Another host" on PostgreSQL is a row whose ``holder_host`` is
+another name. A wait for a condition polls with a deadline; no test asserts speed with a
+sleep. Every shared rule runs on SQLite (state beside the config) and PostgreSQL (a
+schema of its own on a throwaway server).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import pytest
+
+from conftest import describe, run_cli, tree_digest, write_config
+from statetool.backends.base import Holder, LeaseInfo
+from statetool.backends.proclocks import lock_holders
+from statetool.errors import StateError
+from statetool.example import build_legacy_state
+from statetool.operations.context import Context
+from statetool.operations.inspect import info
+from statetool.operations.leases import acquire, list_leases, this_holder
+from statetool.operations.migrate import migrate
+
+RUN_KEY = "chunk-run:orders"
+SIDECAR_NAME = "chunk-run%3Aorders"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "setup-guides" / "running-under-a-scheduler.md"
+
+#: The command a ``leases run`` holder wraps: writes its pid to READY, then waits for GO
+#: (or up to 120 s) and exits with CODE. On SIGTERM/SIGINT it writes the signal number to
+#: READY.signal and exits with CODE.
+HOLD = textwrap.dedent("""\
+    import os, pathlib, signal, sys, time
+    ready, go, code = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), int(sys.argv[3])
+    def stop(signum, _frame):
+        pathlib.Path(sys.argv[1] + ".signal").write_text(str(signum))
+        sys.exit(code)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    tmp = pathlib.Path(sys.argv[1] + ".tmp")
+    tmp.write_text(str(os.getpid()))
+    tmp.rename(ready)
+    deadline = time.monotonic() + 120
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sys.exit(code)
+    """)
+
+#: A command that records that it ran.
+TOUCH = "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text('ran')"
+
+
+# -- states -----------------------------------------------------------------------------
+
+
+def _cli_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
+    env.update({"COLUMNS": "200", "NO_COLOR": "1"})
+    env.update(extra)
+    return env
+
+
+def _pg_dsn(pg_url: str) -> tuple[str, str]:
+    """``(libpq URL without ?schema=, schema)`` of a test state URL."""
+    parts = urlsplit(pg_url)
+    query = parse_qsl(parts.query)
+    schema = dict(query)["schema"]
+    rest = urlencode([(k, v) for k, v in query if k != "schema"])
+    return urlunsplit(parts._replace(scheme="postgresql", query=rest)), schema
+
+
+@dataclass
+class State:
+    """A state made by ``statetool init`` (unless ``initialised`` is False) and how to reach it."""
+
+    backend: str
+    config: Path
+    env: dict[str, str]
+    pg_url: str | None = None
+
+    @property
+    def directory(self) -> Path:
+        return self.config.parent
+
+    @property
+    def leases_dir(self) -> Path:
+        return self.directory / ".rivet_state.leases"
+
+    @property
+    def sidecar(self) -> Path:
+        return self.leases_dir / SIDECAR_NAME
+
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return run_cli("-c", str(self.config), *args, env=self.env, timeout=timeout)
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "statetool", "-c", str(self.config), *args]
+
+    def popen(self, *args: str, **kwargs: Any) -> subprocess.Popen[str]:
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stderr", subprocess.PIPE)
+        return subprocess.Popen(self.argv(*args), env=_cli_env(self.env), text=True, start_new_session=True,
+                                **kwargs)
+
+    def context(self, lock_wait: float = 0.0) -> Context:
+        return Context(config_path=self.config, env=_cli_env(self.env), lock_wait=lock_wait)
+
+    def leases(self) -> dict[str, dict[str, Any]]:
+        """``{key: lease doc}`` as the library lists them (no lock taken)."""
+        return {row["key"]: row for row in list_leases(self.context()).leases}  # type: ignore[misc]
+
+    def pg(self) -> Any:
+        """An autocommit psycopg connection whose search_path is the state's schema."""
+        import psycopg
+
+        assert self.pg_url is not None
+        dsn, schema = _pg_dsn(self.pg_url)
+        return psycopg.connect(dsn, autocommit=True, options=f"-c search_path={schema}")
+
+    def audit_rows(self, action: str) -> list[dict[str, Any]]:
+        """The ``rivet_audit`` rows of ``action``, detail parsed, oldest first."""
+        query = "SELECT actor, command, action, detail FROM rivet_audit WHERE action = ? ORDER BY id"
+        if self.backend == "sqlite":
+            db = sqlite3.connect(f"file:{self.directory / '.rivet_state.db'}?mode=ro", uri=True)
+            try:
+                rows = db.execute(query, (action,)).fetchall()
+            finally:
+                db.close()
+        else:
+            with self.pg() as conn:
+                rows = conn.execute(query.replace("?", "%s"), (action,)).fetchall()
+        return [{"actor": a, "command": c, "action": act, "detail": json.loads(d)} for a, c, act, d in rows]
+
+
+def _make_state(backend: str, tmp_path: Path, request: pytest.FixtureRequest, *, init: bool = True) -> State:
+    config = write_config(tmp_path / "pipeline")
+    if backend == "postgres":
+        pg_url = request.getfixturevalue("pg_url")
+        state = State(backend, config, {"RIVET_STATE_URL": pg_url}, pg_url)
+    else:
+        state = State(backend, config, {})
+    if init:  # what `statetool init` runs, in-process: a CLI start per test would double the runtime
+        from statetool.operations.create import init as create
+
+        create(state.context())
+    return state
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def state(request: pytest.FixtureRequest, tmp_path: Path) -> State:
+    """A fresh state at head on each backend."""
+    return _make_state(request.param, tmp_path, request)
+
+
+@pytest.fixture
+def sqlite_state(request: pytest.FixtureRequest, tmp_path: Path) -> State:
+    return _make_state("sqlite", tmp_path, request)
+
+
+@pytest.fixture
+def pg_state(request: pytest.FixtureRequest, tmp_path: Path) -> State:
+    return _make_state("postgres", tmp_path, request)
+
+
+# -- holders ----------------------------------------------------------------------------
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    """Poll ``condition`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+@dataclass
+class LeaseRun:
+    """A real ``statetool leases run --export EXPORT -- python HOLD`` process group."""
+
+    state: State
+    proc: subprocess.Popen[str]
+    ready: Path
+    go: Path
+
+    @property
+    def pid(self) -> int:
+        """The wrapper's pid: the holder the lease records."""
+        return self.proc.pid
+
+    def wait_ready(self) -> int:
+        """Wait until the command runs under the lease; returns the command's pid."""
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                out, err = self.proc.communicate()
+                pytest.fail(f"the holder ended before its command ran: exit {self.proc.returncode}\n{out}\n{err}")
+            return self.ready.exists()
+
+        wait_for(ready, "the holder's command to start")
+        return int(self.ready.read_text())
+
+    def finish(self) -> subprocess.CompletedProcess[str]:
+        """Let the command end; returns the wrapper's result."""
+        self.go.touch()
+        out, err = self.proc.communicate(timeout=60)
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+
+    def kill_group(self) -> None:
+        """SIGKILL the wrapper and its command at once and reap the wrapper."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.communicate(timeout=60)
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., LeaseRun]]:
+    """Start ``leases run`` holders; every process group still alive is killed afterwards."""
+    started: list[LeaseRun] = []
+
+    def start(state: State, *, export: str = "orders", code: int = 0, options: tuple[str, ...] = ()) -> LeaseRun:
+        tag = uuid.uuid4().hex[:8]
+        ready, go = tmp_path / f"ready-{tag}", tmp_path / f"go-{tag}"
+        proc = state.popen(*options, "leases", "run", "--export", export, "--",
+                           sys.executable, "-c", HOLD, str(ready), str(go), str(code))
+        run = LeaseRun(state, proc, ready, go)
+        started.append(run)
+        return run
+
+    yield start
+    for run in started:
+        run.go.touch()
+        if run.proc.poll() is None:
+            run.kill_group()
+        if run.ready.exists():  # the command may outlive its wrapper (SQLite inheritance test)
+            pid = int(run.ready.read_text())
+            try:  # only if that pid is still our command, not a reused pid
+                if str(run.ready).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+
+
+def error_object(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """The ``--json-errors`` object on stderr (the last JSON line)."""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("{")]
+    assert lines, describe(proc)
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended and been reaped."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+# -- mutual exclusion -------------------------------------------------------------------
+
+WORKER = textwrap.dedent("""\
+    import os, pathlib, random, sys, time
+    from statetool.operations.context import Context
+    from statetool.operations.leases import holding
+    config, counter, log, go, rounds = sys.argv[1:6]
+    ctx = Context(config_path=pathlib.Path(config), env=dict(os.environ), lock_wait=120)
+    counter, go = pathlib.Path(counter), pathlib.Path(go)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    while not go.exists():
+        time.sleep(0.005)
+    for _ in range(int(rounds)):
+        with holding(ctx, "chunk-run:orders", f"counter worker {os.getpid()}"):
+            os.write(fd, f"enter {os.getpid()} {time.monotonic_ns()}\\n".encode())
+            value = int(counter.read_text())
+            time.sleep(0.01)
+            counter.write_text(str(value + 1))
+            os.write(fd, f"exit {os.getpid()} {time.monotonic_ns()}\\n".encode())
+        time.sleep(random.uniform(0, 0.03))
+    """)
+
+
+def test_eight_processes_taking_one_lease_count_exactly_and_never_overlap(state: State, tmp_path: Path) -> None:
+    processes, rounds = 8, 8
+    counter, log, go = tmp_path / "counter", tmp_path / "holders.log", tmp_path / "go"
+    counter.write_text("0")
+    workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(state.config), str(counter), str(log), str(go),
+                                 str(rounds)], env=_cli_env(state.env), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for _ in range(processes)]
+    go.touch()
+    for worker in workers:
+        out, err = worker.communicate(timeout=240)
+        assert worker.returncode == 0, f"worker failed: exit {worker.returncode}\n{out}\n{err}"
+
+    assert int(counter.read_text()) == processes * rounds
+    records = [line.split() for line in log.read_text().splitlines()]
+    assert len(records) == 2 * processes * rounds
+    # In the order they were appended: enter and exit of one holder, then the next holder.
+    for i in range(0, len(records), 2):
+        (kind_in, pid_in, _), (kind_out, pid_out, _) = records[i], records[i + 1]
+        assert (kind_in, kind_out, pid_in) == ("enter", "exit", pid_out), records[max(0, i - 2):i + 4]
+    # And by the clock: sorted by entry, every holder entered after the previous one left.
+    intervals = sorted((int(records[i][2]), int(records[i + 1][2]), records[i][1]) for i in range(0, len(records), 2))
+    for (_, left, first), (entered, _, second) in zip(intervals, intervals[1:]):
+        assert entered > left, f"holders {first} and {second} overlapped"
+    assert len({pid for _, _, pid in intervals}) == processes
+
+
+# -- dead holders -----------------------------------------------------------------------
+
+
+def test_sigkilled_holder_never_blocks_the_next_taker(state: State, spawn: Callable[..., LeaseRun]) -> None:
+    holder = spawn(state)
+    holder.wait_ready()
+    assert state.leases()[RUN_KEY]["state"] == "live"
+    holder.kill_group()
+
+    row = state.leases()[RUN_KEY]
+    assert (row["state"], row["holder_pid"]) == ("stale", holder.pid)
+    # --lock-wait 0 refuses any live holder at once, so success proves no wait was needed.
+    proc = state.cli("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 0, describe(proc)
+    assert "waiting" not in proc.stderr, describe(proc)
+
+
+OTHER_HOST_HOLDER = textwrap.dedent("""\
+    import os, pathlib, sys, time
+    from statetool.backends.base import Holder, LeaseInfo
+    from statetool.backends.postgres_leases import RowLeases
+    from statetool.operations.context import Context
+    from statetool.operations.leases import this_holder
+    config, ready, ttl = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), int(sys.argv[3])
+    store = RowLeases(Context(config_path=config, env=dict(os.environ)).backend().leases().engine, ttl=ttl)
+    me = this_holder("rivet run -e orders")
+    lease = store.try_acquire("chunk-run:orders", Holder(me.pid, "worker-7.elsewhere.example", me.user,
+                                                          me.command, me.acquired_at))
+    assert not isinstance(lease, LeaseInfo), lease
+    ready.write_text("held")
+    time.sleep(600)
+    """)
+
+
+def test_postgres_holder_on_another_host_is_taken_over_only_after_its_ttl(pg_state: State, tmp_path: Path) -> None:
+    ttl = 3
+    ready = tmp_path / "ready"
+    holder = subprocess.Popen([sys.executable, "-c", OTHER_HOST_HOLDER, str(pg_state.config), str(ready), str(ttl)],
+                              env=_cli_env(pg_state.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: ready.exists() or holder.poll() is not None, "the other-host holder")
+        assert ready.exists(), holder.communicate()
+    finally:
+        holder.kill()
+        holder.communicate(timeout=30)
+    with pg_state.pg() as conn:
+        (last_beat,) = conn.execute("SELECT heartbeat_at FROM rivet_leases WHERE key = %s", (RUN_KEY,)).fetchone()
+
+    # Its pid is dead, but the row names another host: only the TTL can free it.
+    store = pg_state.context().backend().leases()
+    seen = store.try_acquire(RUN_KEY, this_holder("early taker"))
+    assert isinstance(seen, LeaseInfo), "a holder on another host was taken over before its TTL"
+    assert (seen.state, seen.holder.host) == ("live", "worker-7.elsewhere.example")  # type: ignore[union-attr]
+
+    lease = acquire(pg_state.context(lock_wait=30), RUN_KEY, "patient taker")
+    try:
+        taken_at = lease.acquired  # type: ignore[attr-defined]
+        assert taken_at - last_beat > timedelta(seconds=ttl), (taken_at, last_beat)
+    finally:
+        lease.release()
+
+
+# -- waiting ----------------------------------------------------------------------------
+
+
+def test_waiter_behind_a_live_holder_times_out_with_lock_timeout_after_lock_wait(
+        state: State, spawn: Callable[..., LeaseRun], tmp_path: Path) -> None:
+    holder = spawn(state)
+    holder.wait_ready()
+    marker = tmp_path / "waiter-ran"
+    started = time.monotonic()
+    proc = state.cli("--json-errors", "leases", "run", "--export", "orders", "--lock-wait", "2", "--",
+                     sys.executable, "-c", TOUCH, str(marker))
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 2, describe(proc)
+    err = error_object(proc)
+    assert (err["code"], err["retryable"], err["exit_class"], err["class"]) == \
+        ("RIVET_STATE_LOCK_TIMEOUT", True, 2, "retryable"), err
+    assert f"pid {holder.pid}" in err["message"], err
+    assert f"waiting up to 2 s for lease {RUN_KEY}, held by pid {holder.pid}" in proc.stderr, describe(proc)
+    assert elapsed >= 2.0
+    assert not marker.exists()
+    assert holder.finish().returncode == 0
+
+
+def test_waiter_with_lock_wait_zero_is_refused_run_in_progress_at_once(
+        state: State, spawn: Callable[..., LeaseRun], tmp_path: Path) -> None:
+    holder = spawn(state)
+    holder.wait_ready()
+    marker = tmp_path / "waiter-ran"
+    proc = state.cli("leases", "run", "--export", "orders", "--json-errors", "--lock-wait", "0", "--",
+                     sys.executable, "-c", TOUCH, str(marker))
+    assert proc.returncode == 2, describe(proc)
+    err = error_object(proc)
+    assert (err["code"], err["retryable"], err["exit_code"]) == ("RIVET_STATE_RUN_IN_PROGRESS", True, 2), err
+    assert f"pid {holder.pid}" in err["message"], err
+    assert "waiting" not in proc.stderr, "--lock-wait 0 waited: " + describe(proc)
+    assert not marker.exists()
+    assert holder.finish().returncode == 0
+
+
+def test_listing_in_a_tight_loop_never_disturbs_a_waiter_and_takes_no_lock(
+        state: State, spawn: Callable[..., LeaseRun], tmp_path: Path) -> None:
+    sqlite = state.backend == "sqlite"
+    holder = spawn(state)
+    holder.wait_ready()
+    marker, waiter_log = tmp_path / "waiter-ran", tmp_path / "waiter.err"
+    with open(waiter_log, "w") as err_file:
+        waiter = state.popen("--lock-wait", "120", "leases", "run", "--export", "orders", "--",
+                             sys.executable, "-c", TOUCH, str(marker), stderr=err_file)
+    wait_for(lambda: "waiting up to" in waiter_log.read_text(), "the waiter to wait")
+
+    listings: list[subprocess.CompletedProcess[str]] = []
+    stop = threading.Event()
+
+    def cli_loop() -> None:
+        while not stop.is_set():
+            listings.append(state.cli("--json", "leases"))
+
+    # Phase 1, held: every listing sees the holder live, the kernel's lock table shows the
+    # holder's lock only, and the waiter keeps waiting.
+    looper = threading.Thread(target=cli_loop)
+    looper.start()
+    rounds = 0
+    try:
+        while len(listings) < 2 or rounds < 200:
+            row = state.leases()[RUN_KEY]
+            assert (row["state"], row["holder_pid"]) == ("live", holder.pid), row
+            if sqlite:
+                assert lock_holders(state.sidecar) == {holder.pid}
+            assert waiter.poll() is None and not marker.exists(), "the waiter saw a spurious free lease"
+            rounds += 1
+    finally:
+        stop.set()
+        looper.join()
+    for proc in listings:
+        assert proc.returncode == 0, describe(proc)
+        row = {r["key"]: r for r in json.loads(proc.stdout)["leases"]}[RUN_KEY]
+        assert (row["state"], row["holder_pid"]) == ("live", holder.pid), row
+
+    # The holder ends: the waiter gets the lease.
+    assert holder.finish().returncode == 0
+    assert waiter.wait(timeout=60) == 0, waiter_log.read_text()
+    assert marker.read_text() == "ran"
+
+    # Phase 2, free: listings keep running while takers with --lock-wait 0 take it again
+    # and again; a listing that took any lock would make one of them fail.
+    listings.clear()
+    stop.clear()
+    seen: list[str] = []
+
+    def library_loop() -> None:
+        while not stop.is_set():
+            seen.append(state.leases().get(RUN_KEY, {"state": "free"})["state"])
+
+    loopers = [threading.Thread(target=cli_loop), threading.Thread(target=library_loop)]
+    for t in loopers:
+        t.start()
+    refused: list[str] = []
+    takes = 0
+    try:
+        while len(listings) < 1 or takes < (300 if sqlite else 60):
+            try:
+                lease = acquire(state.context(lock_wait=0), RUN_KEY, "probe")
+            except StateError as err:
+                refused.append(err.message)
+                continue
+            finally:
+                takes += 1
+            if sqlite:
+                assert lock_holders(state.sidecar) == {os.getpid()}
+            lease.release()
+    finally:
+        stop.set()
+        for t in loopers:
+            t.join()
+    assert not refused, f"{len(refused)} of {takes} takes saw a busy lease: {refused[:3]}"
+    assert set(seen) <= {"live", "free"}, set(seen)
+    assert all(proc.returncode == 0 for proc in listings), [describe(p) for p in listings if p.returncode]
+
+
+def _strace_works() -> bool:
+    if shutil.which("strace") is None:
+        return False
+    return subprocess.run(["strace", "-o", os.devnull, "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _strace_works(), reason="needs a working strace")
+def test_listing_sqlite_leases_makes_no_lock_system_call(sqlite_state: State, spawn: Callable[..., LeaseRun],
+                                                         tmp_path: Path) -> None:
+    holder = spawn(sqlite_state)
+    holder.wait_ready()
+    trace = tmp_path / "trace"
+    proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=flock,fcntl", "-o", str(trace),
+                           *sqlite_state.argv("--json", "leases")], env=_cli_env({}), capture_output=True, text=True)
+    assert proc.returncode == 0, describe(proc)
+    assert json.loads(proc.stdout)["leases"][0]["state"] == "live"
+    calls = trace.read_text()
+    locking = [line for line in calls.splitlines() if "flock(" in line or re.search(r"F_(OFD_)?SETLKW?", line)]
+    assert not locking, locking
+    assert holder.finish().returncode == 0
+
+
+# -- release ----------------------------------------------------------------------------
+
+
+def test_release_refuses_a_live_holder_and_releases_a_stale_one_with_an_audit_row(
+        state: State, spawn: Callable[..., LeaseRun]) -> None:
+    holder = spawn(state)
+    holder.wait_ready()
+    proc = state.cli("--json-errors", "leases", "release", RUN_KEY, "--reason", "looks stuck")
+    assert proc.returncode == 2, describe(proc)
+    err = error_object(proc)
+    assert err["code"] == "RIVET_STATE_RUN_IN_PROGRESS" and f"pid {holder.pid}" in err["message"], err
+    assert state.leases()[RUN_KEY]["state"] == "live"
+    assert state.audit_rows("leases.release") == []
+
+    holder.kill_group()
+    assert state.leases()[RUN_KEY]["state"] == "stale"
+    proc = state.cli("leases", "release", RUN_KEY, "--reason", "worker rebooted; its run is gone", "--json")
+    assert proc.returncode == 0, describe(proc)
+    doc = json.loads(proc.stdout)
+    assert (doc["key"], doc["released"]["holder_pid"]) == (RUN_KEY, holder.pid), doc
+
+    assert state.leases().get(RUN_KEY, {"state": "free"})["state"] == "free"
+    (row,) = state.audit_rows("leases.release")
+    detail = row["detail"]
+    assert (detail["key"], detail["reason"]) == (RUN_KEY, "worker rebooted; its run is gone"), row
+    assert (detail["removed"]["holder_pid"], detail["removed"]["host"]) == (holder.pid, socket.gethostname()), row
+    assert row["actor"].endswith("@" + socket.gethostname()), row
+
+
+# -- PostgreSQL takeover race ------------------------------------------------------------
+
+
+def test_two_postgres_takers_racing_for_one_stale_row_exactly_one_wins(pg_state: State) -> None:
+    stores = [pg_state.context().backend().leases() for _ in range(2)]
+    barrier = threading.Barrier(2)
+    me = this_holder("racer")
+    gone = dead_pid()
+    with pg_state.pg() as conn:
+        for round_no in range(80):
+            # Even rounds: TTL expired on another host; odd rounds: dead pid on this host.
+            host, pid, age = (("worker-9.elsewhere.example", 4242, "1 hour") if round_no % 2 == 0
+                              else (socket.gethostname(), gone, "0 seconds"))
+            conn.execute("INSERT INTO rivet_leases (key, holder_pid, holder_host, holder_user, command, acquired_at, "
+                         "heartbeat_at, ttl_seconds) VALUES (%s, %s, %s, 'old', 'old run', now() - interval '2 hours', "
+                         f"now() - interval '{age}', 30)", (RUN_KEY, pid, host))
+            results: list[Any] = [None, None]
+
+            def take(i: int) -> None:
+                barrier.wait()
+                results[i] = stores[i].try_acquire(
+                    RUN_KEY, Holder(me.pid, me.host, me.user, f"taker {i}", me.acquired_at))
+
+            threads = [threading.Thread(target=take, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            winners = [r for r in results if not isinstance(r, LeaseInfo)]
+            assert len(winners) == 1, f"round {round_no}: {results}"
+            loser = next(r for r in results if isinstance(r, LeaseInfo))
+            assert loser.state == "live" and loser.holder.command == winners[0].holder.command, (round_no, loser)
+            (command,) = conn.execute("SELECT command FROM rivet_leases WHERE key = %s", (RUN_KEY,)).fetchone()
+            assert command == winners[0].holder.command
+            winners[0].release()
+
+
+# -- key encoding -----------------------------------------------------------------------
+
+ODD_KEYS = [
+    "chunk-run:../../../../escaped",
+    "load-table:/tmp/absolute",
+    "staging:..",
+    "..",
+    ".",
+    ".hidden",
+    "chunk-run:\"double\" and 'single' quotes",
+    "chunk-run:ünïcødé/日本語/表",
+    "staging:a\\b\\..\\c",
+    "chunk-run:%2E%2E%2Fpre-encoded",
+    "chunk-run:../%2e%2e/x",
+    "load-table:tab\tand\nnewline",
+]
+
+
+def test_lease_key_with_slashes_dots_quotes_and_non_ascii_stays_inside_the_sidecar_folder(
+        state: State, tmp_path: Path) -> None:
+    # Where each key would land if it were used as a path (the sidecar folder itself excepted).
+    naive = ({(state.leases_dir / key).resolve() for key in ODD_KEYS} |
+             {(state.leases_dir / key.split(":", 1)[-1]).resolve() for key in ODD_KEYS}) - {state.leases_dir}
+    existed = {p for p in naive if os.path.lexists(p)}
+    def outside() -> set[Path]:
+        return {p for p in tmp_path.rglob("*") if p != state.leases_dir and state.leases_dir not in p.parents}
+
+    before = outside()
+
+    held = [acquire(state.context(), key, f"odd key {i}") for i, key in enumerate(ODD_KEYS)]
+    try:
+        listed = state.leases()
+        assert {k for k, row in listed.items() if row["state"] == "live"} == set(ODD_KEYS)
+    finally:
+        for lease in held:
+            lease.release()
+    proc = state.cli("leases", "run", "--export", "../../outside", "--", "true")
+    assert proc.returncode == 0, describe(proc)
+    proc = state.cli("--json", "leases")
+    assert proc.returncode == 0, describe(proc)
+    keys = set(ODD_KEYS) | {"chunk-run:../../outside"}
+    assert {row["key"] for row in json.loads(proc.stdout)["leases"]} == (keys if state.backend == "sqlite" else set())
+
+    assert outside() == before
+    assert {p for p in naive if os.path.lexists(p)} == existed
+    if state.backend == "sqlite":
+        names = [p.name for p in state.leases_dir.iterdir()]
+        assert len(names) == len(keys), names
+        for path in state.leases_dir.iterdir():
+            assert path.is_file() and not path.is_symlink(), path
+            assert re.fullmatch(r"[A-Za-z0-9_%-]+", path.name), path.name
+    else:
+        assert not state.leases_dir.exists()
+
+
+def test_sqlite_lease_key_too_long_for_a_file_name_is_refused_as_usage(sqlite_state: State) -> None:
+    proc = sqlite_state.cli("--json-errors", "leases", "run", "--export", "x" * 300, "--", "true")
+    assert proc.returncode == 1, describe(proc)
+    assert error_object(proc)["code"] == "RIVET_CLI_USAGE"
+    assert not any(sqlite_state.leases_dir.iterdir()) if sqlite_state.leases_dir.exists() else True
+
+
+# -- leases run -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_leases_run_forwards_the_signal_exits_with_the_command_code_and_releases(
+        state: State, spawn: Callable[..., LeaseRun], signum: int) -> None:
+    holder = spawn(state, code=7)
+    holder.wait_ready()
+    os.kill(holder.pid, signum)
+    out, err = holder.proc.communicate(timeout=60)
+    assert holder.proc.returncode == 7, f"{out}\n{err}"
+    assert Path(str(holder.ready) + ".signal").read_text() == str(int(signum))
+    assert state.leases().get(RUN_KEY, {"state": "free"})["state"] == "free"
+    proc = state.cli("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 0, describe(proc)
+
+
+def test_leases_run_exits_with_the_command_exit_code(state: State) -> None:
+    proc = state.cli("leases", "run", "--export", "orders", "--", sys.executable, "-c", "raise SystemExit(9)")
+    assert proc.returncode == 9, describe(proc)
+    proc = state.cli("leases", "run", "--export", "orders", "--", "sh", "-c", "kill -TERM $$")
+    assert proc.returncode == 128 + signal.SIGTERM, describe(proc)
+    assert state.leases().get(RUN_KEY, {"state": "free"})["state"] == "free"
+
+
+def test_sqlite_command_inherits_the_lock_and_keeps_the_lease_after_its_wrapper_is_sigkilled(
+        sqlite_state: State, spawn: Callable[..., LeaseRun]) -> None:
+    holder = spawn(sqlite_state)
+    command_pid = holder.wait_ready()
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.proc.wait(timeout=30)  # not communicate(): the command still holds the wrapper's pipes
+
+    assert sqlite_state.leases()[RUN_KEY]["state"] == "live"
+    assert lock_holders(sqlite_state.sidecar)  # still locked, by the command's inherited descriptor
+    proc = sqlite_state.cli("--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 2 and error_object(proc)["code"] == "RIVET_STATE_RUN_IN_PROGRESS", describe(proc)
+
+    holder.go.touch()  # the command ends: the kernel drops its lock
+    wait_for(lambda: not lock_holders(sqlite_state.sidecar), f"command {command_pid} to end")
+    assert sqlite_state.leases()[RUN_KEY]["state"] == "stale"
+    proc = sqlite_state.cli("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 0, describe(proc)
+
+
+# -- other commands beside a live lease -----------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def older_state(request: pytest.FixtureRequest, tmp_path: Path) -> State:
+    """A state below head: a legacy SQLite file (leases dir beside it), or PostgreSQL moved down to 0002."""
+    if request.param == "sqlite":
+        state = _make_state("sqlite", tmp_path, request, init=False)
+        build_legacy_state(state.directory / ".rivet_state.db",
+                           [("orders", "incremental"), ("order_lines", "chunked")], runs=60)
+        return state
+    state = _make_state("postgres", tmp_path, request)
+    migrate(state.context(), to="0002", allow_data_loss=True)
+    return state
+
+
+def _revision(state: State) -> Any:
+    return info(state.context()).as_dict()["revision"]
+
+
+def test_migrate_beside_a_live_lease_waits_then_fails_upgrade_beside_live_run(
+        older_state: State, spawn: Callable[..., LeaseRun]) -> None:
+    revision = _revision(older_state)
+    holder = spawn(older_state)
+    holder.wait_ready()
+    files = tree_digest(older_state.directory)
+    started = time.monotonic()
+    proc = older_state.cli("migrate", "--lock-wait", "2", "--json-errors")
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 2, describe(proc)
+    err = error_object(proc)
+    assert err["code"] == "RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN" and err["retryable"] is True, err
+    assert RUN_KEY in err["message"] and f"pid {holder.pid}" in err["message"], err
+    assert "waiting up to 2 s for live runs" in proc.stderr, describe(proc)
+    assert elapsed >= 2.0
+    assert tree_digest(older_state.directory) == files  # no backup, no byte changed
+    assert _revision(older_state) == revision
+
+    assert holder.finish().returncode == 0
+    proc = older_state.cli("migrate", "--lock-wait", "0")
+    assert proc.returncode == 0, describe(proc)
+    assert _revision(older_state)["status"] == "head"
+
+
+def test_exports_reset_takes_the_run_lease_of_its_export(state: State, spawn: Callable[..., LeaseRun]) -> None:
+    holder = spawn(state)
+    holder.wait_ready()
+    proc = state.cli("--json-errors", "--lock-wait", "0", "exports", "reset", "orders")
+    assert proc.returncode == 2, describe(proc)
+    err = error_object(proc)
+    assert err["code"] == "RIVET_STATE_RUN_IN_PROGRESS" and f"pid {holder.pid}" in err["message"], err
+    assert holder.finish().returncode == 0
+    proc = state.cli("--lock-wait", "0", "exports", "reset", "orders")
+    assert proc.returncode == 0, describe(proc)
+
+
+def test_info_and_check_show_the_live_holder(state: State, spawn: Callable[..., LeaseRun]) -> None:
+    holder = spawn(state)
+    holder.wait_ready()
+    proc = state.cli("info", "--json")
+    assert proc.returncode == 0, describe(proc)
+    (row,) = [r for r in json.loads(proc.stdout)["leases"] if r["key"] == RUN_KEY]
+    assert (row["state"], row["holder_pid"], row["export"]) == ("live", holder.pid, "orders"), row
+    proc = state.cli("check", "--json")
+    assert proc.returncode == 0, describe(proc)
+    (leases_check,) = [c for c in json.loads(proc.stdout)["checks"] if c["id"] == "leases"]
+    assert f"pid {holder.pid}" in leases_check["message"], leases_check
+    assert holder.finish().returncode == 0
+
+
+# -- the scheduler guide ----------------------------------------------------------------
+
+
+def _guide_blocks() -> list[str]:
+    return re.findall(r"^```sh\n(.*?)^```", GUIDE.read_text(), flags=re.S | re.M)
+
+
+def test_scheduler_guide_exists_with_sh_blocks() -> None:
+    blocks = _guide_blocks()
+    assert len(blocks) >= 4, "the guide shows too few commands"
+    text = GUIDE.read_text().lower()
+    for phrase in ("chunk-run:<export>", "--lock-wait", "rivet_state_lock_timeout", "rivet_state_run_in_progress",
+                   "statetool leases release", "two hosts with two separate sqlite files", "network filesystem",
+                   "not fenced", "retryable", "refusal"):
+        assert phrase in text, phrase
+
+
+def test_every_sh_command_of_the_scheduler_guide_runs(state: State, spawn: Callable[..., LeaseRun]) -> None:
+    bindir = Path(sys.executable).parent
+    env = _cli_env(state.env)
+    env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
+    assert shutil.which("statetool", path=env["PATH"]), "the statetool entry point is not installed"
+    for block in _guide_blocks():
+        if "leases release" in block:  # the guide releases a stale lease: leave one behind
+            stale = spawn(state)
+            stale.wait_ready()
+            stale.kill_group()
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=state.directory, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"guide block failed:\n{block}\n{describe(proc)}"
+        for expected in re.findall(r"#\s*prints:\s*(.+)$", block, flags=re.M):
+            assert expected.strip() in proc.stdout + proc.stderr, f"{expected!r} not printed by\n{block}\n{describe(proc)}"

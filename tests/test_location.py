@@ -1,0 +1,258 @@
+"""SPEC §1: one resolver decides where the state lives, and refuses every other form."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import describe, run_cli, tree_digest, write_config
+from statetool.errors import StateError
+from statetool.location import resolve_location
+
+ACCEPTED_FORM_MARKERS = ("unset or empty", "sqlite:/", "postgresql://")
+
+
+def refused(env: str | None, flag: str | None, config: Path) -> StateError:
+    with pytest.raises(StateError) as caught:
+        resolve_location(env, flag, config)
+    return caught.value
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+
+
+# -- beside the config -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env", [None, "", "   "])
+def test_unset_or_empty_state_url_puts_the_state_beside_the_config(tmp_path: Path, env: str | None) -> None:
+    config = tmp_path / "jobs" / "sales" / "rivet.yaml"
+    loc = resolve_location(env, None, config)
+    assert (loc.backend, loc.scope, loc.origin) == ("sqlite", "beside_config", "default")
+    assert loc.directory == config.parent
+    assert loc.path == config.parent / ".rivet_state.db"
+    assert loc.display == str(config.parent / ".rivet_state.db")
+
+
+def test_relative_config_path_gives_an_absolute_state_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    loc = resolve_location(None, None, Path("sub/rivet.yaml"))
+    assert loc.path == tmp_path / "sub" / ".rivet_state.db"
+    assert loc.path.is_absolute()
+
+
+def test_resolver_touches_no_file(tmp_path: Path) -> None:
+    declared = tmp_path / "not-yet"
+    resolve_location(f"sqlite:{declared}", None, tmp_path / "rivet.yaml")
+    resolve_location(None, None, tmp_path / "rivet.yaml")
+    assert listing(tmp_path) == []
+
+
+# -- env versus flag -------------------------------------------------------------------
+
+
+def test_flag_wins_over_env_and_says_so(tmp_path: Path) -> None:
+    config = tmp_path / "rivet.yaml"
+    loc = resolve_location("sqlite:/srv/from-env", "sqlite:/srv/from-flag", config)
+    assert (loc.directory, loc.origin) == (Path("/srv/from-flag"), "flag")
+
+
+def test_env_applies_when_no_flag_is_given(tmp_path: Path) -> None:
+    loc = resolve_location("sqlite:/srv/from-env", None, tmp_path / "rivet.yaml")
+    assert (loc.directory, loc.scope, loc.origin) == (Path("/srv/from-env"), "declared_dir", "env")
+
+
+def test_empty_flag_selects_beside_the_config_over_a_set_env(tmp_path: Path) -> None:
+    config = tmp_path / "rivet.yaml"
+    loc = resolve_location("sqlite:/srv/from-env", "", config)
+    assert (loc.scope, loc.origin, loc.path) == ("beside_config", "flag", tmp_path / ".rivet_state.db")
+
+
+def test_flag_is_validated_even_when_env_is_valid(tmp_path: Path) -> None:
+    err = refused("sqlite:/srv/ok", "mysql://h/db", tmp_path / "rivet.yaml")
+    assert err.code == "RIVET_STATE_URL_INVALID"
+
+
+# -- declared directory ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, directory", [
+    ("sqlite:/srv/rivet/state", "/srv/rivet/state"),
+    ("sqlite:/srv/rivet/state/", "/srv/rivet/state"),
+    ("sqlite:/srv/rivet/./x/../state", "/srv/rivet/state"),
+    ("  sqlite:/srv/rivet/state  ", "/srv/rivet/state"),
+])
+def test_sqlite_absolute_directory_is_a_declared_dir(tmp_path: Path, raw: str, directory: str) -> None:
+    loc = resolve_location(raw, None, tmp_path / "rivet.yaml")
+    assert (loc.backend, loc.scope) == ("sqlite", "declared_dir")
+    assert loc.directory == Path(directory)
+    assert loc.path == Path(directory) / ".rivet_state.db"
+    assert loc.state_url == f"sqlite:{directory}"
+
+
+@pytest.mark.parametrize("raw", ["sqlite:state", "sqlite:./state", "sqlite:../shared/state", "sqlite:~/state"])
+def test_sqlite_relative_directory_is_refused(tmp_path: Path, raw: str) -> None:
+    err = refused(raw, None, tmp_path / "rivet.yaml")
+    assert err.code == "RIVET_STATE_DIR_RELATIVE"
+    assert err.exit_code == 1
+    assert raw.split(":", 1)[1] in err.message
+    assert "absolute" in err.message
+
+
+@pytest.mark.parametrize("raw, hint", [
+    ("sqlite:///x", "sqlite:/x"),
+    ("sqlite:///srv/rivet/state", "sqlite:/srv/rivet/state"),
+    ("sqlite:////srv/rivet/state", "sqlite:/srv/rivet/state"),
+])
+def test_sqlalchemy_file_url_is_refused_with_the_right_spelling(tmp_path: Path, raw: str, hint: str) -> None:
+    err = refused(raw, None, tmp_path / "rivet.yaml")
+    assert err.code == "RIVET_STATE_URL_INVALID"
+    assert err.message.endswith(hint), err.message
+    assert raw in err.message
+
+
+def test_sqlite_without_a_directory_is_refused(tmp_path: Path) -> None:
+    err = refused("sqlite:", None, tmp_path / "rivet.yaml")
+    assert err.code == "RIVET_STATE_URL_INVALID"
+    assert all(marker in err.message for marker in ACCEPTED_FORM_MARKERS), err.message
+
+
+# -- unknown forms ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", [
+    "mysql://u@db.internal/state",
+    "http://state.internal/rivet",
+    "/srv/rivet/state",
+    "srv/rivet/state",
+    "file:/srv/rivet/state",
+    "postgresql:/db.internal/state",
+    "postgresql//db.internal/state",
+    "redis://cache:6379/0",
+])
+def test_unknown_form_is_refused_listing_the_accepted_forms(tmp_path: Path, raw: str) -> None:
+    err = refused(raw, None, tmp_path / "rivet.yaml")
+    assert err.code == "RIVET_STATE_URL_INVALID"
+    assert err.exit_code == 1
+    assert all(marker in err.message for marker in ACCEPTED_FORM_MARKERS), err.message
+    assert "sqlite:/absolute/dir" in err.entry.action
+
+
+# -- PostgreSQL ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["postgres", "postgresql", "postgresql+psycopg", "POSTGRESQL"])
+def test_postgres_schemes_select_the_shared_scope_with_the_default_schema(tmp_path: Path, scheme: str) -> None:
+    loc = resolve_location(f"{scheme}://rivet@pg.internal:5432/pipelines", None, tmp_path / "rivet.yaml")
+    assert (loc.backend, loc.scope, loc.schema) == ("postgres", "shared", "rivet_state")
+    assert loc.url == "postgresql://rivet@pg.internal:5432/pipelines"
+    assert loc.path is None and loc.directory is None
+
+
+def test_schema_parameter_is_taken_and_stripped_other_parameters_kept(tmp_path: Path) -> None:
+    loc = resolve_location("postgres://rivet@pg.internal/pipelines?sslmode=require&schema=sales_state"
+                           "&application_name=statetool", None, tmp_path / "rivet.yaml")
+    assert loc.schema == "sales_state"
+    assert loc.url == "postgresql://rivet@pg.internal/pipelines?sslmode=require&application_name=statetool"
+    assert "schema=" not in loc.url
+
+
+def test_schema_parameter_alone_leaves_no_query(tmp_path: Path) -> None:
+    loc = resolve_location("postgresql+psycopg://rivet@pg.internal/pipelines?schema=s1", None, tmp_path / "x.yaml")
+    assert (loc.url, loc.schema) == ("postgresql://rivet@pg.internal/pipelines", "s1")
+
+
+@pytest.mark.parametrize("schema", ["bad-name", "1starts_with_digit", "a;drop table x", "a b", "", "x" * 64])
+def test_schema_that_is_not_a_plain_identifier_is_refused(tmp_path: Path, schema: str) -> None:
+    err = refused(f"postgresql://pg.internal/pipelines?schema={schema}", None, tmp_path / "rivet.yaml")
+    assert err.code == "RIVET_STATE_URL_INVALID"
+
+
+def test_postgres_url_with_a_non_numeric_port_is_refused(tmp_path: Path) -> None:
+    err = refused("postgresql://pg.internal:fivefour/pipelines", None, tmp_path / "rivet.yaml")
+    assert err.code == "RIVET_STATE_URL_INVALID"
+
+
+def test_postgres_url_whose_password_has_a_raw_at_and_slash_is_refused(tmp_path: Path) -> None:
+    # urlsplit would take "ss" (a piece of the password) for the host and connect there.
+    err = refused("postgres://rivet:p@ss/word@pg.internal:5432/state", None, tmp_path / "rivet.yaml")
+    assert err.code == "RIVET_STATE_URL_INVALID"
+    assert "p@ss/word" not in err.message and "ss/word" not in err.message, err.message
+    assert "percent-encoded" in err.message
+
+
+def test_postgres_url_with_a_percent_encoded_password_is_accepted(tmp_path: Path) -> None:
+    loc = resolve_location("postgres://rivet:p%40ss%2Fword@pg.internal:5432/state", None, tmp_path / "rivet.yaml")
+    assert loc.url == "postgresql://rivet:p%40ss%2Fword@pg.internal:5432/state"
+    assert "p%40ss%2Fword" not in loc.display
+
+
+def test_postgres_display_masks_the_password_and_names_the_schema(tmp_path: Path) -> None:
+    loc = resolve_location("postgresql://rivet:s3cr3t-pw@pg.internal/pipelines?schema=s2", None, tmp_path / "x.yaml")
+    assert "s3cr3t-pw" in (loc.url or "")  # kept for connecting
+    assert "s3cr3t-pw" not in loc.display and "s3cr3t-pw" not in json.dumps(loc.as_dict())
+    assert "s2" in loc.display
+
+
+# -- through the CLI: refused forms create nothing anywhere -----------------------------
+
+
+BAD_FORMS = [
+    ("sqlite:relative/state", "RIVET_STATE_DIR_RELATIVE"),
+    ("sqlite://{named}", "RIVET_STATE_URL_INVALID"),
+    ("sqlite:", "RIVET_STATE_URL_INVALID"),
+    ("mysql://u@db.internal/{named}", "RIVET_STATE_URL_INVALID"),
+    ("http://state.internal{named}", "RIVET_STATE_URL_INVALID"),
+    ("{named}", "RIVET_STATE_URL_INVALID"),
+    ("postgresql://pg.internal/db?schema=bad-name", "RIVET_STATE_URL_INVALID"),
+]
+
+
+@pytest.mark.parametrize("form, code", BAD_FORMS, ids=[c + ":" + f for f, c in BAD_FORMS])
+def test_bad_state_url_fails_with_its_code_and_creates_no_file(tmp_path: Path, form: str, code: str) -> None:
+    config = write_config(tmp_path / "pipeline")
+    named = tmp_path / "named"
+    named.mkdir()
+    value = form.format(named=named)
+    before = (tree_digest(tmp_path), listing(tmp_path))
+
+    init = run_cli("-c", str(config), "--json-errors", "init", cwd=config.parent, env={"RIVET_STATE_URL": value})
+    assert init.returncode == 1, describe(init)
+    error = json.loads(init.stderr.strip().splitlines()[-1])
+    assert (error["code"], error["exit_class"]) == (code, 1), describe(init)
+    assert (tree_digest(tmp_path), listing(tmp_path)) == before, describe(init)
+
+    check = run_cli("check", "--json", "-c", str(config), cwd=config.parent, env={"RIVET_STATE_URL": value})
+    assert check.returncode == 1, describe(check)
+    location = json.loads(check.stdout)["checks"][0]
+    assert (location["id"], location["status"], location["code"]) == ("location", "fail", code), describe(check)
+    assert (tree_digest(tmp_path), listing(tmp_path)) == before, describe(check)
+
+
+def test_bad_state_url_flag_overrides_a_good_env_and_fails(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "pipeline")
+    good = tmp_path / "good"
+    good.mkdir()
+    proc = run_cli("-c", str(config), "init", "--state-url", "sqlite:relative", "--json-errors",
+                   env={"RIVET_STATE_URL": f"sqlite:{good}"})
+    assert proc.returncode == 1, describe(proc)
+    assert json.loads(proc.stderr.strip().splitlines()[-1])["code"] == "RIVET_STATE_DIR_RELATIVE", describe(proc)
+    assert listing(good) == [], describe(proc)
+
+
+def test_info_names_the_origin_of_the_location(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "pipeline")
+    declared = tmp_path / "declared"
+    declared.mkdir()
+    init = run_cli("-c", str(config), "init", env={"RIVET_STATE_URL": f"sqlite:{declared}"})
+    assert init.returncode == 0, describe(init)
+    assert listing(declared) == [".rivet_state.db"], describe(init)
+    assert not (config.parent / ".rivet_state.db").exists(), describe(init)
+    info = run_cli("-c", str(config), "info", "--json", "--state-url", f"sqlite:{declared}")
+    assert info.returncode == 0, describe(info)
+    location = json.loads(info.stdout)["location"]
+    assert (location["origin"], location["scope"], location["path"]) == (
+        "flag", "declared_dir", str(declared / ".rivet_state.db")), describe(info)

@@ -1,0 +1,813 @@
+"""``statetool transfer --to URL``: a SQLite state moves into PostgreSQL (SPEC §1, §3, §6,
+§9; issue #6).
+
+Everything here is real: SQLite files built by ``statetool.example``, ``statetool migrate``
+and the runtime API, the PostgreSQL server of ``conftest.pg_server``, the CLI in a child
+process, and SIGKILL (``STATETOOL_CRASH_AT=<point>`` makes the process kill itself at a
+named point; the mid-COPY kill comes from outside). What arrives in PostgreSQL is
+compared row for row with what the SQLite file holds, read independently (psycopg and
+sqlite3, not statetool).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import pytest
+
+from conftest import PG_PASSWORD, describe, run_cli, tree_digest, write_config
+
+pytestmark = pytest.mark.postgres
+
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = ROOT / "docs" / "setup-guides" / "moving-state-to-postgresql.md"
+SOURCE_KEY = "postgresql://db.internal:5432/sales"
+#: Tables whose ``id`` the destination assigns itself (not compared).
+FRESH_IDS = {"rivet_audit", "rivet_load_ledger"}
+#: The crash points of transfer.py and of relocate.py's retire_source, in order.
+CRASH_POINTS = ("digested", "copied", "committed", "kept", "tombstoned", "swapped")
+#: A text that needs every escape of COPY's text format, and one that looks like its NULL.
+NASTY = "tab\there\nnew line\r\\back\\slash \\N ünïcødé 🚀 'quote' \"dq\" ,;|"
+LITERAL_NULL_MARK = "\\N"
+BIG_RUNS = 300_000
+
+EXPORTS = """\
+exports:
+  - name: orders
+    mode: incremental
+  - name: order_lines
+    mode: chunked
+  - name: customers
+    mode: full
+  - name: order_events
+    mode: cdc
+    cdc:
+      engine: mysql
+      checkpoint: checkpoints/order_events.json
+  - name: customer_changes
+    mode: cdc
+    cdc:
+      engine: mongodb
+      checkpoint: state/customer_changes.json
+  - name: invoice_changes
+    mode: cdc
+    cdc:
+      engine: oracle
+      checkpoint: {absolute}
+  - name: payment_changes
+    mode: cdc
+    cdc:
+      engine: postgres
+"""
+RELATIVE_CHECKPOINTS = {"order_events": "checkpoints/order_events.json",
+                        "customer_changes": "state/customer_changes.json"}
+
+
+# -- PostgreSQL, read independently -------------------------------------------------------
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``(libpq URL without ?schema, schema)``."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    schemas = [v for k, v in query if k == "schema"]
+    rest = urlencode([(k, v) for k, v in query if k != "schema"])
+    return urlunsplit(("postgresql", parts.netloc, parts.path, rest, "")), (schemas[-1] if schemas else "rivet_state")
+
+
+def with_schema(url: str, schema: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}schema={schema}"
+
+
+def pg_fetch(admin: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    import psycopg
+
+    with psycopg.connect(split_url(admin)[0], autocommit=True) as conn:
+        cur = conn.execute(sql, params)
+        return [tuple(r) for r in cur.fetchall()] if cur.description else []
+
+
+def schema_exists(admin: str, schema: str) -> bool:
+    return bool(pg_fetch(admin, "SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)))
+
+
+def _ordered(table: str, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    # append-only tables keep their order (read by id); the others are sets
+    return rows if table in FRESH_IDS else sorted(rows, key=repr)
+
+
+def pg_state(admin: str, schema: str) -> dict[str, tuple[list[str], list[tuple[Any, ...]]]]:
+    """``{table: (columns, rows)}`` of every table of ``schema`` that holds a row (ids of
+    the append-only tables left out); ``{}`` when the schema is absent or empty."""
+    import psycopg
+
+    out: dict[str, tuple[list[str], list[tuple[Any, ...]]]] = {}
+    with psycopg.connect(split_url(admin)[0], autocommit=True) as conn:
+        tables = [r[0] for r in conn.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = %s ORDER BY 1", (schema,))]
+        for table in tables:
+            columns = [r[0] for r in conn.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = %s "
+                "ORDER BY ordinal_position", (schema, table))]
+            keep = [c for c in columns if not (table in FRESH_IDS and c == "id")]
+            order = " ORDER BY id" if table in FRESH_IDS else ""
+            quoted = ", ".join(f'"{c}"' for c in keep)
+            rows = [tuple(r) for r in conn.execute(f'SELECT {quoted} FROM "{schema}"."{table}"{order}')]
+            if rows:
+                out[table] = (keep, _ordered(table, rows))
+    return out
+
+
+def sqlite_state(path: Path) -> dict[str, tuple[list[str], list[tuple[Any, ...]]]]:
+    """The same shape as :func:`pg_state`, read from a SQLite file without changing it."""
+    db = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
+    try:
+        out: dict[str, tuple[list[str], list[tuple[Any, ...]]]] = {}
+        tables = [r[0] for r in db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY 1")]
+        for table in tables:
+            columns = [r[1] for r in db.execute(f'PRAGMA table_info("{table}")')]
+            keep = [c for c in columns if not (table in FRESH_IDS and c == "id")]
+            order = " ORDER BY id" if table in FRESH_IDS else ""
+            quoted = ", ".join(f'"{c}"' for c in keep)
+            rows = [tuple(r) for r in db.execute(f'SELECT {quoted} FROM "{table}"{order}')]
+            if rows:
+                out[table] = (keep, _ordered(table, rows))
+        return out
+    finally:
+        db.close()
+
+
+def split_transfer_rows(state: dict[str, tuple[list[str], list[tuple[Any, ...]]]]
+                        ) -> tuple[dict[str, tuple[list[str], list[tuple[Any, ...]]]], list[dict[str, Any]]]:
+    """The destination without its ``transfer`` audit rows, and those rows (as dicts)."""
+    columns, rows = state.get("rivet_audit", ([], []))
+    action = columns.index("action") if columns else 0
+    kept = [r for r in rows if r[action] != "transfer"]
+    moved = [dict(zip(columns, r)) for r in rows if r[action] == "transfer"]
+    rest = dict(state)
+    if kept:
+        rest["rivet_audit"] = (columns, kept)
+    else:
+        rest.pop("rivet_audit", None)
+    return rest, moved
+
+
+def assert_arrived(admin: str, schema: str, expected: dict[str, Any], source: Path,
+                   before_transfer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The destination holds exactly ``expected`` (every row of every table) plus what it
+    held before (``before_transfer``, audit rows first) and ONE transfer audit row."""
+    got, moved = split_transfer_rows(pg_state(admin, schema))
+    assert len(moved) == 1, f"expected exactly one transfer audit row, got {moved}"
+    want = dict(expected)
+    if before_transfer:
+        columns, rows = before_transfer.get("rivet_audit", ([], []))
+        want["rivet_audit"] = (want["rivet_audit"][0], rows + want["rivet_audit"][1])
+        want["rivet_identity"] = before_transfer["rivet_identity"]
+    assert sorted(got) == sorted(want), f"tables with rows: {sorted(got)} vs {sorted(want)}"
+    for table in want:
+        assert got[table][0] == want[table][0], f"{table}: columns {got[table][0]} vs {want[table][0]}"
+        assert got[table][1] == want[table][1], f"{table}: rows differ"
+    detail = json.loads(moved[0]["detail"])
+    assert detail["from"] == str(source)
+    return moved[0]
+
+
+# -- building SQLite states ------------------------------------------------------------------
+
+
+def _cli_ok(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    proc = run_cli(*args, cwd=cwd, env=env)
+    assert proc.returncode == 0, describe(proc)
+    return proc
+
+
+def _checkpoint_wal(path: Path) -> None:
+    db = sqlite3.connect(path)
+    try:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        db.close()
+    for suffix in ("-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+
+
+def build_template(directory: Path, runs: int) -> Path:
+    """A state at head with ``runs`` runs of history (example + migrate), in WAL mode (as
+    ``init`` and the runtime make them), progress written through the runtime API, a
+    ledger and run aggregates, and values that need every escape of COPY's text format.
+    Returns the config path."""
+    from statetool.runtime import StateStore
+
+    directory.mkdir(parents=True)
+    absolute = directory.parent / "shared-checkpoints" / "invoice_changes.json"
+    absolute.parent.mkdir(parents=True, exist_ok=True)
+    absolute.write_text('{"scn": 4711}\n')
+    cfg = write_config(directory, exports=EXPORTS.format(absolute=absolute))
+    subprocess.run([sys.executable, "-m", "statetool.example", "--config", str(cfg), "--runs", str(runs)],
+                   check=True, capture_output=True)
+    _cli_ok("-c", str(cfg), "migrate")
+    db = sqlite3.connect(directory / ".rivet_state.db")
+    assert db.execute("PRAGMA journal_mode = WAL").fetchone()[0] == "wal"
+    db.close()
+    store = StateStore.open(cfg, env={})
+    with store.transaction() as tx:
+        run_id = tx.start_run("orders", "incremental", run_id="nasty-run")
+        tx.finish_run(run_id, "failed", rows=0, bytes_read=2**40, error=NASTY, error_code="E_NASTY")
+        tx.commit_cursor("orders", "incremental", LITERAL_NULL_MARK)
+        tx.record_chunk("order_lines", run_id, 0, None, NASTY, "pending", rows=7)
+    db = sqlite3.connect(directory / ".rivet_state.db")
+    with db:
+        db.executemany("INSERT INTO rivet_load_ledger (export_name, table_name, part, rows, loaded_at) "
+                       "VALUES (?, ?, ?, ?, ?)",
+                       [("orders", "sales.orders", f"part-{i:05d}.parquet", i * 100, "2026-03-01T00:00:00.000000Z")
+                        for i in range(50)] + [("orders", "sales.orders", NASTY, 0, None)])
+        db.executemany("INSERT INTO rivet_run_aggregates VALUES (?, ?, ?, ?, ?, ?)",
+                       [(f"agg-{i}", str(cfg), "2026-03-01T00:00:00.000000Z", None, "running", None) for i in range(5)]
+                       + [("agg-nasty", None, "2026-03-02T00:00:00.000000Z", "2026-03-02T00:01:00.000000Z",
+                           "succeeded", json.dumps({"note": NASTY}, ensure_ascii=False))])
+    db.close()
+    _checkpoint_wal(directory / ".rivet_state.db")
+    return cfg
+
+
+def copy_pipeline(template: Path, directory: Path) -> Path:
+    """A copy of the template's pipeline directory (config, state, checkpoints); its config."""
+    shutil.copytree(template.parent, directory, ignore=shutil.ignore_patterns(".rivet_state.db.backup-*"))
+    return directory / "rivet.yaml"
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The config of a state with 3,000 runs (built once; tests work on copies)."""
+    return build_template(tmp_path_factory.mktemp("transfer") / "template", 3000)
+
+
+@pytest.fixture(scope="module")
+def expected(template: Path) -> dict[str, Any]:
+    """Every row of every table of the template, as the destination must hold it."""
+    state = sqlite_state(template.parent / ".rivet_state.db")
+    assert len(state["rivet_runs"][1]) == 3001 and "rivet_load_ledger" in state and "rivet_audit" in state
+    return state
+
+
+@pytest.fixture
+def cfg(template: Path, tmp_path: Path) -> Path:
+    return copy_pipeline(template, tmp_path / "pipeline")
+
+
+@pytest.fixture
+def admin(pg_server: dict[str, str]) -> str:
+    return pg_server["url"]
+
+
+@pytest.fixture
+def pw_url(pg_server: dict[str, str]) -> Iterator[str]:
+    """A state URL WITH a password (role statetool_pw) and a fresh schema, dropped afterwards."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    yield with_schema(pg_server["password_url"] or pg_server["url"], schema)
+    pg_fetch(pg_server["url"], f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture
+def secret(pg_server: dict[str, str]) -> str | None:
+    return PG_PASSWORD if pg_server["password_url"] else None
+
+
+def no_secret(secret: str | None, *texts: str) -> None:
+    if secret:
+        for text in texts:
+            at = text.find(secret)
+            assert at < 0, f"the password appears in: ...{text[max(0, at - 300):at + 100]}..."
+
+
+def tombstone(cfg: Path) -> dict[str, Any] | None:
+    """The tombstone at the old place, parsed here (not by statetool), or None."""
+    data = (cfg.parent / ".rivet_state.db").read_bytes()
+    if not data.startswith(b"RIVET-STATE-RELOCATED\n"):
+        return None
+    return json.loads(data.split(b"\n", 1)[1])
+
+
+def unmask(url: str, password: str | None) -> str:
+    return url.replace(":***@", f":{password}@") if password else url
+
+
+# -- 1. value for value ------------------------------------------------------------------------
+
+
+def test_a_state_with_thousands_of_runs_arrives_value_for_value_and_the_old_place_refuses(
+        cfg: Path, expected: dict[str, Any], admin: str, pw_url: str, secret: str | None) -> None:
+    work = cfg.parent
+    schema = split_url(pw_url)[1]
+    db_before = (work / ".rivet_state.db").read_bytes()
+
+    proc = run_cli("-c", str(cfg), "--json", "transfer", "--to", pw_url)
+    assert proc.returncode == 0, describe(proc)
+    doc = json.loads(proc.stdout)
+    assert doc["done"] and not doc["dry_run"] and not doc["resumed"]
+    assert {t["table"]: t["rows"] for t in doc["tables"]} == {
+        t: len(rows) for t, (_c, rows) in expected.items() if t != "rivet_state_version"} | {
+        t: 0 for t in ("rivet_run_aggregates", "rivet_load_ledger") if t not in expected}
+    assert all(t["verified"] for t in doc["tables"])
+
+    # every row of every table, value for value; the audit history plus ONE transfer row
+    row = assert_arrived(admin, schema, expected, work / ".rivet_state.db")
+    assert row["actor"] and row["at"]
+    detail = json.loads(row["detail"])
+    assert detail["rows"]["rivet_runs"] == 3001
+
+    # the old place: a tombstone naming the new RIVET_STATE_URL, password masked
+    tomb = tombstone(cfg)
+    assert tomb is not None, "the old place must hold the tombstone"
+    assert tomb["how"] == "statetool transfer"
+    new_url = tomb["state_url"]
+    parts = urlsplit(new_url)
+    assert parts.scheme == "postgresql" and split_url(new_url)[1] == schema
+    if secret:
+        assert parts.password == "***", new_url
+    assert Path(tomb["kept_as"]).read_bytes() == db_before, "the old bytes are kept, unchanged"
+
+    refused = run_cli("-c", str(cfg), "info")
+    assert refused.returncode == 5, describe(refused)
+    assert "RIVET_STATE_RELOCATED" in refused.stderr
+    assert f"RIVET_STATE_URL={new_url}" in "".join(refused.stderr.split()), describe(refused)  # across line wraps
+    refused_json = run_cli("-c", str(cfg), "--json", "--json-errors", "info")
+    assert refused_json.returncode == 5, describe(refused_json)
+    err = json.loads(refused_json.stderr.strip().splitlines()[-1])
+    assert err["code"] == "RIVET_STATE_RELOCATED" and err["exit_class"] == 5
+    assert f"RIVET_STATE_URL={new_url}" in err["message"]
+    init_again = run_cli("-c", str(cfg), "init")
+    assert init_again.returncode == 5, "init must not recreate an empty state at the old place\n" + describe(init_again)
+
+    # the URL the tombstone names IS the new place: identity and progress are there
+    there = run_cli("-c", str(cfg), "--json", "info", env={"RIVET_STATE_URL": unmask(new_url, secret)})
+    assert there.returncode == 0, describe(there)
+    info = json.loads(there.stdout)
+    assert info["identity"]["recorded"] == SOURCE_KEY and info["identity"]["verdict"] == "ok"
+    assert sum(e["runs_total"] for e in info["exports"]) == 3001
+
+    # no password anywhere: every output, the tombstone, every file left beside the config,
+    # every row of the destination (the audit row's command included)
+    files = [p.read_bytes().decode("utf-8", "replace") for p in work.rglob("*")
+             if p.is_file() and not p.name.startswith(".rivet_state.db.relocated")]
+    dest_rows = repr(pg_state(admin, schema))
+    no_secret(secret, proc.stdout, proc.stderr, refused.stdout, refused.stderr, refused_json.stdout,
+              refused_json.stderr, init_again.stdout, init_again.stderr, there.stdout, there.stderr, *files, dest_rows)
+
+
+def test_a_destination_initialised_for_this_source_receives_the_state_and_keeps_its_identity_row(
+        cfg: Path, expected: dict[str, Any], admin: str, pg_url: str) -> None:
+    _cli_ok("-c", str(cfg), "init", env={"RIVET_STATE_URL": pg_url})
+    schema = split_url(pg_url)[1]
+    before = pg_state(admin, schema)
+    assert before["rivet_identity"][1][0][1] == SOURCE_KEY
+    _cli_ok("-c", str(cfg), "transfer", "--to", pg_url)
+    assert_arrived(admin, schema, expected, cfg.parent / ".rivet_state.db", before_transfer=before)
+
+
+# -- 2. SIGKILL at every point ----------------------------------------------------------------
+
+
+def _nothing_or_everything(admin: str, schema: str, expected: dict[str, Any]) -> str:
+    got = pg_state(admin, schema)
+    if not got:
+        return "nothing"
+    rest, moved = split_transfer_rows(got)
+    assert len(moved) == 1 and rest == expected, "the destination holds part of the state"
+    return "everything"
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_sigkill_at_each_point_leaves_all_or_nothing_and_the_source_untouched_until_the_switch_and_a_rerun_converges(
+        point: str, cfg: Path, expected: dict[str, Any], admin: str, pg_url: str) -> None:
+    work = cfg.parent
+    db = work / ".rivet_state.db"
+    original = db.read_bytes()
+    checkpoints_before = {n: (work / p).read_bytes() for n, p in RELATIVE_CHECKPOINTS.items()}
+    schema = split_url(pg_url)[1]
+
+    killed = run_cli("-c", str(cfg), "transfer", "--to", pg_url, env={"STATETOOL_CRASH_AT": point})
+    assert killed.returncode == -signal.SIGKILL, describe(killed)
+
+    seen = _nothing_or_everything(admin, schema, expected)
+    assert seen == ("nothing" if point in ("digested", "copied") else "everything"), seen
+    switched = tombstone(cfg) is not None
+    assert switched == (point == "swapped")
+    if not switched:
+        assert db.read_bytes() == original, f"the source changed before the switch (killed at {point})"
+    assert {n: (work / p).read_bytes() for n, p in RELATIVE_CHECKPOINTS.items()} == checkpoints_before
+
+    rerun = run_cli("-c", str(cfg), "--json", "--json-errors", "transfer", "--to", pg_url)
+    if point == "swapped":
+        # the transfer had completed: a re-run is a second transfer, and refuses
+        assert rerun.returncode == 5, describe(rerun)
+        assert json.loads(rerun.stderr.strip().splitlines()[-1])["code"] == "RIVET_STATE_RELOCATED"
+    else:
+        assert rerun.returncode == 0, describe(rerun)
+        assert json.loads(rerun.stdout)["done"]
+    assert _nothing_or_everything(admin, schema, expected) == "everything"
+    assert_arrived(admin, schema, expected, db)
+    tomb = tombstone(cfg)
+    assert tomb is not None and split_url(tomb["state_url"])[1] == schema
+    kept = sorted(work.glob(".rivet_state.db.relocated-*"))
+    assert [str(p) for p in kept] == [tomb["kept_as"]], f"exactly one kept copy: {kept}"
+    assert kept[0].read_bytes() == original
+    leftovers = sorted(p.name for p in work.glob(".rivet_state.db*")
+                       if p != db and not p.name.startswith(".rivet_state.db.relocated-"))
+    if point == "swapped":
+        # killed after the swap, before it removed the old inode's -wal/-shm; a refused re-run
+        # deletes nothing: they stay, the -wal empty (checkpointed before the copy), harmless
+        assert set(leftovers) <= {".rivet_state.db-wal", ".rivet_state.db-shm"}, leftovers
+        assert not (work / ".rivet_state.db-wal").exists() or (work / ".rivet_state.db-wal").stat().st_size == 0
+    else:
+        assert leftovers == [], f"left behind beside the tombstone: {leftovers}"
+
+
+# -- the big state: a kill in the middle of COPY, and flat memory ------------------------------
+
+
+@pytest.fixture(scope="module")
+def big_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The config of a state at head with 300,000 runs (init, then one executemany)."""
+    directory = tmp_path_factory.mktemp("transfer-big") / "pipeline"
+    cfg = write_config(directory)
+    _cli_ok("-c", str(cfg), "init")
+    db = sqlite3.connect(directory / ".rivet_state.db")
+    with db:
+        db.executemany("INSERT INTO rivet_runs VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", (
+            (f"r{i:09d}", "orders", "incremental", "failed" if i % 17 == 16 else "succeeded",
+             f"2026-01-01T00:00:{i % 60:02d}.{i % 1000000:06d}Z", "2026-01-01T01:00:00.000000Z", i * 3, 1,
+             "connection reset by peer" if i % 17 == 16 else None, i * 4096, 30_000 + i % 977, None)
+            for i in range(BIG_RUNS)))
+    db.close()
+    _checkpoint_wal(directory / ".rivet_state.db")
+    return cfg
+
+
+def _assert_runs_equal_streamed(path: Path, admin: str, schema: str) -> None:
+    """rivet_runs in PostgreSQL equals the SQLite file's, row for row, read in batches."""
+    import psycopg
+
+    columns = [r[1] for r in sqlite3.connect(f"file:{path}?immutable=1", uri=True).execute(
+        "PRAGMA table_info(rivet_runs)")]
+    quoted = ", ".join(f'"{c}"' for c in columns)
+    db = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
+    lite = db.execute(f"SELECT {quoted} FROM rivet_runs ORDER BY run_id")
+    with psycopg.connect(split_url(admin)[0]) as conn, conn.cursor(name="runs") as pg:
+        pg.execute(f'SELECT {quoted} FROM "{schema}".rivet_runs ORDER BY run_id COLLATE "C"')
+        n = 0
+        while True:
+            a, b = lite.fetchmany(20_000), pg.fetchmany(20_000)
+            assert [tuple(r) for r in a] == [tuple(r) for r in b], f"rivet_runs differs after row {n}"
+            n += len(a)
+            if not a:
+                break
+    db.close()
+    assert n == BIG_RUNS
+
+
+def test_sigkill_in_the_middle_of_copy_leaves_nothing_and_a_rerun_converges(
+        big_template: Path, tmp_path: Path, admin: str, pg_url: str) -> None:
+    cfg = copy_pipeline(big_template, tmp_path / "pipeline")
+    db = cfg.parent / ".rivet_state.db"
+    before = tree_digest(cfg.parent)
+    assert set(before) == {"rivet.yaml", ".rivet_state.db"}
+    schema = split_url(pg_url)[1]
+    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
+    child = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(cfg), "transfer", "--to", pg_url],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    copying = False
+    while time.monotonic() < deadline and child.poll() is None and not copying:
+        copying = bool(pg_fetch(admin, "SELECT 1 FROM pg_stat_activity WHERE state = 'active' AND query LIKE "
+                                       "'COPY \"rivet_runs\"%%'"))
+        time.sleep(0.01)
+    assert copying, "never saw the COPY of rivet_runs"
+    time.sleep(0.3)  # well inside the 300,000 rows
+    child.send_signal(signal.SIGKILL)
+    assert child.wait() == -signal.SIGKILL
+
+    assert pg_state(admin, schema) == {}, "a killed COPY must leave nothing in the destination"
+    after = tree_digest(cfg.parent)
+    assert {k: after[k] for k in before} == before, "the source changed"
+    # besides: the lease files, and the -wal/-shm of the killed writer's connection (no frame)
+    extra = {k for k in after if k not in before and not k.startswith(".rivet_state.leases/")}
+    assert extra <= {".rivet_state.db-wal", ".rivet_state.db-shm"}, extra
+    assert not (cfg.parent / ".rivet_state.db-wal").exists() or (cfg.parent / ".rivet_state.db-wal").stat().st_size == 0
+    rerun = run_cli("-c", str(cfg), "transfer", "--to", pg_url, timeout=300)
+    assert rerun.returncode == 0, describe(rerun)
+    tomb = tombstone(cfg)
+    assert tomb is not None
+    _assert_runs_equal_streamed(Path(tomb["kept_as"]), admin, schema)
+    assert len(split_transfer_rows(pg_state(admin, schema))[1]) == 1
+    assert db.exists()
+
+
+def test_memory_stays_flat_transferring_300000_runs(big_template: Path, tmp_path: Path, admin: str,
+                                                      pg_url: str) -> None:
+    cfg = copy_pipeline(big_template, tmp_path / "pipeline")
+    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
+    probe = textwrap.dedent("""\
+        import json, resource, subprocess, sys
+        proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+        print(json.dumps({"rc": proc.returncode, "err": proc.stderr[-3000:],
+                          "maxrss_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+        """)
+    out = subprocess.run([sys.executable, "-c", probe, sys.executable, "-m", "statetool", "-c", str(cfg),
+                          "transfer", "--to", pg_url], env=env, capture_output=True, text=True, timeout=600)
+    doc = json.loads(out.stdout)
+    assert doc["rc"] == 0, doc["err"]
+    assert pg_fetch(admin, f'SELECT count(*) FROM "{split_url(pg_url)[1]}".rivet_runs') == [(BIG_RUNS,)]
+    mib = doc["maxrss_kib"] / 1024
+    assert mib < 200, f"peak RSS {mib:.0f} MiB transferring {BIG_RUNS} runs (limit 200 MiB)"
+
+
+# -- 3. refusals: each its code, nothing changed, no password ----------------------------------
+
+
+def _other_source_state(cfg: Path, url: str) -> None:
+    from statetool.runtime import StateStore
+
+    other = write_config(cfg.parent.parent / "other", source_url="postgresql://reader@crm.internal:5432/crm")
+    store = StateStore.open(other, state_url=url, env={})
+    with store.transaction() as tx:
+        tx.commit_cursor("orders", "incremental", "2026-05-01T00:00:00Z")
+
+
+def _this_config_progress(cfg: Path, url: str) -> None:
+    from statetool.runtime import StateStore
+
+    store = StateStore.open(cfg, state_url=url, env={})
+    with store.transaction() as tx:
+        run_id = tx.start_run("order_lines", "chunked")
+        tx.finish_run(run_id, "succeeded", rows=5)
+
+
+REFUSALS = {
+    # case: (exit code, error code)
+    "another_identity": (5, "RIVET_STATE_FOREIGN"),
+    "progress_of_this_config": (5, "RIVET_STATE_TARGET_NOT_EMPTY"),
+    "unreachable": (2, "RIVET_STATE_UNREACHABLE"),
+    "wrong_password": (1, "RIVET_STATE_AUTH_FAILED"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_refused_destination_gets_its_code_and_nothing_changes_and_no_password_is_shown(
+        case: str, cfg: Path, admin: str, pw_url: str, pg_server: dict[str, str], secret: str | None) -> None:
+    exit_code, code = REFUSALS[case]
+    schema = split_url(pw_url)[1]
+    url, hidden = pw_url, [s for s in (secret,) if s]
+    if case == "another_identity":
+        _other_source_state(cfg, pw_url)
+    elif case == "progress_of_this_config":
+        _this_config_progress(cfg, pw_url)
+    elif case == "unreachable":
+        url, hidden = "postgresql://u:secretpw@127.0.0.1:1/db", ["secretpw"]
+    else:
+        if not secret:
+            pytest.skip("the given PostgreSQL server has no password role")
+        url, hidden = pw_url.replace(f":{secret}@", ":wrong-horse-staple@"), ["wrong-horse-staple", secret]
+    source_before = tree_digest(cfg.parent)
+    dest_before = pg_state(admin, schema)
+    outputs = []
+    for flags in ([], ["--json", "--json-errors"]):
+        proc = run_cli("-c", str(cfg), *flags, "transfer", "--to", url)
+        assert proc.returncode == exit_code, describe(proc)
+        if flags:
+            err = json.loads(proc.stderr.strip().splitlines()[-1])
+            assert err["code"] == code and err["exit_class"] == exit_code, err
+            assert proc.stdout == ""
+        else:
+            assert code in proc.stderr, describe(proc)
+        outputs += [proc.stdout, proc.stderr]
+    assert tree_digest(cfg.parent) == source_before, "the source changed"
+    assert pg_state(admin, schema) == dest_before, "the destination changed"
+    if case in ("unreachable", "wrong_password"):
+        assert not schema_exists(admin, schema)
+    for word in hidden:
+        no_secret(word, *outputs)
+
+
+def test_a_source_not_at_head_is_refused_before_anything_is_written(tmp_path: Path, admin: str,
+                                                                     pg_url: str) -> None:
+    cfg = write_config(tmp_path / "legacy")
+    subprocess.run([sys.executable, "-m", "statetool.example", "--config", str(cfg), "--runs", "200"],
+                   check=True, capture_output=True)
+    before = tree_digest(cfg.parent)
+    proc = run_cli("-c", str(cfg), "--json-errors", "transfer", "--to", pg_url)
+    assert proc.returncode == 3, describe(proc)
+    assert json.loads(proc.stderr.strip().splitlines()[-1])["code"] == "RIVET_STATE_MIGRATION_PENDING"
+    assert tree_digest(cfg.parent) == before
+    assert not schema_exists(admin, split_url(pg_url)[1])
+
+
+LATE_RUN = """\
+import pathlib, sqlite3, sys, time
+go = pathlib.Path(sys.argv[2])
+while not go.exists():
+    time.sleep(0.05)
+db = sqlite3.connect(sys.argv[1])
+db.execute("INSERT INTO rivet_runs (run_id, export_name, mode, status, started_at) "
+           "VALUES ('late-run', 'orders', 'incremental', 'succeeded', '2026-06-01T00:00:00.000000Z')")
+db.commit()
+db.close()
+"""
+
+
+def test_a_live_run_is_refused_at_lock_wait_0_and_otherwise_waited_for_and_its_rows_travel_too(
+        cfg: Path, admin: str, pg_url: str) -> None:
+    db = cfg.parent / ".rivet_state.db"
+    go = cfg.parent.parent / "go"
+    schema = split_url(pg_url)[1]
+    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
+    holder = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(cfg), "leases", "run", "--export",
+                               "orders", "--", sys.executable, "-c", LATE_RUN, str(db), str(go)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    waiting: subprocess.Popen[str] | None = None
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            listed = run_cli("-c", str(cfg), "--json", "leases")
+            if any(row["state"] == "live" for row in json.loads(listed.stdout or '{"leases": []}')["leases"]):
+                break
+            time.sleep(0.2)
+        db_before = db.read_bytes()
+        refused = run_cli("-c", str(cfg), "--lock-wait", "0", "--json-errors", "transfer", "--to", pg_url)
+        assert refused.returncode == 2, describe(refused)
+        assert json.loads(refused.stderr.strip().splitlines()[-1])["code"] == "RIVET_STATE_RUN_IN_PROGRESS"
+        assert db.read_bytes() == db_before
+        assert pg_state(admin, schema) == {}
+
+        # without --lock-wait 0 the transfer waits for the run, which adds a run and ends
+        waiting = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(cfg), "--json", "transfer",
+                                    "--to", pg_url], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
+        assert waiting.stderr is not None
+        seen = []
+        while not seen or ("waiting" not in seen[-1] and seen[-1]):
+            seen.append(waiting.stderr.readline())
+        assert "chunk-run:orders" in seen[-1], "".join(seen)
+        go.touch()
+        out, err = waiting.communicate(timeout=300)
+        assert waiting.returncode == 0, f"{out}\n{err}"
+        assert holder.wait(timeout=60) == 0
+        assert pg_fetch(admin, f'SELECT count(*) FROM "{schema}".rivet_runs WHERE run_id = %s', ("late-run",)) == [(1,)]
+        assert {t["table"]: t["rows"] for t in json.loads(out)["tables"]}["rivet_runs"] == 3002
+    finally:
+        for proc in (holder, waiting):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+# -- 4. a second transfer, and a copy of the same state --------------------------------------
+
+
+def test_a_second_transfer_of_the_same_state_refuses_and_so_does_a_copy_of_it(
+        cfg: Path, template: Path, expected: dict[str, Any], tmp_path: Path, admin: str, pg_url: str) -> None:
+    copy_cfg = copy_pipeline(template, tmp_path / "copy")
+    schema = split_url(pg_url)[1]
+    _cli_ok("-c", str(cfg), "transfer", "--to", pg_url)
+    after_first = pg_state(admin, schema)
+    source_after_first = tree_digest(cfg.parent)
+
+    again = run_cli("-c", str(cfg), "--json-errors", "transfer", "--to", pg_url)
+    assert again.returncode == 5, describe(again)
+    err = json.loads(again.stderr.strip().splitlines()[-1])
+    assert err["code"] == "RIVET_STATE_RELOCATED"
+    assert f"RIVET_STATE_URL={tombstone(cfg)['state_url']}" in err["message"]  # type: ignore[index]
+
+    copy_before = tree_digest(copy_cfg.parent)
+    copied = run_cli("-c", str(copy_cfg), "--json-errors", "transfer", "--to", pg_url)
+    assert copied.returncode == 5, describe(copied)
+    assert json.loads(copied.stderr.strip().splitlines()[-1])["code"] == "RIVET_STATE_TARGET_NOT_EMPTY"
+    assert tree_digest(copy_cfg.parent) == copy_before
+    assert tree_digest(cfg.parent) == source_after_first
+    assert pg_state(admin, schema) == after_first
+    assert_arrived(admin, schema, expected, cfg.parent / ".rivet_state.db")
+
+
+# -- 5. --dry-run ------------------------------------------------------------------------------
+
+
+def test_dry_run_changes_nothing_and_prints_tables_rows_bytes_checkpoints_and_the_url_to_set(
+        cfg: Path, expected: dict[str, Any], admin: str, pw_url: str, secret: str | None) -> None:
+    work = cfg.parent
+    schema = split_url(pw_url)[1]
+    before = tree_digest(work)
+    size = (work / ".rivet_state.db").stat().st_size
+    absolute = {n: str(work / p) for n, p in RELATIVE_CHECKPOINTS.items()}
+
+    human = run_cli("-c", str(cfg), "transfer", "--to", pw_url, "--dry-run")
+    assert human.returncode == 0, describe(human)
+    as_json = run_cli("-c", str(cfg), "--json", "transfer", "--to", pw_url, "--dry-run")
+    assert as_json.returncode == 0, describe(as_json)
+    assert tree_digest(work) == before, "a dry run changed the source directory"
+    assert not (work / ".rivet_state.leases").exists()
+    assert not schema_exists(admin, schema), "a dry run created the destination schema"
+
+    doc = json.loads(as_json.stdout)
+    assert doc["dry_run"] and not doc["done"]
+    assert doc["size_bytes"] == size
+    counts = {t: len(rows) for t, (_c, rows) in expected.items()}
+    assert {t["table"]: t["rows"] for t in doc["tables"]} == {
+        t["table"]: counts.get(t["table"], 0) for t in doc["tables"]}
+    assert {"rivet_runs", "rivet_exports", "rivet_chunks", "rivet_audit", "rivet_identity"} <= {
+        t["table"] for t in doc["tables"]}
+    state_url = doc["state_url"]
+    assert split_url(state_url)[1] == schema
+    plan = {c["export"]: c for c in doc["checkpoints"]}
+    for name, path in absolute.items():
+        assert plan[name]["set_to"] == path and plan[name]["configured"] == RELATIVE_CHECKPOINTS[name]
+    assert plan["invoice_changes"]["set_to"] == plan["invoice_changes"]["configured"]  # already absolute
+    warned = {w["code"] + ":" + name for w in doc["warnings"] for name in absolute if f"CDC export {name}:" in w["message"]}
+    assert warned == {f"RIVET_STATE_CHECKPOINT_RELATIVE:{n}" for n in absolute}
+    for w in doc["warnings"]:
+        assert any(path in w["message"] for path in absolute.values())
+
+    text = " ".join((human.stdout + human.stderr).split())
+    flat = "".join((human.stdout + human.stderr).split())
+    for table, n in counts.items():
+        if table != "rivet_state_version":
+            assert table in text and str(n) in text
+    assert str(size) in text
+    assert f"RIVET_STATE_URL={state_url}" in flat
+    for name, path in absolute.items():
+        assert f"RIVET_STATE_CHECKPOINT_RELATIVE]: CDC export {name}: its checkpoint resolves to {path}" in text
+        assert f"set cdc.checkpoint to {path}" in text
+    assert "nothing was changed" in text
+    no_secret(secret, human.stdout, human.stderr, as_json.stdout, as_json.stderr)
+
+
+# -- 6. the guide's commands run -------------------------------------------------------------
+
+
+def _fenced_sh(text: str) -> list[str]:
+    blocks, current = [], None
+    for line in text.splitlines():
+        if current is not None:
+            if line.strip() == "```":
+                blocks.append("\n".join(current))
+                current = None
+            else:
+                current.append(line)
+        elif line.strip().startswith("```"):
+            assert line.strip() == "```sh", f"every block of {GUIDE.name} is a runnable ```sh block: {line}"
+            current = []
+    assert current is None
+    return blocks
+
+
+def test_the_moving_guide_commands_run_in_order(tmp_path: Path, admin: str, pg_server: dict[str, str]) -> None:
+    """Every ```sh block of docs/setup-guides/moving-state-to-postgresql.md, in order, in
+    one pipeline directory (examples/rivet.yaml, 2,000 runs, at head): dry run, transfer,
+    verify, checkpoints made absolute, then the rollback, which leaves the SQLite state
+    usable beside the config again and drops the PostgreSQL copy."""
+    work = tmp_path / "pipeline"
+    work.mkdir()
+    shutil.copy(ROOT / "examples" / "rivet.yaml", work / "rivet.yaml")
+    subprocess.run([sys.executable, "-m", "statetool.example", "--config", "rivet.yaml", "--runs", "2000"],
+                   cwd=work, check=True, capture_output=True)
+    _cli_ok("migrate", cwd=work)
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    base, _ = split_url(admin)
+    parts = urlsplit(base)
+    query = dict(parse_qsl(parts.query))
+    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
+    env.update({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", "COLUMNS": "120",
+                "NO_COLOR": "1", "PG_SCHEMA": schema, "CHECKPOINT_DIR": str(tmp_path / "shared" / "checkpoints")})
+    if "host" in query:  # a socket directory: libpq takes it from PGHOST, so the URL can carry ?schema= alone
+        env["PGHOST"] = query.pop("host")
+    env["PG_URL"] = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))
+    (tmp_path / "shared").mkdir()
+    blocks = _fenced_sh(GUIDE.read_text())
+    assert len(blocks) >= 8
+    try:
+        for n, code in enumerate(blocks, 1):
+            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=work, env=env, text=True,
+                                  capture_output=True, timeout=300)
+            assert proc.returncode == 0, f"block {n} of {GUIDE.name} failed:\n{code}\n{describe(proc)}"
+        # the guide ends rolled back: the SQLite state beside the config, complete; no schema
+        info = run_cli("--json", "info", cwd=work)
+        assert info.returncode == 0, describe(info)
+        assert sum(e["runs_total"] for e in json.loads(info.stdout)["exports"]) == 2000
+        assert not schema_exists(admin, schema)
+        assert (tmp_path / "shared" / "checkpoints" / "order_events.json").is_file()
+    finally:
+        pg_fetch(admin, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
