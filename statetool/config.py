@@ -85,7 +85,8 @@ def load_config(path: str | os.PathLike[str]) -> PipelineConfig:
         raise StateError("RIVET_CONFIG_NOT_FOUND", f"pipeline config {file} cannot be read: {err}",
                          {"file": str(file)}) from None
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        # libyaml's loader when PyYAML has it (several times faster on large configs).
+        root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)

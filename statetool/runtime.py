@@ -26,6 +26,7 @@ from sqlalchemy.engine import Connection
 
 from statetool import schema
 from statetool.errors import StateError, StateWarning
+from statetool.location import resolve_checkpoint
 from statetool.operations.context import Context
 from statetool.operations.create import init
 from statetool.operations.writes import head_write, now_iso
@@ -106,6 +107,16 @@ class StateStore:
         with head_write(ctx, backup_label=None) as session:
             warnings = session.warnings
         return cls(ctx, warnings)
+
+    def checkpoint_path(self, export: str) -> Path | None:
+        """Where export ``export``'s CDC checkpoint file lives (SPEC §6), through the same
+        resolver as ``statetool checkpoints`` and ``doctor``; None when the engine keeps its
+        position server-side (postgres) or the export is not a CDC export."""
+        spec = self.ctx.config.export(export)
+        if spec is None or spec.cdc is None:
+            return None
+        return resolve_checkpoint(spec.cdc.checkpoint, spec.cdc.engine, self.ctx.location,
+                                  self.ctx.config.directory).path
 
     @contextmanager
     def transaction(self) -> Iterator[Writer]:

@@ -293,3 +293,16 @@ def test_checkpoints_and_check_change_nothing(tmp_path: Path) -> None:
     for args in (["checkpoints"], ["--json", "checkpoints"], ["check"], ["--json", "check", "--strict"]):
         run_cli("-c", str(config), *args)
         assert (tree_digest(tmp_path), sorted(str(p) for p in tmp_path.rglob("*"))) == before, args
+
+
+def test_runtime_api_resolves_checkpoints_through_the_same_function(tmp_path: Path) -> None:
+    from statetool.runtime import StateStore
+
+    config = write_config(tmp_path / "pipeline")
+    state_dir = tmp_path / "volume"
+    state_dir.mkdir()
+    declared = StateStore.open(config, state_url=f"sqlite:{state_dir}", env={})
+    assert declared.checkpoint_path("order_events") == state_dir / "checkpoints" / "order_events.json"
+    assert declared.checkpoint_path("orders") is None
+    beside = StateStore.open(config, env={})
+    assert beside.checkpoint_path("order_events") == config.parent / "checkpoints" / "order_events.json"

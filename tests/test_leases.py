@@ -360,7 +360,7 @@ OTHER_HOST_HOLDER = textwrap.dedent("""\
 
 
 def test_postgres_holder_on_another_host_is_taken_over_only_after_its_ttl(pg_state: State, tmp_path: Path) -> None:
-    ttl = 3
+    ttl = 4
     ready = tmp_path / "ready"
     holder = subprocess.Popen([sys.executable, "-c", OTHER_HOST_HOLDER, str(pg_state.config), str(ready), str(ttl)],
                               env=_cli_env(pg_state.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -373,13 +373,15 @@ def test_postgres_holder_on_another_host_is_taken_over_only_after_its_ttl(pg_sta
     with pg_state.pg() as conn:
         (last_beat,) = conn.execute("SELECT heartbeat_at FROM rivet_leases WHERE key = %s", (RUN_KEY,)).fetchone()
 
-    # Its pid is dead, but the row names another host: only the TTL can free it.
+    # Its pid is dead, but the row names another host: only the TTL can free it. The
+    # judge is the database clock: no take may be stamped within the TTL of the last beat.
     store = pg_state.context().backend().leases()
-    seen = store.try_acquire(RUN_KEY, this_holder("early taker"))
-    assert isinstance(seen, LeaseInfo), "a holder on another host was taken over before its TTL"
-    assert (seen.state, seen.holder.host) == ("live", "worker-7.elsewhere.example")  # type: ignore[union-attr]
-
-    lease = acquire(pg_state.context(lock_wait=30), RUN_KEY, "patient taker")
+    early = store.try_acquire(RUN_KEY, this_holder("early taker"))
+    if isinstance(early, LeaseInfo):
+        assert (early.state, early.holder.host) == ("live", "worker-7.elsewhere.example"), early  # type: ignore[union-attr]
+        lease = acquire(pg_state.context(lock_wait=30), RUN_KEY, "patient taker")
+    else:  # this machine took longer than the TTL to get here: still judged by the clock
+        lease = early
     try:
         taken_at = lease.acquired  # type: ignore[attr-defined]
         assert taken_at - last_beat > timedelta(seconds=ttl), (taken_at, last_beat)

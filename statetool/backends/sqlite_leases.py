@@ -103,16 +103,20 @@ class FlockLeases:
         return False
 
     def _info(self, key: str, path: Path) -> LeaseInfo:
-        # Liveness first, record after: a clean release empties the record BEFORE it
-        # unlocks, so a record still there once the lock is seen gone was left by a dead
-        # holder. Read the other way round, a release in between reads as "stale". A record
-        # found while unlocked is re-checked, in case a new holder just took the lock.
-        if self._live(path):
-            return LeaseInfo(key, "live", _read_record(path))
-        holder = _read_record(path)
-        if holder is not None and self._live(path):
-            return LeaseInfo(key, "live", holder)
-        return LeaseInfo(key, "stale" if holder else "free", holder)
+        # A clean release empties the record BEFORE it unlocks. So a record read while the
+        # lock is free, and read again unchanged after the lock is seen free once more, was
+        # left by a holder that died holding it: stale. Reading the record once, before or
+        # after one liveness check, reports a normal release (or a quick take-and-release)
+        # in between as "stale". A holder that came or went in between: look again.
+        for _ in range(10):
+            if self._live(path):
+                return LeaseInfo(key, "live", _read_record(path))
+            record = _read_record(path)
+            if record is None:
+                return LeaseInfo(key, "free", None)
+            if not self._live(path) and _read_record(path) == record:
+                return LeaseInfo(key, "stale", record)
+        return LeaseInfo(key, "live", _read_record(path))  # taken and released without pause: in use
 
     def try_acquire(self, key: str, holder: Holder) -> HeldLease | LeaseInfo:
         self.directory.mkdir(exist_ok=True)

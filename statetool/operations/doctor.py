@@ -150,7 +150,7 @@ def _search(ctx: Context, key: str) -> list[dict[str, Any]]:
         if same_identity_only and candidate["kind"] == "state" and key and candidate["identity"] != key:
             return
         if path.parent == ctx.config.directory and candidate["kind"] == "state":
-            candidate["state_url"] = "(unset: beside the config)"
+            candidate["state_url"] = ""  # RIVET_STATE_URL unset (or empty): the state beside the config
         found.append(candidate)
 
     consider(ctx.config.directory / STATE_FILE, same_identity_only=False)
