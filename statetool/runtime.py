@@ -92,7 +92,8 @@ class StateStore:
         ``state_url`` overrides ``RIVET_STATE_URL`` from ``env`` (default: the process
         environment). With ``create``, a missing state is created at head, stamped (what
         a pipeline's first run does); without it, ``RIVET_STATE_MISSING``. Raises every
-        pre-flight code; warnings are kept in :attr:`warnings`.
+        pre-flight code; warnings (identity claims, and the CDC checkpoint warnings of SPEC
+        §6, once per export) are kept in :attr:`warnings`.
         """
         ctx = Context(Path(config_path), state_url, dict(os.environ if env is None else env), lock_wait,
                       command="runtime")
@@ -104,9 +105,12 @@ class StateStore:
                 # together): open that one; the pre-flight below judges it like any state.
                 if err.code != "RIVET_STATE_TARGET_NOT_EMPTY":
                     raise
+        from statetool.operations.checkpoints import checkpoints
+
         with head_write(ctx, backup_label=None) as session:
             warnings = session.warnings
-        return cls(ctx, warnings)
+        # SPEC §6: once per CDC export at run start (RIVET_STATE_CHECKPOINT_RELATIVE, ...).
+        return cls(ctx, warnings + checkpoints(ctx).warnings)
 
     def checkpoint_path(self, export: str) -> Path | None:
         """Where export ``export``'s CDC checkpoint file lives (SPEC §6), through the same

@@ -306,3 +306,14 @@ def test_runtime_api_resolves_checkpoints_through_the_same_function(tmp_path: Pa
     assert declared.checkpoint_path("orders") is None
     beside = StateStore.open(config, env={})
     assert beside.checkpoint_path("order_events") == config.parent / "checkpoints" / "order_events.json"
+
+
+@pytest.mark.postgres
+def test_runtime_open_under_postgresql_warns_once_per_relative_cdc_checkpoint(tmp_path: Path, pg_url: str) -> None:
+    from statetool.runtime import StateStore
+
+    config = write_config(tmp_path / "pipeline")
+    store = StateStore.open(config, state_url=pg_url, env={})
+    relative = [w for w in store.warnings if w.code == "RIVET_STATE_CHECKPOINT_RELATIVE"]
+    assert len(relative) == 1
+    assert str(config.parent / "checkpoints" / "order_events.json") in relative[0].message

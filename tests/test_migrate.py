@@ -398,6 +398,20 @@ def test_downgrade_that_drops_data_is_refused_without_allow_data_loss(target: Ta
     assert state_files(target) == digest  # not even a backup
 
 
+def test_dry_run_of_a_lossy_downgrade_shows_the_plan_with_what_it_drops(target: Target) -> None:
+    build_state(target, "0002")
+    before, digest = target.dump(), state_files(target)
+
+    proc = cli(target, "migrate", "--to", "0001", "--dry-run", "--json")
+    assert proc.returncode == 0, describe(proc)
+    doc = json.loads(proc.stdout)
+    assert doc["dry_run"] is True and doc["applied"] is False, describe(proc)
+    assert doc["steps"][0]["loses"]["rivet_load_ledger"] == 5, describe(proc)
+    assert "--allow-data-loss" in doc["message"], describe(proc)
+    assert target.dump() == before
+    assert state_files(target) == digest
+
+
 def test_downgrade_with_allow_data_loss_then_upgrade_round_trips(target: Target) -> None:
     build_state(target, "0002")
     at_0002 = target.dump()

@@ -380,6 +380,22 @@ def test_a_destination_initialised_for_this_source_receives_the_state_and_keeps_
     assert_arrived(admin, schema, expected, cfg.parent / ".rivet_state.db", before_transfer=before)
 
 
+def test_a_schema_name_with_capitals_is_the_schema_that_receives_the_state(
+        cfg: Path, expected: dict[str, Any], admin: str, pg_server: dict[str, str]) -> None:
+    # PostgreSQL folds an unquoted name to lower case: the state must land in "Sales_State",
+    # found there again by the URL the transfer names (it once failed as "unreachable")
+    schema = f"Sales_{uuid.uuid4().hex[:8]}"
+    url = with_schema(pg_server["url"], schema)
+    try:
+        _cli_ok("-c", str(cfg), "transfer", "--to", url)
+        assert_arrived(admin, schema, expected, cfg.parent / ".rivet_state.db")
+        assert not schema_exists(admin, schema.lower())
+        there = _cli_ok("-c", str(cfg), "--json", "info", env={"RIVET_STATE_URL": url})
+        assert sum(e["runs_total"] for e in json.loads(there.stdout)["exports"]) == 3001
+    finally:
+        pg_fetch(admin, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
 # -- 2. SIGKILL at every point ----------------------------------------------------------------
 
 

@@ -42,7 +42,7 @@ class PostgresBackend:
         self.lock_wait = lock_wait
 
     def _engine(self, read_only: bool, autocommit: bool = False) -> sa.Engine:
-        options = f"-c search_path={self.schema}"
+        options = f'-c search_path="{self.schema}"'  # quoted: an unquoted MixedCase would fold to mixedcase
         if read_only:
             options += " -c default_transaction_read_only=on"
         url = "postgresql+psycopg://" + self.location.url.split("://", 1)[1]
