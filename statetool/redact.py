@@ -56,5 +56,7 @@ def redact_text(text: str) -> str:
     text = _URL_PASSWORD.sub(lambda m: f"{m['head']}{MASK}{m['at']}", text)
     text = _KV_PASSWORD.sub(lambda m: f"{m['head']}{MASK}", text)
     for secret in sorted(_secrets, key=len, reverse=True):
-        text = text.replace(secret, MASK)
+        # Only where the secret stands as a token of its own: a password "postgres" must
+        # not turn "postgresql://" into "***ql://" (its own occurrences are still masked).
+        text = re.sub(rf"(?<![A-Za-z0-9_]){re.escape(secret)}(?![A-Za-z0-9_])", MASK, text)
     return text

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -91,7 +91,7 @@ def _pg_dsn(pg_url: str) -> tuple[str, str]:
 
 @dataclass
 class State:
-    """A state made by ``statetool init`` (unless ``initialised`` is False) and how to reach it."""
+    """A state (config beside it, and the state URL for PostgreSQL) and how to reach it."""
 
     backend: str
     config: Path

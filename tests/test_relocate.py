@@ -14,6 +14,7 @@ tmpfs for the full disk. States are built once per module (the legacy builder, t
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -88,13 +90,56 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def same_rows(path: Path, template: Template) -> bool:
-    """True when the SQLite file at ``path`` holds exactly the template's rows: byte-identical
-    to the template's file with no -wal frames beside it (cheap), or else row for row."""
+def _wal_frames(path: Path) -> bool:
     wal = Path(f"{path}-wal")
-    if template.state_sha and (not wal.exists() or wal.stat().st_size == 0) and sha256_of(path) == template.state_sha:
-        return True
-    return dump(path) == template.rows
+    return wal.exists() and wal.stat().st_size > 0
+
+
+def _sql_differences(path: Path, reference: Path, skip_relocation_rows: bool) -> list[str]:
+    """Tables whose rows differ between two SQLite files, compared inside SQLite (EXCEPT
+    both ways; every state table has a primary key), both opened immutable: nothing is
+    created beside either. Only for files without -wal frames."""
+    db = sqlite3.connect(f"file:{quote(str(path))}?immutable=1", uri=True)
+    try:
+        db.execute("ATTACH DATABASE ? AS ref", (f"file:{quote(str(reference))}?immutable=1",))
+        names = {schema: {r[0] for r in db.execute(
+            f"SELECT name FROM {schema}.sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
+            for schema in ("main", "ref")}
+        if names["main"] != names["ref"]:
+            return [f"tables {sorted(names['main'] ^ names['ref'])}"]
+        differ = []
+        for table in sorted(names["main"]):
+            where = " WHERE action != 'relocate'" if table == "rivet_audit" and skip_relocation_rows else ""
+            mine, theirs = f'SELECT * FROM main."{table}"{where}', f'SELECT * FROM ref."{table}"'
+            extra = db.execute(f"SELECT count(*) FROM ({mine} EXCEPT {theirs})").fetchone()[0]
+            missing = db.execute(f"SELECT count(*) FROM ({theirs} EXCEPT {mine})").fetchone()[0]
+            if extra or missing:
+                differ.append(f"{table}: {missing} rows missing, {extra} rows extra")
+        return differ
+    finally:
+        db.close()
+
+
+def same_rows(path: Path, template: Template, *, relocated: bool = False) -> bool:
+    """True when the SQLite file at ``path`` holds exactly the template's rows (with
+    ``relocated``: plus relocation audit rows). Cheapest proof first: byte-identical to the
+    template's file; then a comparison inside SQLite; else row for row in Python."""
+    if template.reference is not None and not _wal_frames(path):
+        if not relocated and sha256_of(path) == template.state_sha:
+            return True
+        return _sql_differences(path, template.reference, relocated) == []
+    d = dump(path)
+    return (without_relocation_rows(d) if relocated else d) == template.rows
+
+
+def relocation_details(path: Path) -> list[dict[str, Any]]:
+    """The details of the ``relocate`` audit rows of the state at ``path``, oldest first."""
+    db = sqlite3.connect(f"file:{quote(str(path))}?immutable=1", uri=True)
+    try:
+        return [json.loads(r[0]) for r in db.execute(
+            "SELECT detail FROM rivet_audit WHERE action = 'relocate' ORDER BY id")]
+    finally:
+        db.close()
 
 
 def relocation_rows(d: Dump) -> list[dict[str, Any]]:
@@ -157,6 +202,12 @@ class Template:
     rows: Dump
     checkpoint: bytes
     state_sha: str = ""  # sha256 of the template's state file; "" when the rows are given otherwise
+
+    @property
+    def reference(self) -> Path | None:
+        """The template's own state file (never written after the fixture built it), or
+        None when ``rows`` are not that file's rows."""
+        return self.directory / STATE if self.state_sha else None
 
     def copy_to(self, base: Path) -> Path:
         """Copy the pipeline into ``base/pipeline``; returns the config path."""
@@ -273,9 +324,8 @@ def assert_relocated(config: Path, target: Path, template: Template) -> None:
     tombstone naming it and exactly one kept file with the old bytes; nothing temporary
     is left on either side."""
     old_dir = config.parent
-    moved = dump(target / STATE)
-    assert without_relocation_rows(moved) == template.rows, "a row differs between the source and the target"
-    rows = relocation_rows(moved)
+    assert same_rows(target / STATE, template, relocated=True), "a row differs between the source and the target"
+    rows = relocation_details(target / STATE)
     assert len(rows) == 1, f"expected one relocation audit row, found {rows}"
     assert rows[0]["from"] == str(old_dir / STATE) and rows[0]["to"] == str(target / STATE)
     assert (target / CHECKPOINT).read_bytes() == template.checkpoint
@@ -302,16 +352,14 @@ def assert_source_intact_or_relocated(config: Path, target: Path, template: Temp
     source = config.parent / STATE
     tomb = read_tombstone(source)
     if tomb is not None:
-        moved = dump(target / STATE)
-        assert without_relocation_rows(moved) == template.rows, f"{when}: tombstone, but the target misses rows"
+        assert same_rows(target / STATE, template, relocated=True), f"{when}: tombstone, but the target misses rows"
         assert (target / CHECKPOINT).read_bytes() == template.checkpoint, f"{when}: checkpoint"
         return
     assert same_rows(source, template), f"{when}: the source lost or changed rows"
     assert preflight_failures(config) == [], f"{when}: the source does not pass its pre-flight"
     assert (config.parent / CHECKPOINT).read_bytes() == template.checkpoint, f"{when}: source checkpoint"
     if (target / STATE).exists():  # linked before the kill: complete, verified, this source's
-        moved = dump(target / STATE)
-        assert without_relocation_rows(moved) == template.rows, f"{when}: a linked target misses rows"
+        assert same_rows(target / STATE, template, relocated=True), f"{when}: a linked target misses rows"
 
 
 # --------------------------------------------------------------------------------------
@@ -486,7 +534,7 @@ def test_full_target_filesystem_fails_with_disk_full_and_leaves_the_source_untou
     if where == "checkpoint-copy":
         checkpoint = config.parent / CHECKPOINT
         checkpoint.write_text(json.dumps({"resume_token": "82" * 128 * 1024}) + "\n")
-        template = Template(template.directory, template.rows, checkpoint.read_bytes(), template.state_sha)
+        template = dataclasses.replace(template, checkpoint=checkpoint.read_bytes())
     mnt = tmpfs.mount("2m" if where == "state-copy" else "8m")
     target = mnt / "state"
     target.mkdir()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import signal
 import sqlite3
@@ -752,7 +751,8 @@ def test_dry_run_changes_nothing_and_prints_tables_rows_bytes_checkpoints_and_th
     for name, path in absolute.items():
         assert plan[name]["set_to"] == path and plan[name]["configured"] == RELATIVE_CHECKPOINTS[name]
     assert plan["invoice_changes"]["set_to"] == plan["invoice_changes"]["configured"]  # already absolute
-    warned = {w["code"] + ":" + name for w in doc["warnings"] for name in absolute if f"CDC export {name}:" in w["message"]}
+    warned = {w["code"] + ":" + name for w in doc["warnings"] for name in absolute
+              if f"CDC export {name}:" in w["message"]}
     assert warned == {f"RIVET_STATE_CHECKPOINT_RELATIVE:{n}" for n in absolute}
     for w in doc["warnings"]:
         assert any(path in w["message"] for path in absolute.values())
