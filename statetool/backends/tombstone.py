@@ -13,9 +13,13 @@ Why a file at the old path, and not a marker inside the old database or no file 
   older release would go on writing to it;
 * a text file is not a SQLite database, so EVERY release fails to open it (SQLite
   answers "file is not a database"), statetool and the runtime API recognise it and
-  refuse with ``RIVET_STATE_RELOCATED``, and ``init`` refuses to overwrite it. A process
-  that still has the old database open gets SQLITE_READONLY_DBMOVED on its next write,
-  because the path no longer names the inode it opened.
+  refuse with ``RIVET_STATE_RELOCATED``, and ``init`` refuses to overwrite it.
+
+A process that still has the old database open is another matter: in rollback-journal
+mode SQLite notices the move on its next write (SQLITE_READONLY_DBMOVED), but in WAL mode
+it does not, and an idle connection would go on committing into the old inode. So
+relocate and transfer wait (``--lock-wait``) until no other process holds the file open
+(read from ``/proc/locks``), and refuse otherwise, before and again just before the switch.
 """
 
 from __future__ import annotations

@@ -97,13 +97,14 @@ def identity_message(verdict: Verdict, where: str, for_write: bool) -> str:
 
 
 def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = False,
-                  progress: bool = True) -> Preflight:
+                  progress: bool = True, integrity: bool = True) -> Preflight:
     """Run every check in order on a read-only open. Never raises a :class:`StateError`:
     failures become ``fail`` rows carrying their error.
 
     ``for_write`` only changes wording (what happens vs what a write would do).
     ``progress=False`` reads only whether any progress exists, not each export's (a
     migration needs no more, and on a large legacy state the full read costs seconds).
+    ``integrity=False`` skips ``quick_check`` (relocate proves it on its copy instead).
     ``recover`` (a command that is about to write) lets SQLite roll back the hot journal
     of a killed writer (``RIVET_STATE_INTERRUPTED_WRITE``) and reads again: the action
     of that code tells the operator to run a writing command for exactly this.
@@ -135,14 +136,15 @@ def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = Fals
         return pf
     pf.add("state", "ok", f"found at {location.display}")
     try:
-        snap = _read(backend, recover, progress)
+        snap = _read(backend, recover, progress, integrity)
     except StateError as err:
         pf.fail(err, _READ_FAILURE_ROW.get(err.code, "integrity"))
         pf.skip_rest("the state cannot be read")
         return pf
     pf.snapshot = snap
     pf.add("format", "ok", "legacy rivet state (no version table)" if snap.legacy else "rivet state")
-    pf.add("integrity", "ok", "quick_check ok" if location.backend == "sqlite" else "server-managed")
+    pf.add("integrity", "ok", "server-managed" if location.backend != "sqlite"
+           else "quick_check ok" if integrity else "not checked here (proven on the copy)")
     _check_revision(pf, snap)
     pf.add("relocated", "ok", "in use at this place (no relocation or transfer recorded)")
     if snap.known:
@@ -169,10 +171,10 @@ def _check_leases(pf: Preflight, ctx: Context) -> None:
         pf.add("leases", "ok", "no live lease")
 
 
-def _read(backend: Backend, recover: bool, progress: bool) -> Snapshot:
+def _read(backend: Backend, recover: bool, progress: bool, integrity: bool) -> Snapshot:
     try:
         with backend.reading() as conn:
-            return read_snapshot(backend, conn, progress=progress)
+            return read_snapshot(backend, conn, progress=progress, integrity=integrity)
     except StateError as err:
         if not (recover and err.code == "RIVET_STATE_INTERRUPTED_WRITE"):
             raise
@@ -181,7 +183,7 @@ def _read(backend: Backend, recover: bool, progress: bool) -> Snapshot:
     with backend.writing("RIVET_STATE_LOCK_TIMEOUT"):
         pass
     with backend.reading() as conn:
-        return read_snapshot(backend, conn, progress=progress)
+        return read_snapshot(backend, conn, progress=progress, integrity=integrity)
 
 
 def _check_revision(pf: Preflight, snap: Snapshot) -> None:

@@ -175,6 +175,14 @@ def _any_progress(conn: Connection, tables: frozenset[str]) -> bool:
     return any(conn.execute(probe.limit(1)).first() is not None for probe in probes)
 
 
+def export_names(conn: Connection) -> set[str]:
+    """Every export name the state knows (exports, runs, chunks), without reading progress."""
+    e, r, c = schema.exports, schema.runs, schema.chunks
+    query = sa.union(sa.select(e.c.export_name), sa.select(r.c.export_name).distinct(),
+                     sa.select(c.c.export_name).distinct())
+    return {row[0] for row in conn.execute(query)}
+
+
 def row_counts(conn: Connection, tables: set[str] | frozenset[str]) -> dict[str, int]:
     """``{table: rows}`` for the given tables, counted on ``conn``."""
     return {t: int(conn.execute(sa.text(f'SELECT count(*) FROM "{t}"')).scalar() or 0) for t in sorted(tables)}

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+from concurrent.futures import Future, ThreadPoolExecutor
 import hashlib
 import json
 import os
@@ -49,7 +50,7 @@ from statetool.location import STATE_FILE, Location, resolve_checkpoint
 from statetool.operations.context import Context
 from statetool.operations.leases import holding, run_lease_key
 from statetool.operations.preflight import require, run_preflight
-from statetool.operations.probe import row_counts
+from statetool.operations.probe import export_names, row_counts
 from statetool.operations.writes import now_iso
 
 COPY_NAME = f"{STATE_FILE}.relocating"
@@ -224,7 +225,9 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
         return RelocateResult(str(source), tomb["to"], state_url, 0, {}, [], "none", dry_run, True, True,
                               tomb.get("kept_as"), tomb.get("source_digest"),
                               f"already relocated to {target_dir}; every task must run with RIVET_STATE_URL={state_url}")
-    pf = run_preflight(ctx, for_write=True, recover=not dry_run)
+    # The source's own integrity is proven by the copy instead: page digests equal, and
+    # the copy passes quick_check. Per-export progress is not needed, only export names.
+    pf = run_preflight(ctx, for_write=True, recover=not dry_run, progress=False, integrity=False)
     snap = require(pf)
     if not dry_run and not target_dir.is_dir():  # --create-dir (a refused relocation creates nothing)
         target_dir.mkdir(parents=True)
@@ -232,7 +235,7 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
     backend = SqliteBackend(location, ctx.lock_wait)
     with backend.reading() as conn:
         tables = row_counts(conn, snap.tables)
-    exports = sorted({e.name for e in ctx.config.exports} | set(snap.exports))
+        exports = sorted({e.name for e in ctx.config.exports} | export_names(conn))
     result = RelocateResult(
         str(source), str(target_dir / STATE_FILE), state_url, source.stat().st_size, tables,
         _checkpoints(ctx, Location("sqlite", "declared_dir", "flag", directory=target_dir,
@@ -262,17 +265,20 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
         if not backend.wal_is_empty():
             raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"a writer wrote to {source} during the checkpoint; re-run")
         crash_point("locked")
-        digest = content_digest(source)
-        result.source_digest = digest
-        crash_point("digested")
-        if resume is not None and resume.get("source_digest") != digest:
-            raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
-                             f"an interrupted relocation left a copy at {result.target}, and the source changed "
-                             "since; move that copy aside and re-run")
+        # The source's digest is read in a second thread while the backup API copies it
+        # (hashlib releases the GIL): the two reads of the frozen file overlap.
+        digesting = stack.enter_context(ThreadPoolExecutor(1)).submit(content_digest, source)
+        if resume is not None:
+            result.source_digest = digesting.result()
+            crash_point("digested")
+            if resume.get("source_digest") != result.source_digest:
+                raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
+                                 f"an interrupted relocation left a copy at {result.target}, and the source changed "
+                                 "since; move that copy aside and re-run")
         created = _absent_paths(target_dir, result.checkpoints)
         try:
             if resume is None:
-                _copy_state(ctx, backend, conn, target_dir, result, full_verify)
+                _copy_state(ctx, backend, conn, target_dir, result, full_verify, digesting)
             else:
                 for move in result.checkpoints:
                     if move.present:
@@ -286,7 +292,8 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
                              f"removed, and the state at {source} was not changed", {"directory": str(target_dir)}
                              ) from None
         _wait_for_openers(source, ctx.lock_wait)  # again, at the last instant before the switch
-        result.kept_as = retire_source(ctx, source, result.target, state_url, digest, "statetool relocate")
+        result.kept_as = retire_source(ctx, source, result.target, state_url, result.source_digest,
+                                       "statetool relocate")
     result.done = True
     result.message = f"relocated; every task must now run with RIVET_STATE_URL={state_url}"
     return result
@@ -350,7 +357,7 @@ def _remove_partial_copy(target_dir: Path, moves: list[CheckpointMove], created:
 
 
 def _copy_state(ctx: Context, backend: SqliteBackend, conn: object, target_dir: Path, result: RelocateResult,
-                full_verify: bool) -> None:
+                full_verify: bool, source_digest: Future[str]) -> None:
     copy = target_dir / COPY_NAME
 
     def progress(done: int, total: int) -> None:
@@ -360,6 +367,8 @@ def _copy_state(ctx: Context, backend: SqliteBackend, conn: object, target_dir: 
 
     with ctx.progress("copying") as update:
         backend.copy_to(conn, copy, progress, full_verify)  # type: ignore[arg-type]
+    result.source_digest = source_digest.result()
+    crash_point("digested")
     if content_digest(copy) != result.source_digest:
         copy.unlink()
         raise StateError("RIVET_STATE_VERIFY_FAILED", f"the copy at {copy} differs from {result.source}; "
