@@ -15,6 +15,7 @@ import typer
 
 from statetool import __version__
 from statetool.errors import StateError, internal_error
+from statetool.location import DEFAULT_CONFIG
 
 #: Global options: name -> takes a value. They work before or after the command name.
 GLOBAL_OPTIONS: dict[str, bool] = {
@@ -66,7 +67,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def main_options(
     ctx: typer.Context,
-    config: Annotated[Path, typer.Option("--config", "-c", help="Pipeline config (YAML).")] = Path("rivet.yaml"),
+    config: Annotated[Path, typer.Option("--config", "-c", help="Pipeline config (YAML).")] = Path(DEFAULT_CONFIG),
     state_url: Annotated[str | None, typer.Option("--state-url", help="State location; default RIVET_STATE_URL.",
                                                   show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,

@@ -16,7 +16,6 @@ import yaml
 from statetool.errors import StateError
 from statetool.redact import remember_secrets
 
-DEFAULT_CONFIG = "rivet.yaml"
 MODES = ("full", "incremental", "chunked", "cdc")
 CDC_ENGINES = ("postgres", "mysql", "mongodb", "oracle")
 

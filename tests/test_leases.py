@@ -758,6 +758,16 @@ def test_exports_reset_takes_the_run_lease_of_its_export(state: State, spawn: Ca
     assert proc.returncode == 0, describe(proc)
 
 
+def test_a_command_that_takes_the_same_lease_itself_is_refused_under_leases_run(state: State) -> None:
+    """The guide's "Which runs to wrap": the wrapper's own lease is busy for its command."""
+    proc = state.cli("leases", "run", "--export", "orders", "--", *state.argv("--json-errors", "--lock-wait", "0",
+                                                                              "exports", "reset", "orders"))
+    assert proc.returncode == 2, describe(proc)
+    assert error_object(proc)["code"] == "RIVET_STATE_RUN_IN_PROGRESS", describe(proc)
+    proc = state.cli("--lock-wait", "0", "exports", "reset", "orders")  # unwrapped, it runs
+    assert proc.returncode == 0, describe(proc)
+
+
 def test_info_and_check_show_the_live_holder(state: State, spawn: Callable[..., LeaseRun]) -> None:
     holder = spawn(state)
     holder.wait_ready()

@@ -533,8 +533,18 @@ def test_sigkill_in_the_middle_of_copy_leaves_nothing_and_a_rerun_converges(
     assert db.exists()
 
 
-def test_memory_stays_flat_transferring_300000_runs(big_template: Path, tmp_path: Path, admin: str,
-                                                      pg_url: str) -> None:
+def catalog(admin: str, schema: str) -> list[tuple[Any, ...]]:
+    """Every index and constraint of ``schema`` (definitions as PostgreSQL prints them)."""
+    rows = pg_fetch(admin, "SELECT 'index', tablename, indexname, indexdef FROM pg_indexes WHERE schemaname = %s "
+                           "UNION ALL SELECT 'constraint', t.relname, c.conname, pg_get_constraintdef(c.oid) "
+                           "FROM pg_constraint c JOIN pg_class t ON t.oid = c.conrelid "
+                           "JOIN pg_namespace n ON n.oid = t.relnamespace WHERE n.nspname = %s",
+                    (schema, schema))
+    return sorted(tuple(str(v).replace(f"{schema}.", "<schema>.") for v in r) for r in rows)
+
+
+def test_memory_stays_flat_transferring_300000_runs_and_every_index_and_key_is_there(
+        big_template: Path, tmp_path: Path, admin: str, pg_url: str, pg_server: dict[str, str]) -> None:
     cfg = copy_pipeline(big_template, tmp_path / "pipeline")
     env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
     probe = textwrap.dedent("""\
@@ -547,9 +557,19 @@ def test_memory_stays_flat_transferring_300000_runs(big_template: Path, tmp_path
                           "transfer", "--to", pg_url], env=env, capture_output=True, text=True, timeout=600)
     doc = json.loads(out.stdout)
     assert doc["rc"] == 0, doc["err"]
-    assert pg_fetch(admin, f'SELECT count(*) FROM "{split_url(pg_url)[1]}".rivet_runs') == [(BIG_RUNS,)]
+    schema = split_url(pg_url)[1]
+    assert pg_fetch(admin, f'SELECT count(*) FROM "{schema}".rivet_runs') == [(BIG_RUNS,)]
     mib = doc["maxrss_kib"] / 1024
     assert mib < 200, f"peak RSS {mib:.0f} MiB transferring {BIG_RUNS} runs (limit 200 MiB)"
+
+    # the big tables were loaded with their indexes and keys built after the COPY: the
+    # destination has exactly those a new state has
+    reference = f"t_{uuid.uuid4().hex[:12]}"
+    try:
+        _cli_ok("-c", str(cfg), "init", env={"RIVET_STATE_URL": with_schema(pg_server["url"], reference)})
+        assert catalog(admin, schema) == catalog(admin, reference)
+    finally:
+        pg_fetch(admin, f'DROP SCHEMA IF EXISTS "{reference}" CASCADE')
 
 
 # -- 3. refusals: each its code, nothing changed, no password ----------------------------------

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from statetool.backends.base import Backend
+from typing import TYPE_CHECKING
+
 from statetool.location import Location
+
+if TYPE_CHECKING:
+    from statetool.backends.base import Backend, LeaseStore
 
 
 def open_backend(location: Location, lock_wait: float = 600.0) -> Backend:
@@ -18,3 +22,16 @@ def open_backend(location: Location, lock_wait: float = 600.0) -> Backend:
     from statetool.backends.postgres import PostgresBackend
 
     return PostgresBackend(location, lock_wait)
+
+
+def open_leases(location: Location, lock_wait: float = 600.0) -> LeaseStore:
+    """The lease store of a resolved location, loading only what that store needs (a SQLite
+    lease is an flock: no database driver is imported for it)."""
+    if location.backend == "sqlite":
+        from statetool.backends.sqlite_leases import FlockLeases
+
+        assert location.directory is not None
+        return FlockLeases(location.directory)
+    from statetool.backends.postgres import PostgresBackend
+
+    return PostgresBackend(location, lock_wait).leases()

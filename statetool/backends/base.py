@@ -12,9 +12,12 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Protocol
 
-from sqlalchemy.engine import Connection
+from typing import TYPE_CHECKING
 
-from statetool.location import Location
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from statetool.location import Location
 
 #: progress(done, total) in backend-defined units (pages for a SQLite backup).
 Progress = Callable[[int, int], None]

@@ -46,9 +46,11 @@ class PostgresBackend:
         if read_only:
             options += " -c default_transaction_read_only=on"
         url = "postgresql+psycopg://" + self.location.url.split("://", 1)[1]
-        extra = {"isolation_level": "AUTOCOMMIT"} if autocommit else {}
-        return sa.create_engine(url, poolclass=NullPool, connect_args={"options": options, "connect_timeout": 10},
-                                **extra)
+        # Autocommit engines serve leases: polling, heartbeats and the release reuse one
+        # pooled connection instead of opening a server connection per statement.
+        extra: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_size": 1, "max_overflow": 2} \
+            if autocommit else {"poolclass": NullPool}
+        return sa.create_engine(url, connect_args={"options": options, "connect_timeout": 10}, **extra)
 
     def _translate(self, err: sa.exc.DBAPIError) -> StateError:
         orig: Any = err.orig

@@ -11,10 +11,12 @@ Documented limit: a holder that stalls past its TTL is taken over and is not fen
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -48,11 +50,11 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _info(row: Any) -> LeaseInfo:
+def _info(row: Any, here: str | None = None) -> LeaseInfo:
     holder = Holder(row.holder_pid, row.holder_host, row.holder_user, row.command, _iso(row.acquired_at),
                     _iso(row.heartbeat_at), row.ttl_seconds)
     age = float(row.age)
-    dead_here = row.holder_host == socket.gethostname() and not pid_alive(row.holder_pid)
+    dead_here = row.holder_host == (here or socket.gethostname()) and not pid_alive(row.holder_pid)
     stale = age > row.ttl_seconds or dead_here
     return LeaseInfo(row.key, "stale" if stale else "live", holder, age, max(0.0, row.ttl_seconds - age))
 
@@ -121,19 +123,23 @@ class RowLeases:
         self.engine = engine
         self.ttl = ttl
 
-    def _table_exists(self, conn: Connection) -> bool:
-        return conn.execute(sa.text("SELECT to_regclass('rivet_leases') IS NOT NULL")).scalar() is True
-
-    def _require_table(self, conn: Connection) -> None:
-        if not self._table_exists(conn):
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[Connection]:
+        """A pooled autocommit connection; a missing lease table (a state below revision
+        0002) is ``RIVET_STATE_MIGRATION_PENDING``, found by the query itself, not a probe."""
+        try:
+            with self.engine.connect() as conn:
+                yield conn
+        except sa.exc.ProgrammingError as err:
+            if getattr(err.orig, "sqlstate", None) != "42P01":  # undefined_table
+                raise
             raise StateError("RIVET_STATE_MIGRATION_PENDING",
-                             "this state has no lease table (revision 0002); run statetool migrate")
+                             "this state has no lease table (revision 0002); run statetool migrate") from None
 
     def try_acquire(self, key: str, holder: Holder) -> HeldLease | LeaseInfo:
         values = {"key": key, "pid": holder.pid, "host": holder.host, "user": holder.user, "cmd": holder.command,
                   "ttl": self.ttl}
-        with self.engine.connect() as conn:
-            self._require_table(conn)
+        with self._connect() as conn:
             for _attempt in range(3):
                 acquired = conn.execute(sa.text(
                     f"INSERT INTO rivet_leases ({_COLUMNS}) VALUES (:key, :pid, :host, :user, :cmd, now(), now(), :ttl) "
@@ -159,14 +165,16 @@ class RowLeases:
             return _info(row) if row is not None else LeaseInfo(key, "free", None)
 
     def list(self) -> list[LeaseInfo]:
-        with self.engine.connect() as conn:
-            if not self._table_exists(conn):
-                return []
-            return [_info(row) for row in conn.execute(sa.text(f"{_SELECT} ORDER BY key"))]
+        try:
+            with self._connect() as conn:
+                rows = conn.execute(sa.text(f"{_SELECT} ORDER BY key")).all()
+        except StateError:
+            return []  # no lease table yet: no lease has ever been taken
+        here = socket.gethostname()
+        return [_info(row, here) for row in rows]
 
     def clear_stale(self, key: str) -> LeaseInfo:
-        with self.engine.connect() as conn:
-            self._require_table(conn)
+        with self._connect() as conn:
             row = conn.execute(sa.text(f"{_SELECT} WHERE key = :key"), {"key": key}).first()
             if row is None:
                 return LeaseInfo(key, "free", None)

@@ -9,19 +9,24 @@ import os
 import socket
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from statetool.config import DEFAULT_CONFIG, PipelineConfig, load_config
-from statetool.identity import state_key
-from statetool.location import ENV_VAR, Location, resolve_location
+from statetool.location import DEFAULT_CONFIG, ENV_VAR, Location, resolve_location
 
 if TYPE_CHECKING:
     from statetool.backends.base import Backend
+    from statetool.config import PipelineConfig
 
 #: progress(description) -> a context yielding update(done, total) (units of the caller's choosing).
 ProgressFactory = Callable[[str], contextlib.AbstractContextManager[Callable[[int, int], None]]]
+
+
+def now_iso() -> str:
+    """The current UTC time as ISO-8601 text with microseconds and a ``Z``."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @contextlib.contextmanager
@@ -55,11 +60,15 @@ class Context:
     @cached_property
     def config(self) -> PipelineConfig:
         """The parsed pipeline config (SPEC §2). Raises ``RIVET_CONFIG_*``."""
+        from statetool.config import load_config  # YAML loads only for commands that read the config
+
         return load_config(self.config_path)
 
     @cached_property
     def computed_key(self) -> str:
         """The ``state_key`` of the config's source, ``""`` when it cannot be computed."""
+        from statetool.identity import state_key
+
         return state_key(self.config.resolved_source_url(self.env))
 
     def backend(self) -> Backend:

@@ -19,12 +19,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import sqlalchemy as sa
-
+from statetool.backends import open_leases
 from statetool.backends.base import HeldLease, Holder, LeaseInfo, LeaseStore
 from statetool.errors import StateError
-from statetool.operations.context import Context
-from statetool.operations.writes import audit, head_write, now_iso
+from statetool.operations.context import Context, now_iso
 from statetool.redact import redact_text
 
 RUN_LEASE_PREFIX = "chunk-run:"
@@ -49,11 +47,16 @@ def this_holder(command: str) -> Holder:
 
 
 def _store(ctx: Context) -> LeaseStore:
-    return ctx.backend().leases()
+    return open_leases(ctx.location, ctx.lock_wait)
 
 
 @contextmanager
 def _unreachable_as_state_error(ctx: Context) -> Iterator[None]:
+    if ctx.location.backend == "sqlite":  # an flock: no driver, nothing to translate
+        yield
+        return
+    import sqlalchemy as sa
+
     try:
         yield
     except sa.exc.DBAPIError as err:
@@ -159,6 +162,8 @@ def release(ctx: Context, key: str, reason: str) -> dict[str, object]:
     Raises ``RIVET_STATE_RUN_IN_PROGRESS`` (exit 2) for a live holder, naming it, and
     every pre-flight code. Returns ``{"key", "released": {holder doc} | None, "reason"}``.
     """
+    from statetool.operations.writes import audit, head_write
+
     with head_write(ctx, backup_label=None, claim=False) as session:
         with _unreachable_as_state_error(ctx):
             removed = _store(ctx).clear_stale(key)

@@ -10,7 +10,8 @@ the source is untouched until the switch, and a re-run converges):
    the SQLite write lock; the source's page digest is taken.
 3. ONE destination transaction (under the writers' advisory lock): the schema is
    created and migrated to head if absent; every table is streamed with ``COPY`` (rows
-   read and written in blocks of COPY text: memory stays flat); each table's row count
+   read and written in blocks of COPY text: memory stays flat; a big empty table gets its
+   indexes built after its COPY, in the same transaction); each table's row count
    (counted under the write lock) and an additive content checksum (sum of the first 60
    bits of each row's md5) are compared with the source's; a ``transfer`` audit row is
    added; COMMIT.
@@ -113,6 +114,31 @@ def _escaped_block(raw: sqlite3.Connection, table: str, quoted: str, first: int,
         checksum += row_checksum(texts)
         lines.append("\t".join(_NULL if t is None else t.translate(_COPY_ESCAPES) for t in texts))
     return "\n".join(lines).encode(), checksum
+
+
+#: From this many rows on, an empty table's indexes are built after its COPY, not during it.
+DEFER_INDEXES_ROWS = 10_000
+
+
+def _defer_indexes(conn: Connection, table: str) -> list[str]:
+    """Drop the indexes and key constraints of EMPTY ``table`` and return the statements
+    that build them again, identical (definitions as PostgreSQL prints them), once the
+    COPY is done: one build at the end costs a fraction of maintaining them row by row.
+    All in the one transaction: no one ever sees the table without them."""
+    regclass = {"t": f'"{table}"'}
+    keys = conn.execute(sa.text(
+        "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = CAST(:t AS regclass) "
+        "AND contype IN ('p', 'u') ORDER BY conname"), regclass).all()
+    indexes = conn.execute(sa.text(
+        "SELECT i.relname, pg_get_indexdef(i.oid) FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+        "WHERE x.indrelid = CAST(:t AS regclass) AND NOT EXISTS "
+        "(SELECT 1 FROM pg_constraint c WHERE c.conindid = x.indexrelid) ORDER BY 1"), regclass).all()
+    for name, _definition in keys:
+        conn.exec_driver_sql(f'ALTER TABLE "{table}" DROP CONSTRAINT "{name}"')
+    for name, _definition in indexes:
+        conn.exec_driver_sql(f'DROP INDEX "{name}"')
+    return ([f'ALTER TABLE "{table}" ADD CONSTRAINT "{name}" {definition}' for name, definition in keys]
+            + [definition for _name, definition in indexes])
 
 
 def _pg_checksum(conn: Connection, table: str, columns: list[str]) -> tuple[int, int]:
@@ -310,6 +336,8 @@ def _copy(ctx: Context, raw: sqlite3.Connection, dest: PostgresBackend, conn: Co
                 continue
             columns = _columns(table)
             before_rows, before_sum = _pg_checksum(conn, table.name, columns)
+            big_and_empty = before_rows == 0 and copy.rows >= DEFER_INDEXES_ROWS
+            rebuild = _defer_indexes(conn, table.name) if big_and_empty else []
             quoted = ", ".join(f'"{c}"' for c in columns)
             source_sum = 0
             with cursor.copy(f'COPY "{table.name}" ({quoted}) FROM STDIN') as pg_copy:
@@ -318,6 +346,8 @@ def _copy(ctx: Context, raw: sqlite3.Connection, dest: PostgresBackend, conn: Co
                     source_sum += checksum
                     done += rows
                     update(done, total)
+            for statement in rebuild:
+                conn.exec_driver_sql(statement)
             after_rows, after_sum = _pg_checksum(conn, table.name, columns)
             copy.checksum = source_sum
             if after_rows - before_rows != copy.rows or after_sum - before_sum != source_sum:

@@ -8,7 +8,6 @@ import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -17,15 +16,10 @@ from sqlalchemy.engine import Connection
 from statetool import migrations, schema
 from statetool.errors import StateError, StateWarning
 from statetool.identity import Verdict
-from statetool.operations.context import Context
+from statetool.operations.context import Context, now_iso
 from statetool.operations.preflight import identity_message, require, run_preflight
 from statetool.operations.probe import Snapshot
 from statetool.redact import redact_text
-
-
-def now_iso() -> str:
-    """The current UTC time as ISO-8601 text with microseconds and a ``Z``."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def audit(conn: Connection, ctx: Context, action: str, detail: dict[str, object]) -> None:
