@@ -11,7 +11,7 @@ alembic is pointed at it with a temporary alembic.ini (script_location = the rep
 alembic/, sqlalchemy.url = sqlite:///<state>); its env.py reads the version table
 rivet_state_version.
 
-    /tmp/v/bin/python bench/bench_check.py [-n 10]
+    .venv/bin/python bench/bench_check.py [-n 10]
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ chunk pending). The index is dropped for the bulk load and rebuilt, the file is 
 in WAL mode as ``init`` made it, and it is cached for the whole run (``--cache DIR``
 keeps it across runs). Every measured ``doctor`` must find all 2,000 exports resuming.
 
-    /tmp/v/bin/python bench/bench_doctor.py [-n 5] [--cache /var/tmp/statetool-bench-doctor]
+    .venv/bin/python bench/bench_doctor.py [-n 5] [--cache /var/tmp/statetool-bench-doctor]
 """
 
 from __future__ import annotations

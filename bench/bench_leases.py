@@ -1,7 +1,7 @@
 """Lease cost: acquire+release of an uncontended lease on SQLite and PostgreSQL, and listing
 10,000 leases on PostgreSQL (issue #3: ratio <= 3 against each peer; listing < 1 s).
 
-    /tmp/v/bin/python bench/bench_leases.py [-n 20] [--ops 2000] [--pg-ops 400]
+    .venv/bin/python bench/bench_leases.py [-n 20] [--ops 2000] [--pg-ops 400]
 
 What is timed, side by side in the same run (sides alternated every round, one warm-up of
 each not counted):

@@ -11,8 +11,8 @@ INSERT ... SELECT / DROP / RENAME), the index, the four new tables and the versi
 After the runs the two results are compared table by table (columns, types, defaults,
 NOT NULL, keys, indexes, row counts, revision) to prove the peer does the same upgrade.
 
-    /tmp/v/bin/python bench/bench_migrate.py [--runs 1000000] [-n 3]
-    /tmp/v/bin/python bench/bench_migrate.py --runs 100000 -n 3      # quick run
+    .venv/bin/python bench/bench_migrate.py [--runs 1000000] [-n 3]
+    .venv/bin/python bench/bench_migrate.py --runs 100000 -n 3      # quick run
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ where its time goes: pre-flight (its ``quick_check`` of the source), row counts,
 digests of source and copy, the backup, the copy's verification, checkpoint copies,
 fsyncs, the switch.
 
-    /tmp/v/bin/python bench/bench_relocate.py [-n 3] [--size-mib 1100] [--profile] [--cache-dir DIR]
-    /tmp/v/bin/python bench/bench_relocate.py --size-mib 200 -n 3      # quick run (the goal needs 1 GiB)
+    .venv/bin/python bench/bench_relocate.py [-n 3] [--size-mib 1100] [--profile] [--cache-dir DIR]
+    .venv/bin/python bench/bench_relocate.py --size-mib 200 -n 3      # quick run (the goal needs 1 GiB)
 """
 
 from __future__ import annotations

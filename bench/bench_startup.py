@@ -3,7 +3,7 @@
 cli.py promises that start-up costs about what ``import typer`` does: only typer and the
 error registry load before a command runs. Both sides use the venv's interpreter.
 
-    /tmp/v/bin/python bench/bench_startup.py [-n 20]
+    .venv/bin/python bench/bench_startup.py [-n 20]
 """
 
 from __future__ import annotations
