@@ -359,6 +359,16 @@ def hoist_globals(argv: list[str]) -> list[str]:
     return front + rest
 
 
+def _interrupted(exc: BaseException) -> bool:
+    """True when a KeyboardInterrupt stands anywhere in ``exc``'s chain of causes."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _print_traceback() -> None:
     import traceback
 
@@ -401,6 +411,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(0) from None
         if callable(getattr(exc, "format_message", None)):  # the argument parser's usage errors
             _fail(StateError("RIVET_CLI_USAGE", exc.format_message()), json_errors)
+        if _interrupted(exc):
+            # Ctrl-C while a transaction was open: the driver's cleanup error hides the
+            # interrupt. Every write is one transaction, so nothing was committed.
+            sys.stderr.write("statetool: interrupted; the open transaction was rolled back\n")
+            raise SystemExit(130) from None
         if debug:
             _print_traceback()
         _fail(internal_error(exc), json_errors)

@@ -148,7 +148,7 @@ def _postgres(raw: str, origin: str) -> Location:
     except ValueError as err:
         raise StateError("RIVET_STATE_URL_INVALID", f"'{raw}' does not parse as a URL ({err}); "
                          f"accepted forms: {ACCEPTED_FORMS}", {"value": raw}) from None
-    if "@" in parts.path:
+    if parts.netloc.count("@") > 1 or "@" in parts.path:
         # user:p@ss/word@host: the password's own '/' ended the host part, so the "host"
         # is a piece of the password. Connecting there would send (and echo) it.
         raise StateError("RIVET_STATE_URL_INVALID",
@@ -161,7 +161,9 @@ def _postgres(raw: str, origin: str) -> Location:
                          f"schema '{schema}' in {raw} is not a plain SQL identifier (letters, digits, _)",
                          {"value": raw})
     rest = urlencode([(k, v) for k, v in query if k != "schema"])
-    url = urlunsplit(("postgresql", parts.netloc, parts.path, rest, parts.fragment))
+    # Spelled out rather than urlunsplit, which drops the "//" of a URL with no host
+    # (postgresql:///db?host=/run/postgresql): libpq needs it.
+    url = f"postgresql://{parts.netloc}{parts.path}" + (f"?{rest}" if rest else "")
     return Location("postgres", "shared", origin, url=url, schema=schema)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,8 +18,11 @@ from rich.table import Table
 
 from statetool.errors import StateError, error_object
 
-out = Console(highlight=False, soft_wrap=False)
-err = Console(stderr=True, highlight=False)
+# Not a terminal (a log, CI) and no COLUMNS: wide enough that paths and the one line an
+# operator must copy (RIVET_STATE_URL=...) are never cut mid-token at rich's default 80.
+out = Console(highlight=False, soft_wrap=False,
+              width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def print_error(error: StateError) -> None:
@@ -29,10 +33,11 @@ def print_error(error: StateError) -> None:
 
 def print_check_failure(check: Any) -> None:
     """The ``--json-errors`` line of the worst failing check (a warning failed by --strict too)."""
-    from statetool.errors import StateWarning, warning_object
+    from statetool.errors import REGISTRY, StateWarning, warning_object
 
-    if check.error is not None:
-        sys.stderr.write(json.dumps(error_object(check.error)) + "\n")
+    if check.error is not None or check.code in REGISTRY:
+        error = check.error or StateError(check.code, check.message)
+        sys.stderr.write(json.dumps(error_object(error)) + "\n")
     else:
         sys.stderr.write(json.dumps(warning_object(StateWarning(check.code, check.message))) + "\n")
 

@@ -711,6 +711,37 @@ def test_a_live_run_is_refused_at_lock_wait_0_and_otherwise_waited_for_and_its_r
                 proc.wait()
 
 
+def test_a_live_run_of_an_export_known_only_to_the_state_holds_the_transfer_off_too(
+        cfg: Path, admin: str, pg_url: str) -> None:
+    # "retired" is in the state's history but no longer in the config: its run lease counts
+    db = sqlite3.connect(cfg.parent / ".rivet_state.db")
+    with db:
+        db.execute("INSERT INTO rivet_runs (run_id, export_name, mode, status, started_at) "
+                   "VALUES ('old-run', 'retired', 'full', 'succeeded', '2025-12-01T00:00:00.000000Z')")
+    db.close()
+    _checkpoint_wal(cfg.parent / ".rivet_state.db")
+    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
+    holder = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(cfg), "leases", "run", "--export",
+                               "retired", "--", "sleep", "60"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            listed = run_cli("-c", str(cfg), "--json", "leases")
+            if any(row["state"] == "live" and row["key"] == "chunk-run:retired"
+                   for row in json.loads(listed.stdout or '{"leases": []}')["leases"]):
+                break
+            time.sleep(0.2)
+        proc = run_cli("-c", str(cfg), "--lock-wait", "0", "--json-errors", "transfer", "--to", pg_url)
+        assert proc.returncode == 2, describe(proc)
+        err = json.loads(proc.stderr.strip().splitlines()[-1])
+        assert err["code"] == "RIVET_STATE_RUN_IN_PROGRESS" and "chunk-run:retired" in err["message"], err
+        assert pg_state(admin, split_url(pg_url)[1]) == {}
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        holder.wait(timeout=30)
+
+
 # -- 4. a second transfer, and a copy of the same state --------------------------------------
 
 

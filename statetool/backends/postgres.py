@@ -59,6 +59,9 @@ class PostgresBackend:
         where = self.location.display
         if sqlstate in _AUTH_STATES or "password authentication failed" in text:
             return StateError("RIVET_STATE_AUTH_FAILED", f"the state database at {where} refused the login: {text}")
+        if sqlstate == "3D000" or "does not exist" in text and "database" in text:
+            return StateError("RIVET_STATE_URL_INVALID", f"the state database named in {where} does not exist "
+                              f"on that server: {text}")
         if isinstance(err, sa.exc.OperationalError) and sqlstate is None:
             return StateError("RIVET_STATE_UNREACHABLE", f"the state database at {where} is unreachable: {text}")
         return StateError("RIVET_STATE_UNREACHABLE", f"the state database at {where} answered: {text}")

@@ -199,7 +199,7 @@ def _directory_reasons(location: Location) -> list[Reason]:
 
 
 def _orphans(location: Location, snapshot_header: bytes | None) -> list[Reason]:
-    if location.path is None or snapshot_header is None:
+    if location.path is None or snapshot_header is None or len(snapshot_header) < 100:
         return []
     reasons = []
     wal, shm = Path(f"{location.path}-wal"), Path(f"{location.path}-shm")
@@ -396,6 +396,8 @@ def doctor(ctx: Context, export: str | None = None) -> DoctorResult:
                     progress = _progress(conn, snap.tables, [e.name for e in exports])
                     resets = _last_resets(conn, snap.tables)
     except StateError as err:
+        if err.code not in FIRST_RUN_CODES:
+            raise  # unreachable, locked, interrupted: no verdict can be given, say why
         state_reasons.append(Reason(err.code, err.message, err.details))
         present = True
     if not present and not any(r.code == "RIVET_STATE_MISSING" for r in state_reasons):

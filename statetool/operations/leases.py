@@ -33,7 +33,10 @@ LOG_EVERY = 30.0
 
 
 def run_lease_key(export: str) -> str:
-    """The run lease key of an export: ``chunk-run:<export>``."""
+    """The run lease key of an export: ``chunk-run:<export>``. Raises ``RIVET_CLI_USAGE``
+    for an empty export name."""
+    if not export.strip():
+        raise StateError("RIVET_CLI_USAGE", "the export name is empty")
     return f"{RUN_LEASE_PREFIX}{export}"
 
 
@@ -47,7 +50,15 @@ def this_holder(command: str) -> Holder:
 
 
 def _store(ctx: Context) -> LeaseStore:
-    return open_leases(ctx.location, ctx.lock_wait)
+    """The lease store, after the config was read (a wrong ``-c`` must not read as "no
+    lease") and, for SQLite, after the state directory was found: an unmounted volume is
+    ``RIVET_STATE_DIR_MISSING``, never a lease folder created somewhere else."""
+    _ = ctx.config
+    location = ctx.location
+    if location.directory is not None and not location.directory.is_dir():
+        raise StateError("RIVET_STATE_DIR_MISSING", f"state directory {location.directory} does not exist "
+                         "(is the volume mounted?)")
+    return open_leases(location, ctx.lock_wait)
 
 
 @contextmanager

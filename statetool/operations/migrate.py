@@ -105,7 +105,7 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     result = MigrateResult(ctx.location.as_dict(), "legacy" if snap.legacy else current, target, direction, plans,
                            dry_run=dry_run)
     lost = {f"{p.id}:{t}": n for p in plans for t, n in p.loses.items() if n}
-    if lost and not allow_data_loss and not (dry_run or sql):
+    if lost and not allow_data_loss and not dry_run:
         raise StateError("RIVET_STATE_DATA_LOSS", "downgrading to " + target + " drops data: " +
                          ", ".join(f"{n} rows of {k.split(':')[1]} (undoing {k.split(':')[0]})" for k, n in lost.items()))
     if direction == "none" and not snap.legacy:

@@ -104,12 +104,20 @@ def _target_dir(to: str, create: bool, dry_run: bool) -> Path:
         raise StateError("RIVET_STATE_DIR_RELATIVE",
                          f"target directory '{to}' is relative; every task must see the same absolute path")
     target = Path(os.path.normpath(to))
+    if os.path.lexists(target) and not target.is_dir():
+        raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"target {target} exists and is not a directory")
     if not target.is_dir():
         if not create:
             raise StateError("RIVET_STATE_DIR_MISSING",
                              f"target directory {target} does not exist; mount it (or pass --create-dir)")
         if not dry_run:
-            target.mkdir(parents=True)
+            try:
+                target.mkdir(parents=True)
+            except OSError as err:
+                raise StateError("RIVET_STATE_DIR_MISSING",
+                                 f"target directory {target} cannot be created: {err.strerror}") from None
+    elif not dry_run and not os.access(target, os.W_OK | os.X_OK):
+        raise StateError("RIVET_STATE_DIR_MISSING", f"target directory {target} is not writable by this user")
     return target
 
 
@@ -229,8 +237,8 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
     # the copy passes quick_check. Per-export progress is not needed, only export names.
     pf = run_preflight(ctx, for_write=True, recover=not dry_run, progress=False, integrity=False)
     snap = require(pf)
-    if not dry_run and not target_dir.is_dir():  # --create-dir (a refused relocation creates nothing)
-        target_dir.mkdir(parents=True)
+    if not dry_run:  # now: create it (--create-dir) or check it is writable (a refusal creates nothing)
+        _target_dir(to, create_dir, dry_run=False)
     resume = _check_target(ctx, source, target_dir) if target_dir.is_dir() else None
     backend = SqliteBackend(location, ctx.lock_wait)
     with backend.reading() as conn:

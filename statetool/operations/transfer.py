@@ -56,6 +56,9 @@ COPIED = (schema.exports, schema.runs, schema.chunks, schema.run_aggregates, sch
 _FRESH_IDS = {schema.load_ledger.name, schema.audit.name}
 BATCH_ROWS = 5000
 _NULL = "\\N"
+#: Every export the state knows (their run leases are taken), from covering indexes.
+_EXPORT_NAMES = ("SELECT export_name FROM rivet_exports UNION SELECT export_name FROM rivet_runs "
+                 "UNION SELECT export_name FROM rivet_chunks UNION SELECT export_name FROM rivet_load_ledger")
 #: What COPY's text format escapes inside a value.
 _COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 
@@ -261,12 +264,15 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     assert location.path is not None
     dest = _destination(ctx, to)
     source_path = location.path
-    pf = run_preflight(ctx, for_write=True, recover=not dry_run)
+    # per-export progress is not needed (only which exports the state knows, read below):
+    # on a large state that read costs seconds
+    pf = run_preflight(ctx, for_write=True, recover=not dry_run, progress=False)
     snap = require(pf)
     source_key = snap.recorded_key or ctx.computed_key or None
     backend = SqliteBackend(location, ctx.lock_wait)
     with backend.reading() as conn:
         counts = {t.name: int(conn.execute(sa.select(sa.func.count()).select_from(t)).scalar() or 0) for t in COPIED}
+        in_state = set(conn.execute(sa.text(_EXPORT_NAMES)).scalars())
     with dest._connect(read_only=True) as conn:  # noqa: SLF001 - the destination's read-only session
         earlier = _check_destination(ctx, dest, conn, source_key, str(source_path))
     checkpoints, warnings = _checkpoint_plan(ctx, dest.location)
@@ -277,7 +283,7 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
         result.message = f"dry run: nothing was changed; after the transfer every task must run with " \
                          f"{ENV_VAR}={result.state_url}"
         return result
-    exports = sorted({e.name for e in ctx.config.exports} | set(snap.exports))
+    exports = sorted({e.name for e in ctx.config.exports} | in_state)
     for stale in source_path.parent.glob(f"{STATE_FILE}.tombstone-*.tmp"):  # a kill before the switch left it
         stale.unlink()
     with contextlib.ExitStack() as stack:
