@@ -16,7 +16,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 from statetool.backends import open_leases
@@ -119,6 +119,19 @@ def holding(ctx: Context, key: str, command: str) -> Iterator[HeldLease]:
         yield lease
     finally:
         lease.release()
+
+
+def hold_run_leases(ctx: Context, stack: ExitStack, exports: Sequence[str]) -> None:
+    """Take the run lease of every export in ``exports`` (released when ``stack`` closes):
+    a move of the whole state holds off every run. A wait past ``--lock-wait`` is
+    ``RIVET_STATE_RUN_IN_PROGRESS``: the state is in use, as SPEC §4 check 6 names it."""
+    for export in exports:
+        try:
+            stack.enter_context(holding(ctx, run_lease_key(export), ctx.command))
+        except StateError as err:
+            if err.code != "RIVET_STATE_LOCK_TIMEOUT":
+                raise
+            raise StateError("RIVET_STATE_RUN_IN_PROGRESS", err.message, err.details) from None
 
 
 def _lease_doc(info: LeaseInfo) -> dict[str, object]:

@@ -48,7 +48,7 @@ from statetool.backends.tombstone import read_tombstone, write_tombstone_tmp
 from statetool.errors import StateError
 from statetool.location import STATE_FILE, Location, resolve_checkpoint
 from statetool.operations.context import Context
-from statetool.operations.leases import holding, run_lease_key
+from statetool.operations.leases import hold_run_leases
 from statetool.operations.preflight import require, run_preflight
 from statetool.operations.probe import export_names, row_counts
 from statetool.operations.writes import now_iso
@@ -258,15 +258,9 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
     for stale in location.directory.glob(f"{STATE_FILE}.tombstone-*.tmp"):
         stale.unlink()
     with contextlib.ExitStack() as stack:
-        for export in exports:
-            try:
-                stack.enter_context(holding(ctx, run_lease_key(export), ctx.command))
-            except StateError as err:
-                if err.code != "RIVET_STATE_LOCK_TIMEOUT":
-                    raise
-                raise StateError("RIVET_STATE_RUN_IN_PROGRESS", err.message, err.details) from None
+        hold_run_leases(ctx, stack, exports)
         crash_point("leases")
-        _wait_for_openers(source, ctx.lock_wait)
+        wait_for_openers(source, ctx.lock_wait)
         backend.checkpoint_wal()
         crash_point("checkpointed")
         conn = stack.enter_context(backend.writing("RIVET_STATE_RUN_IN_PROGRESS"))
@@ -299,7 +293,7 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
                              f"the filesystem of {target_dir} is full ({err}); what this run had copied there was "
                              f"removed, and the state at {source} was not changed", {"directory": str(target_dir)}
                              ) from None
-        _wait_for_openers(source, ctx.lock_wait)  # again, at the last instant before the switch
+        wait_for_openers(source, ctx.lock_wait)  # again, at the last instant before the switch
         result.kept_as = retire_source(ctx, source, result.target, state_url, result.source_digest,
                                        "statetool relocate")
     result.done = True
@@ -307,7 +301,7 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
     return result
 
 
-def _wait_for_openers(source: Path, lock_wait: float) -> None:
+def wait_for_openers(source: Path, lock_wait: float) -> None:
     """Wait up to ``lock_wait`` seconds until no other process holds the source file open,
     then refuse (``RIVET_STATE_RUN_IN_PROGRESS``) naming them.
 

@@ -42,10 +42,10 @@ from statetool.errors import StateError
 from statetool.location import (ENV_VAR, STATE_FILE, Location, checkpoint_relative_message, resolve_checkpoint,
                                 resolve_location)
 from statetool.operations.context import Context
-from statetool.operations.leases import holding, run_lease_key
+from statetool.operations.leases import hold_run_leases
 from statetool.operations.preflight import require, run_preflight
 from statetool.operations.probe import read_snapshot
-from statetool.operations.relocate import crash_point, retire_source
+from statetool.operations.relocate import crash_point, retire_source, wait_for_openers
 from statetool.operations.writes import now_iso
 from statetool.redact import redact_text
 
@@ -287,13 +287,8 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     for stale in source_path.parent.glob(f"{STATE_FILE}.tombstone-*.tmp"):  # a kill before the switch left it
         stale.unlink()
     with contextlib.ExitStack() as stack:
-        for export in exports:
-            try:
-                stack.enter_context(holding(ctx, run_lease_key(export), ctx.command))
-            except StateError as err:
-                if err.code != "RIVET_STATE_LOCK_TIMEOUT":
-                    raise
-                raise StateError("RIVET_STATE_RUN_IN_PROGRESS", err.message, err.details) from None
+        hold_run_leases(ctx, stack, exports)
+        wait_for_openers(source_path, ctx.lock_wait)
         backend.checkpoint_wal()
         source_conn = stack.enter_context(backend.writing("RIVET_STATE_RUN_IN_PROGRESS"))
         if not backend.wal_is_empty():
@@ -319,6 +314,7 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
                                        "source_digest": digest, "rows": counts}, sort_keys=True)))
             crash_point("copied")
         crash_point("committed")
+        wait_for_openers(source_path, ctx.lock_wait)  # again, at the last instant before the switch
         result.kept_as = retire_source(ctx, source_path, result.destination, result.state_url, digest,
                                        "statetool transfer")
     result.done = True
