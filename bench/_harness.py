@@ -10,6 +10,7 @@ times drift, ratios measured in the same run much less so.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import statistics
 import subprocess
@@ -202,3 +203,21 @@ def header(title: str, args: argparse.Namespace, compiled: list[str]) -> None:
     print(f"byte-compiled first (python -m compileall -q) {len(compiled)} package dirs incl. "
           f"{', '.join(Path(c).name for c in compiled[:6])} ...; measured commands run with "
           "PYTHONDONTWRITEBYTECODE unset")
+
+
+def pg_bindir() -> Path:
+    """The PostgreSQL server binaries: ``STATETOOL_PG_BIN``, else the newest
+    ``/usr/lib/postgresql/*/bin``; exits with a clear message when there are none."""
+    explicit = os.environ.get("STATETOOL_PG_BIN")
+    if explicit:
+        return Path(explicit)
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
+    if not found:
+        raise SystemExit("PostgreSQL server binaries not found (apt-get install postgresql), "
+                         "and STATETOOL_TEST_PG_URL is not set")
+    return Path(found[-1]).parent
+
+
+def as_postgres(cmd: list[str]) -> list[str]:
+    """``cmd`` run as the ``postgres`` user when this process is root (the server refuses root)."""
+    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import glob
 import io
 import os
 import pstats
@@ -56,7 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import (Case, Row, compile_packages, header, measure, measured_env, parse_args,  # noqa: E402
-                      print_table, ratio_row, run_child)
+                      as_postgres, pg_bindir, print_table, ratio_row, run_child)
 
 GOAL_RATIO = 3.0
 GOAL_LIST_SECONDS = 1.0
@@ -81,19 +80,8 @@ def _extra(parser: argparse.ArgumentParser) -> None:
 # -- the PostgreSQL server ---------------------------------------------------------------------
 
 
-def _pg_bindir() -> Path:
-    explicit = os.environ.get("STATETOOL_PG_BIN")
-    if explicit:
-        return Path(explicit)
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
-    if not found:
-        raise SystemExit("PostgreSQL server binaries not found (apt-get install postgresql), and "
-                         "STATETOOL_TEST_PG_URL is not set; --no-pg runs the SQLite rows only")
-    return Path(found[-1]).parent
 
 
-def _as_postgres(cmd: list[str]) -> list[str]:
-    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
 
 
 @contextmanager
@@ -103,21 +91,21 @@ def pg_server() -> Iterator[str]:
     if given:
         yield given
         return
-    bindir = _pg_bindir()
+    bindir = pg_bindir()
     root = Path(tempfile.mkdtemp(prefix="statetool-bench-pg-"))
     root.chmod(0o755)
     if os.geteuid() == 0:
         shutil.chown(root, "postgres")
     data = root / "data"
-    subprocess.run(_as_postgres([str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
+    subprocess.run(as_postgres([str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
                                  "--no-sync"]), check=True, capture_output=True)
-    subprocess.run(_as_postgres([str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"), "-w",
+    subprocess.run(as_postgres([str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"), "-w",
                                  "-o", f"-k {root} -c listen_addresses='' -c fsync=off -c max_connections=50",
                                  "start"]), check=True, capture_output=True)
     try:
         yield f"postgresql://postgres@/postgres?host={root}"
     finally:
-        subprocess.run(_as_postgres([str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
+        subprocess.run(as_postgres([str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
                        capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
 
@@ -339,7 +327,7 @@ def main() -> int:
                         if len(doc["leases"]) != LIST_ROWS:
                             raise SystemExit(f"statetool listed {len(doc['leases'])} leases, not {LIST_ROWS}")
 
-                psql = shutil.which("psql") or str(_pg_bindir() / "psql")
+                psql = shutil.which("psql") or str(pg_bindir() / "psql")
                 list_case = Case(
                     f"PostgreSQL: `statetool --json leases`, {LIST_ROWS:,} rows (peer: psql --csv SELECT)",
                     lambda: run_child([statetool, "-c", str(config), "--json", "leases"], env=pg_env),

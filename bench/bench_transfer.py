@@ -28,7 +28,6 @@ runs the row counts of both destinations are checked against the source.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -44,7 +43,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import (REPO, Case, Row, Run, compile_packages, header, measure, measured_env, parse_args,  # noqa: E402
-                      print_table, run_child)
+                      as_postgres, pg_bindir, print_table, run_child)
 
 RSS_GOAL_MIB = 200
 
@@ -52,19 +51,8 @@ RSS_GOAL_MIB = 200
 # -- the PostgreSQL server --------------------------------------------------------------------
 
 
-def _pg_bindir() -> Path:
-    explicit = os.environ.get("STATETOOL_PG_BIN")
-    if explicit:
-        return Path(explicit)
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
-    if not found:
-        raise SystemExit("PostgreSQL server binaries not found (apt-get install postgresql), "
-                         "and STATETOOL_TEST_PG_URL is not set")
-    return Path(found[-1]).parent
 
 
-def _as_postgres(cmd: list[str]) -> list[str]:
-    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
 
 
 def _free_port() -> int:
@@ -77,7 +65,7 @@ class Cluster:
     """A throwaway cluster in ``root``: Unix socket always, TCP on 127.0.0.1 when asked."""
 
     def __init__(self, root: Path) -> None:
-        self.bindir = _pg_bindir()
+        self.bindir = pg_bindir()
         self.root = root
         self.data = root / "data"
         self.port = 5432
@@ -86,7 +74,7 @@ class Cluster:
         root.chmod(0o755)
         if os.geteuid() == 0:
             shutil.chown(root, "postgres")
-        subprocess.run(_as_postgres([str(self.bindir / "initdb"), "-D", str(self.data), "-A", "trust", "-U",
+        subprocess.run(as_postgres([str(self.bindir / "initdb"), "-D", str(self.data), "-A", "trust", "-U",
                                      "postgres", "--no-sync"]), check=True, capture_output=True)
         (self.data / "pg_hba.conf").write_text("local all all trust\nhost all all 127.0.0.1/32 trust\n")
 
@@ -94,14 +82,14 @@ class Cluster:
         self.tcp = tcp
         self.port = _free_port() if tcp else 5432
         listen = "127.0.0.1" if tcp else ""
-        subprocess.run(_as_postgres([str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l",
+        subprocess.run(as_postgres([str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l",
                                      str(self.root / "server.log"), "-w", "-o",
                                      f"-k {self.root} -p {self.port} -c listen_addresses='{listen}' "
                                      "-c max_wal_size=4GB -c max_connections=20", "start"]),
                        check=True, capture_output=True)
 
     def stop(self) -> None:
-        subprocess.run(_as_postgres([str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "fast", "stop"]),
+        subprocess.run(as_postgres([str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "fast", "stop"]),
                        capture_output=True)
 
     @property
