@@ -329,12 +329,17 @@ def leases_run(
     ctx: typer.Context,
     export: Annotated[str, typer.Option("--export", help="The export whose run lease to hold.")],
     command: Annotated[list[str] | None, typer.Argument(help="The command, after --.", show_default=False)] = None,
+    lease_ttl: Annotated[int, typer.Option("--lease-ttl", min=1, max=86400,
+                                           help="Seconds a PostgreSQL lease lives without a heartbeat.")] = 30,
 ) -> None:
-    """Hold an export's run lease for the whole life of a command (like flock(1))."""
+    """Hold an export's run lease for the whole life of a command (like flock(1)); a lost
+    lease stops the command and exits 2 (RIVET_STATE_LEASE_LOST)."""
     from statetool.operations.leases import run_under_lease
 
     g = _g(ctx)
-    raise typer.Exit(run_under_lease(g.context(), export, command or []))
+    context = g.context()
+    context.lease_ttl = lease_ttl
+    raise typer.Exit(run_under_lease(context, export, command or []))
 
 
 def hoist_globals(argv: list[str]) -> list[str]:

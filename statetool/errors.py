@@ -104,6 +104,14 @@ REGISTRY: dict[str, Entry] = {
         "usage", "generic",
         "set the source URL (source.url, or the variable source.url_env names) so the state key can be computed",
     ),
+    "RIVET_STATE_LEASE_KEY_INVALID": _e(
+        "usage", "generic",
+        "name a lease as statetool leases lists it: chunk-run:<export>, load-table:<table>, staging:<prefix> "
+        "or state:exclusive",
+    ),
+    "RIVET_STATE_LEASE_UNKNOWN": _e(
+        "usage", "generic", "statetool leases lists every lease this state has; release one of those",
+    ),
     # generic, not retryable: a re-run fails the same way until someone frees space.
     "RIVET_STATE_DISK_FULL": _e(
         "environment", "generic",
@@ -122,6 +130,11 @@ REGISTRY: dict[str, Entry] = {
     ),
     "RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN": _e(
         "busy", "retryable", "re-run the migration when the runs named in the message have finished",
+    ),
+    "RIVET_STATE_LEASE_LOST": _e(
+        "busy", "retryable",
+        "another holder took the lease over (this holder stalled past its TTL, or its lease was released); "
+        "nothing was written under the lost lease: re-run",
     ),
     "RIVET_STATE_MIGRATION_LOCKED": _e(
         "environment", "retryable",
@@ -177,6 +190,16 @@ REGISTRY: dict[str, Entry] = {
         "restore the checkpoint file (or set cdc.checkpoint to where it really is) before the next run; "
         "a run without it re-anchors the stream and loses the changes in between",
     ),
+    "RIVET_STATE_VANISHED": _e(
+        "refusal", "refusal",
+        "a state lived here before (the message names the evidence): find where it went (statetool info, "
+        "the tombstone, the backups) and point RIVET_STATE_URL at it; never start a new state over it",
+    ),
+    "RIVET_STATE_UNSAFE_FILE": _e(
+        "refusal", "refusal",
+        "a symlink or a non-regular file stands where statetool keeps one of its own files (named in the "
+        "message): find out who put it there, move it away, and re-run",
+    ),
     "RIVET_STATE_DATA_LOSS": _e(
         "refusal", "refusal",
         "this downgrade drops the data named in the message; add --allow-data-loss if that is intended",
@@ -207,6 +230,10 @@ WARNINGS: dict[str, str] = {
         "keep a SQLite state on a local disk, or move it to PostgreSQL (statetool transfer)",
     "RIVET_STATE_ORPHAN_WAL":
         "with every run stopped, move the -wal/-shm files that do not belong to this state out of the directory",
+    "RIVET_STATE_CREATED":
+        "nothing to do for a new pipeline; otherwise stop it and find where its state went",
+    "RIVET_STATE_LEASE_LIVE":
+        "nothing to do before a run; a migration or another whole-state write waits for the holders named",
     "RIVET_EXPORT_NO_PROGRESS":
         "nothing to do for a new export; otherwise point the pipeline at the state that holds its progress",
 }

@@ -18,6 +18,8 @@ from statetool.errors import StateError
 from statetool.redact import redact_url, remember_secrets
 
 STATE_FILE = ".rivet_state.db"
+#: The folder of SQLite lease sidecars beside the state file (SPEC §5, §10).
+LEASE_DIR = ".rivet_state.leases"
 #: The pipeline config read when no --config/-c is given (SPEC §2).
 DEFAULT_CONFIG = "rivet.yaml"
 LEASES_DIR = ".rivet_state.leases"

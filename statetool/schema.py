@@ -93,4 +93,5 @@ audit = sa.Table(
 #: table is what makes a *legacy* state (SPEC §4).
 LEGACY_TABLES = frozenset({"rivet_exports", "rivet_runs", "rivet_chunks"})
 #: Every table name the state schema has ever had, for "a database of another application".
-STATE_TABLES = frozenset(t.name for t in metadata.sorted_tables) | {"rivet_leases", VERSION_TABLE}
+STATE_TABLES = frozenset(t.name for t in metadata.sorted_tables) | {"rivet_leases", "rivet_lease_tokens",
+                                                                    VERSION_TABLE}

@@ -301,10 +301,10 @@ def test_runtime_api_resolves_checkpoints_through_the_same_function(tmp_path: Pa
     config = write_config(tmp_path / "pipeline")
     state_dir = tmp_path / "volume"
     state_dir.mkdir()
-    declared = StateStore.open(config, state_url=f"sqlite:{state_dir}", env={})
+    declared = StateStore.open(config, state_url=f"sqlite:{state_dir}", env={}, create=True)
     assert declared.checkpoint_path("order_events") == state_dir / "checkpoints" / "order_events.json"
     assert declared.checkpoint_path("orders") is None
-    beside = StateStore.open(config, env={})
+    beside = StateStore.open(config, env={}, create=True)
     assert beside.checkpoint_path("order_events") == config.parent / "checkpoints" / "order_events.json"
 
 
@@ -313,7 +313,7 @@ def test_runtime_open_under_postgresql_warns_once_per_relative_cdc_checkpoint(tm
     from statetool.runtime import StateStore
 
     config = write_config(tmp_path / "pipeline")
-    store = StateStore.open(config, state_url=pg_url, env={})
+    store = StateStore.open(config, state_url=pg_url, env={}, create=True)
     relative = [w for w in store.warnings if w.code == "RIVET_STATE_CHECKPOINT_RELATIVE"]
     assert len(relative) == 1
     assert str(config.parent / "checkpoints" / "order_events.json") in relative[0].message

@@ -312,7 +312,7 @@ def test_cli_without_a_config_in_the_working_directory_fails_config_not_found(tm
 
 def test_cli_check_reports_an_invalid_config_with_its_position(tmp_path: Path) -> None:
     config = write_config(tmp_path / "pipeline")
-    StateStore.open(config, env={})  # a good state, so the config is the only failure
+    StateStore.open(config, env={}, create=True)  # a good state, so the config is the only failure
     write_config(tmp_path / "pipeline", exports="exports:\n  - name: orders\n    mode: sometimes\n")
     line, column = position(config.read_text(), "sometimes")
     proc = run_cli("-c", str(config), "check", "--json")

@@ -414,3 +414,53 @@ def test_readme_first_block_installs_and_runs_the_main_job_then_the_tests() -> N
     assert len(lines) == 2, f"README's first block should hold exactly two commands, has {len(lines)}"
     assert "pip install" in lines[0] and "examples/main-job.sh" in lines[0]
     assert "pip install" in lines[1] and "pytest" in lines[1]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the statetool modules it imports anywhere: at the top, inside functions,
+    under ``TYPE_CHECKING``. A function-local import is still an edge: moving an import
+    into a function hides a cycle from the interpreter, not from the design."""
+    files = {_module_of(p): p for p in sorted(PACKAGE.rglob("*.py")) if "_alembic" not in p.parts}
+
+    def owner(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            edges |= {t for t in map(owner, (n for n in names if n.startswith("statetool"))) if t and t != module}
+        graph[module] = edges
+    return graph
+
+
+def test_the_package_has_no_import_cycle_not_even_through_function_local_imports() -> None:
+    graph = _import_graph()
+    assert "statetool.operations.leasing" in graph and graph["statetool.operations.writes"], "graph not read"
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)

@@ -108,7 +108,7 @@ def build_state(config: Path, state_url: str | None = None, *, checkpoint_dir: P
     """Create the state (like a pipeline's first run) and record progress through the runtime
     API: orders a cursor, order_lines a chunked run interrupted after chunk 0, order_events a
     CDC run with its checkpoint file written into ``checkpoint_dir`` (None: no file)."""
-    store = StateStore.open(config, state_url=state_url, env=env or {})
+    store = StateStore.open(config, state_url=state_url, env=env or {}, create=True)
     with store.transaction() as tx:
         if "orders" in only:
             run = tx.start_run("orders", "incremental", started_at=STARTED)
@@ -423,7 +423,7 @@ def test_reset_export_shows_the_audit_row(config: Path) -> None:
     assert found["order_lines"]["verdict"] == found["order_events"]["verdict"] == "resumes"
 
     # A run that commits a cursor after the reset is progress again.
-    store = StateStore.open(config, env={})
+    store = StateStore.open(config, env={}, create=True)
     with store.transaction() as tx:
         run = tx.start_run("orders", "incremental")
         tx.commit_cursor("orders", "incremental", "2026-12-01T00:00:00Z")
@@ -498,7 +498,7 @@ def test_cdc_export_with_a_file_engine_and_no_checkpoint_configured(tmp_path: Pa
             cdc:
               engine: postgres
         """))
-    store = StateStore.open(config, env={})
+    store = StateStore.open(config, env={}, create=True)
     with store.transaction() as tx:
         for name in ("carts", "ledger"):
             tx.finish_run(tx.start_run(name, "cdc"), "succeeded")
@@ -558,7 +558,7 @@ def test_state_written_by_an_older_release_has_pending_revisions(config: Path) -
     proc, doc = doctor(config)
     pending = reason(doc["state"]["reasons"], "RIVET_STATE_MIGRATION_PENDING")
     assert pending["evidence"]["state"] == str(path)
-    assert pending["evidence"]["revision"] == "legacy" and pending["evidence"]["pending"] == ["0002", "0003"]
+    assert pending["evidence"]["revision"] == "legacy" and pending["evidence"]["pending"] == ["0002", "0003", "0004"]
     assert "statetool migrate" in pending["action"]
     assert doc["state"]["revision"] == "legacy"
     # The progress is there (a migration keeps it): no export first-runs because of the revision.
@@ -659,7 +659,7 @@ def test_postgres_state_of_another_source_is_reported_not_refused(tmp_path: Path
               engine: mysql
               checkpoint: {absolute}
         """))
-    store = StateStore.open(crm, state_url=pg_url, env={})
+    store = StateStore.open(crm, state_url=pg_url, env={}, create=True)
     with store.transaction() as tx:
         run = tx.start_run("orders", "incremental")
         tx.commit_cursor("orders", "incremental", CURSOR)

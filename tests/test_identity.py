@@ -214,7 +214,7 @@ def scope(request: pytest.FixtureRequest, tmp_path: Path) -> Scope:
 
 def add_progress(scope: Scope, source: str | None) -> None:
     """What a pipeline run leaves: a finished run, a cursor, chunk checkpoints."""
-    store = StateStore.open(scope.config, env=scope.env(source), lock_wait=30)
+    store = StateStore.open(scope.config, env=scope.env(source), lock_wait=30, create=True)
     with store.transaction() as tx:
         run_id = tx.start_run("orders", "incremental")
         tx.commit_cursor("orders", "incremental", "2026-11-29T00:00:00.000000Z")
@@ -269,14 +269,14 @@ def test_first_write_stamps_a_state_without_identity_or_progress(scope: Scope) -
 
 def test_runtime_open_stamps_a_state_without_identity_or_progress(scope: Scope) -> None:
     init(scope.ctx(None))
-    store = StateStore.open(scope.config, env=scope.env(OURS), lock_wait=30)
+    store = StateStore.open(scope.config, env=scope.env(OURS), lock_wait=30, create=True)
     assert store.warnings == []
     assert scope.recorded() == [OURS_KEY]
 
 
 def test_runtime_creating_a_state_stamps_it(scope: Scope) -> None:
-    store = StateStore.open(scope.config, env=scope.env(OURS), lock_wait=30)
-    assert store.warnings == []
+    store = StateStore.open(scope.config, env=scope.env(OURS), lock_wait=30, create=True)
+    assert [w.code for w in store.warnings] == ["RIVET_STATE_CREATED"]
     assert scope.recorded() == [OURS_KEY]
 
 
@@ -310,7 +310,7 @@ def test_state_with_progress_and_no_identity_is_adopted_with_a_warning(scope: Sc
 def test_runtime_open_adopts_a_state_with_progress_with_a_warning(scope: Scope) -> None:
     init(scope.ctx(None))
     add_progress(scope, None)
-    store = StateStore.open(scope.config, env=scope.env(OURS), lock_wait=30)
+    store = StateStore.open(scope.config, env=scope.env(OURS), lock_wait=30, create=True)
     assert [w.code for w in store.warnings] == ["RIVET_STATE_IDENTITY_ADOPTED"]
     assert OURS_KEY in store.warnings[0].message
     assert scope.recorded() == [OURS_KEY]
@@ -356,7 +356,7 @@ def test_foreign_state_in_declared_dir_is_refused_byte_identical(tmp_path: Path,
         assert scope.fingerprint() == before, describe(proc)
         assert tree_digest(scope.config.parent) == config_before, describe(proc)
     with pytest.raises(StateError) as caught:
-        StateStore.open(scope.config, env=scope.env(OURS), lock_wait=30)
+        StateStore.open(scope.config, env=scope.env(OURS), lock_wait=30, create=True)
     assert caught.value.code == "RIVET_STATE_FOREIGN"
     assert scope.fingerprint() == before
 

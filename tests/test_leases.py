@@ -34,12 +34,13 @@ import pytest
 
 from conftest import describe, run_cli, tree_digest, write_config
 from statetool.backends.base import Holder, LeaseInfo
+from statetool.backends.processes import alive, process_started
 from statetool.backends.proclocks import lock_holders
 from statetool.errors import StateError
 from statetool.example import build_legacy_state
 from statetool.operations.context import Context
 from statetool.operations.inspect import info
-from statetool.operations.leases import acquire, list_leases, this_holder
+from statetool.operations.leasing import acquire, list_leases, this_holder
 from statetool.operations.migrate import migrate
 
 RUN_KEY = "chunk-run:orders"
@@ -281,7 +282,7 @@ def dead_pid() -> int:
 WORKER = textwrap.dedent("""\
     import os, pathlib, random, sys, time
     from statetool.operations.context import Context
-    from statetool.operations.leases import holding
+    from statetool.operations.leasing import holding
     config, counter, log, go, rounds = sys.argv[1:6]
     ctx = Context(config_path=pathlib.Path(config), env=dict(os.environ), lock_wait=120)
     counter, go = pathlib.Path(counter), pathlib.Path(go)
@@ -347,7 +348,7 @@ OTHER_HOST_HOLDER = textwrap.dedent("""\
     from statetool.backends.base import Holder, LeaseInfo
     from statetool.backends.postgres_leases import RowLeases
     from statetool.operations.context import Context
-    from statetool.operations.leases import this_holder
+    from statetool.operations.leasing import this_holder
     config, ready, ttl = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), int(sys.argv[3])
     store = RowLeases(Context(config_path=config, env=dict(os.environ)).backend().leases().engine, ttl=ttl)
     me = this_holder("rivet run -e orders")
@@ -683,22 +684,54 @@ def test_leases_run_exits_with_the_command_exit_code(state: State) -> None:
     assert state.leases().get(RUN_KEY, {"state": "free"})["state"] == "free"
 
 
-def test_sqlite_command_inherits_the_lock_and_keeps_the_lease_after_its_wrapper_is_sigkilled(
-        sqlite_state: State, spawn: Callable[..., LeaseRun]) -> None:
-    holder = spawn(sqlite_state)
+def test_a_sigkilled_wrapper_takes_its_command_with_it_and_only_then_frees_the_lease(
+        state: State, spawn: Callable[..., LeaseRun]) -> None:
+    holder = spawn(state)
     command_pid = holder.wait_ready()
-    os.kill(holder.pid, signal.SIGKILL)
-    holder.proc.wait(timeout=30)  # not communicate(): the command still holds the wrapper's pipes
+    assert state.leases()[RUN_KEY]["child_pid"] == command_pid
+    os.kill(holder.pid, signal.SIGKILL)  # the wrapper only, not its process group
+    holder.proc.wait(timeout=30)
+    # PR_SET_PDEATHSIG: the kernel kills the command with its wrapper, so no command runs on
+    # without the lease (on PostgreSQL the lease row's heartbeat belongs to the wrapper).
+    wait_for(lambda: not alive(command_pid, None), f"command {command_pid} to die with its wrapper", timeout=10)
+    assert state.leases()[RUN_KEY]["state"] == "stale"
+    proc = state.cli("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 0, describe(proc)
 
-    assert sqlite_state.leases()[RUN_KEY]["state"] == "live"
-    assert lock_holders(sqlite_state.sidecar)  # still locked, by the command's inherited descriptor
-    proc = sqlite_state.cli("--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
-    assert proc.returncode == 2 and error_object(proc)["code"] == "RIVET_STATE_RUN_IN_PROGRESS", describe(proc)
 
-    holder.go.touch()  # the command ends: the kernel drops its lock
-    wait_for(lambda: not lock_holders(sqlite_state.sidecar), f"command {command_pid} to end")
-    assert sqlite_state.leases()[RUN_KEY]["state"] == "stale"
-    proc = sqlite_state.cli("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+def _insert_row(state: State, *, pid: int, started: int | None, child: int | None, child_started: int | None,
+                heartbeat_age: str) -> None:
+    with state.pg() as conn:
+        conn.execute("INSERT INTO rivet_leases (key, holder_pid, holder_host, holder_user, command, acquired_at, "
+                     "heartbeat_at, ttl_seconds, fencing_token, holder_started, child_pid, child_started) VALUES "
+                     "(%s, %s, %s, 'ops', 'rivet run', now() - interval '2 hours', now() - %s::interval, 30, 7, "
+                     "%s, %s, %s)", (RUN_KEY, pid, socket.gethostname(), heartbeat_age, started, child,
+                                     child_started))
+
+
+def test_postgres_row_of_a_dead_wrapper_whose_command_lives_on_this_host_stays_live(pg_state: State) -> None:
+    command = subprocess.Popen(["sleep", "60"])
+    try:
+        _insert_row(pg_state, pid=dead_pid(), started=None, child=command.pid,
+                    child_started=process_started(command.pid), heartbeat_age="1 hour")
+        assert pg_state.leases()[RUN_KEY]["state"] == "live"  # no heartbeat for an hour, but the work runs
+        proc = pg_state.cli("--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+        assert proc.returncode == 2 and error_object(proc)["code"] == "RIVET_STATE_RUN_IN_PROGRESS", describe(proc)
+    finally:
+        command.kill()
+        command.wait()
+    assert pg_state.leases()[RUN_KEY]["state"] == "stale"
+    proc = pg_state.cli("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 0, describe(proc)
+
+
+def test_postgres_holder_whose_pid_was_reused_reads_as_stale_at_once(pg_state: State) -> None:
+    # pid of a live process (this test), but another start time: the recorded holder is gone
+    me = os.getpid()
+    _insert_row(pg_state, pid=me, started=(process_started(me) or 0) + 1, child=None, child_started=None,
+                heartbeat_age="0 seconds")
+    assert pg_state.leases()[RUN_KEY]["state"] == "stale"
+    proc = pg_state.cli("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
     assert proc.returncode == 0, describe(proc)
 
 
@@ -735,7 +768,7 @@ def test_migrate_beside_a_live_lease_waits_then_fails_upgrade_beside_live_run(
     err = error_object(proc)
     assert err["code"] == "RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN" and err["retryable"] is True, err
     assert RUN_KEY in err["message"] and f"pid {holder.pid}" in err["message"], err
-    assert "waiting up to 2 s for live runs" in proc.stderr, describe(proc)
+    assert "waiting up to 2 s for the state (live runs), held by chunk-run:orders" in proc.stderr, describe(proc)
     assert elapsed >= 2.0
     assert tree_digest(older_state.directory) == files  # no backup, no byte changed
     assert _revision(older_state) == revision

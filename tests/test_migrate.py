@@ -19,6 +19,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
@@ -31,7 +32,7 @@ from statetool import migrations, schema
 from statetool.operations.context import Context
 from statetool.operations.migrate import migrate
 
-HEAD = "0003"
+HEAD = "0004"
 SOURCE_KEY = "postgresql://db.internal:5432/sales"
 VERSION_TABLE = "rivet_state_version"
 BACKUP_NAME = re.compile(r"^\.rivet_state\.db\.backup-(?P<label>.+)-(?P<stamp>\d{8}T\d{6}Z)$")
@@ -260,7 +261,7 @@ def build_state(target: Target, revision: str, *, legacy: bool = False, newer_da
                              [{"e": "orders", "t": "dw.orders", "p": f"part-{i:05d}.parquet", "n": 5_000_000_000 + i,
                                "at": None if i == 3 else f"2026-01-10T00:00:0{i}Z"} for i in range(5)])
                 if target.kind == "postgres":
-                    conn.execute(sa.text("INSERT INTO rivet_leases VALUES ('chunk-run:orders', 4242, 'worker-7', "
+                    conn.execute(sa.text("INSERT INTO rivet_leases VALUES ('load-table:dw.orders', 4242, 'worker-7', "
                                          "'etl', 'rivet run', '2026-01-01T00:00:00+00', '2026-01-01T00:00:10+00', 30)"))
             if revision == HEAD:
                 conn.execute(sa.text("INSERT INTO rivet_audit (at, actor, command, action, detail) "
@@ -290,6 +291,19 @@ def json_error(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 def backups(target: Target) -> list[Path]:
     return sorted(target.directory.glob(".rivet_state.db.backup-*"))
+
+
+def without_lease_files(files: Iterable[str]) -> set[str]:
+    """``files`` less the lease sidecars (``.rivet_state.leases/*``): a migration holds the
+    state lease and every run lease while it runs, and lease files are never deleted."""
+    return {f for f in files if not f.startswith(".rivet_state.leases/")}
+
+
+def without_lease_tokens(dump: dict[str, Any]) -> dict[str, Any]:
+    """``dump`` less ``rivet_lease_tokens`` (PostgreSQL): every lease a write takes draws the
+    next fencing token of its key, even when the write then rolls back."""
+    dump["data"].pop("rivet_lease_tokens", None)
+    return dump
 
 
 def state_files(target: Target) -> dict[str, str]:
@@ -349,7 +363,7 @@ def test_upgrade_from_every_earlier_revision_keeps_every_row_and_value(target: T
         assert doc["backup"] == str(found[0])
         assert_valid_backup(found[0], before)
         # nothing else appeared beside the state (no -wal, -shm, -journal, .tmp)
-        assert set(state_files(target)) == set(digest_before) | {found[0].name}
+        assert without_lease_files(state_files(target)) == without_lease_files(digest_before) | {found[0].name}
     else:
         assert doc["backup"] is None
 
@@ -421,8 +435,8 @@ def test_downgrade_with_allow_data_loss_then_upgrade_round_trips(target: Target)
     assert down.returncode == 0, describe(down)
     doc = json.loads(down.stdout)
     assert (doc["from_revision"], doc["to_revision"], doc["direction"]) == (HEAD, "0001", "down")
-    assert [s["id"] for s in doc["steps"]] == ["0003", "0002"]
-    lost = {**doc["steps"][0]["loses"], **doc["steps"][1]["loses"]}
+    assert [s["id"] for s in doc["steps"]] == ["0004", "0003", "0002"]
+    lost = {table: rows for step in doc["steps"] for table, rows in step["loses"].items()}
     assert lost["rivet_load_ledger"] == 5 and lost["rivet_run_aggregates"] == 3
     assert lost["rivet_runs"] == 16  # the runs whose bytes_read/duration/error_code go
     assert target.revision() == "0001"
@@ -476,7 +490,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(target: Target) -> None:
     proc = cli(target, "migrate", "--dry-run")
     assert proc.returncode == 0, describe(proc)
     out = " ".join(proc.stdout.split())
-    assert "legacy -> 0003" in out, describe(proc)
+    assert "legacy -> 0004" in out, describe(proc)
     for rev in migrations.revisions()[1:]:
         assert rev.id in out and rev.description.split(";")[0] in out, describe(proc)
     assert f"rivet_runs ({runs})" in out, describe(proc)
@@ -484,7 +498,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(target: Target) -> None:
 
     doc = migrate(target.context(), dry_run=True).as_dict()  # the --json document
     assert (doc["from_revision"], doc["to_revision"], doc["dry_run"], doc["applied"]) == ("legacy", HEAD, True, False)
-    assert [(s["id"], s["rebuilds"]) for s in doc["steps"]] == [("0002", {"rivet_runs": runs}), ("0003", {})]
+    assert [(s["id"], s["rebuilds"]) for s in doc["steps"]] == [("0002", {"rivet_runs": runs}), ("0003", {}), ("0004", {})]
     assert doc["backup"] is None
 
     assert target.dump() == before
@@ -561,7 +575,7 @@ def test_migrate_to_an_unknown_revision_is_refused(target: Target) -> None:
     assert proc.returncode == 1, describe(proc)
     err = json_error(proc)
     assert err["code"] == "RIVET_STATE_REVISION_UNKNOWN", describe(proc)
-    assert "0099" in err["message"] and "0003" in err["message"], describe(proc)
+    assert "0099" in err["message"] and HEAD in err["message"], describe(proc)
     assert target.dump() == before and state_files(target) == digest
 
 
@@ -579,18 +593,18 @@ def test_migrate_at_head_does_nothing_and_takes_no_backup(target: Target) -> Non
 # 3. A migration that fails half way leaves the state exactly as it was
 # --------------------------------------------------------------------------------------
 
-FAILING_0004 = '''\
+FAILING_0005 = '''\
 """a revision that does real work and then fails
 
-Revision ID: 0004
-Revises: 0003
+Revision ID: 0005
+Revises: 0004
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0004"
-down_revision = "0003"
+revision = "0005"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 
@@ -603,7 +617,7 @@ def upgrade() -> None:
     op.execute("UPDATE rivet_exports SET cursor_value = 'clobbered'")
     op.execute("DELETE FROM rivet_chunks")
     op.execute("UPDATE rivet_identity SET state_key = 'clobbered'")
-    raise RuntimeError("revision 0004 failed half way")
+    raise RuntimeError("revision 0005 failed half way")
 
 
 def downgrade() -> None:
@@ -613,17 +627,17 @@ def downgrade() -> None:
 
 @pytest.fixture
 def add_failing_revision(tmp_path: Path) -> Any:
-    """A function that points statetool at a copy of its alembic scripts with a 0004 that
+    """A function that points statetool at a copy of its alembic scripts with a 0005 that
     fails half way (undone after the test)."""
-    copy = tmp_path / "alembic-with-0004"
+    copy = tmp_path / "alembic-with-0005"
     shutil.copytree(migrations.script_location(), copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "versions" / "0004_fails_half_way.py").write_text(FAILING_0004)
+    (copy / "versions" / "0005_fails_half_way.py").write_text(FAILING_0005)
     original = migrations.script_location
 
     def activate() -> None:
         migrations.script_location = lambda: copy  # type: ignore[assignment]
         migrations.revisions.cache_clear()
-        assert migrations.head() == "0004"
+        assert migrations.head() == "0005"
 
     try:
         yield activate
@@ -640,7 +654,7 @@ def test_migration_failing_half_way_leaves_the_state_exactly_as_before(
         # a state as a pipeline's first run makes it (init: WAL mode on SQLite), with progress
         from statetool.runtime import StateStore
 
-        store = StateStore.open(target.config, env=dict(target.context().env))
+        store = StateStore.open(target.config, env=dict(target.context().env), create=True)
         with store.transaction() as tx:
             run = tx.start_run("orders", "incremental")
             tx.commit_cursor("orders", "incremental", "2026-01-01")
@@ -648,22 +662,22 @@ def test_migration_failing_half_way_leaves_the_state_exactly_as_before(
             tx.record_chunk("order_lines", run, 0, None, "10", "done", rows=10)
     else:
         build_state(target, "0001", legacy=True)
-    before = target.dump()
-    files_before = state_files(target)
+    before = without_lease_tokens(target.dump())
+    files_before = {f: d for f, d in state_files(target).items() if f in without_lease_files([f])}
     if target.kind == "sqlite":
         bytes_before = target.path.read_bytes()
     add_failing_revision()
 
-    with pytest.raises(RuntimeError, match="revision 0004 failed half way"):
+    with pytest.raises(RuntimeError, match="revision 0005 failed half way"):
         migrate(target.context())
 
-    assert target.dump() == before
+    assert without_lease_tokens(target.dump()) == before
     assert "rivet_half_done" not in target.tables()
     assert target.revision() == (None if start == "legacy" else HEAD)
     if target.kind == "sqlite":
         assert target.path.read_bytes() == bytes_before
         files_after = state_files(target)
-        new_files = set(files_after) - set(files_before)
+        new_files = without_lease_files(files_after) - set(files_before)
         # at most the verified backup taken before the change; no journal, wal or tmp left
         assert all(BACKUP_NAME.match(Path(f).name) for f in new_files), new_files
         assert all(files_before[f] == files_after.get(f) for f in files_before)

@@ -64,7 +64,7 @@ def test_a_database_that_does_not_exist_is_a_wrong_url_not_a_retry(config: Path,
 def test_check_json_errors_reports_a_lost_cdc_checkpoint_with_its_code(config: Path) -> None:
     from statetool.runtime import StateStore
 
-    store = StateStore.open(config, env={})
+    store = StateStore.open(config, env={}, create=True)
     with store.transaction() as tx:
         tx.finish_run(tx.start_run("order_events", "cdc"), "succeeded", rows=3, files=1)
     proc = run_cli("-c", str(config), "--json-errors", "check")

@@ -27,6 +27,9 @@ WAL_CURSOR = "2026-11-30T23:59:59.000000Z"
 JOURNAL_MAGIC = bytes.fromhex("d9d505f920a163d7")
 
 
+LEASES = ".rivet_state.leases"
+
+
 def listing(directory: Path) -> list[str]:
     """Every path below ``directory`` (files and folders): a new file or folder shows here."""
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
@@ -34,14 +37,16 @@ def listing(directory: Path) -> list[str]:
 
 def wal_state(config: Path) -> Path:
     """A state at head in WAL mode, with one finished run, closed cleanly (no -wal, no -shm)."""
-    store = StateStore.open(config, env={})
+    store = StateStore.open(config, env={}, create=True)
     with store.transaction() as tx:
         run_id = tx.start_run("orders", "incremental")
         tx.commit_cursor("orders", "incremental", "2026-11-01T00:00:00.000000Z")
         tx.finish_run(run_id, "succeeded", rows=10, files=1)
     path = config.parent / STATE
     assert path.read_bytes()[18] == 2, "the state should be in WAL mode (header byte 18 = 2)"
-    assert listing(config.parent) == [STATE, "rivet.yaml"], listing(config.parent)
+    # the run lease the transaction took leaves its sidecar (lease files are never deleted)
+    assert listing(config.parent) == [STATE, LEASES, f"{LEASES}/chunk-run%3Aorders", "rivet.yaml"], \
+        listing(config.parent)
     return path
 
 

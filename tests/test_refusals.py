@@ -34,7 +34,7 @@ def real_state(state_dir: Path, source: str) -> Path:
     config = write_config(state_dir.parent / f"maker-{state_dir.name}", source_url=source)
     env = {"RIVET_STATE_URL": f"sqlite:{state_dir}"}
     init(Context(config, None, env, 30.0))
-    store = StateStore.open(config, env=env, lock_wait=30)
+    store = StateStore.open(config, env=env, lock_wait=30, create=True)
     with store.transaction() as tx:
         for i in range(200):
             run_id = tx.start_run("orders", "incremental", run_id=f"run-{i:05d}")

@@ -225,7 +225,7 @@ def _migrate(config: Path) -> None:
 
 def _runtime_writes(config: Path, runs: int) -> None:
     """What a pipeline of this release adds: runs, cursors, chunk checkpoints (runtime API)."""
-    store = StateStore.open(config, env={})
+    store = StateStore.open(config, env={}, create=True)
     with store.transaction() as tx:
         for i in range(runs):
             run_id = tx.start_run("orders", "incremental", started_at=f"2026-06-01T00:{i // 60 % 60:02d}:{i % 60:02d}Z")
@@ -692,7 +692,7 @@ def test_a_live_run_holding_its_lease_makes_relocate_wait_then_fail_retryable(
 
 def _foreign_state(target: Path, tmp_path: Path) -> None:
     other = write_config(tmp_path / "other-pipeline", source_url="mysql://reader@crm.internal/crm")
-    store = StateStore.open(other, state_url=f"sqlite:{target}", env={})
+    store = StateStore.open(other, state_url=f"sqlite:{target}", env={}, create=True)
     with store.transaction() as tx:
         tx.commit_cursor("orders", "incremental", "2026-01-01T00:00:00Z")
 
@@ -702,14 +702,14 @@ def _not_a_state(target: Path, tmp_path: Path) -> None:
 
 
 def _same_identity_with_progress(target: Path, config: Path) -> None:
-    store = StateStore.open(config, state_url=f"sqlite:{target}", env={})
+    store = StateStore.open(config, state_url=f"sqlite:{target}", env={}, create=True)
     with store.transaction() as tx:
         run_id = tx.start_run("orders", "incremental")
         tx.finish_run(run_id, "succeeded", rows=1)
 
 
 def _same_identity_empty(target: Path, config: Path) -> None:
-    StateStore.open(config, state_url=f"sqlite:{target}", env={})
+    StateStore.open(config, state_url=f"sqlite:{target}", env={}, create=True)
 
 
 @pytest.mark.parametrize(("case", "code"), [

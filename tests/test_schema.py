@@ -27,6 +27,9 @@ def _expected(with_leases: bool) -> dict[str, set[tuple[str, bool]]]:
     if with_leases:
         expected["rivet_leases"] = {(name, False) for name in (
             "key", "holder_pid", "holder_host", "holder_user", "command", "acquired_at", "heartbeat_at", "ttl_seconds")}
+        expected["rivet_leases"] |= {(name, True) for name in (
+            "fencing_token", "holder_started", "child_pid", "child_started")}
+        expected["rivet_lease_tokens"] = {("key", False), ("token", False)}
     return expected
 
 

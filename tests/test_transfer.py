@@ -223,7 +223,7 @@ def build_template(directory: Path, runs: int) -> Path:
     db = sqlite3.connect(directory / ".rivet_state.db")
     assert db.execute("PRAGMA journal_mode = WAL").fetchone()[0] == "wal"
     db.close()
-    store = StateStore.open(cfg, env={})
+    store = StateStore.open(cfg, env={}, create=True)
     with store.transaction() as tx:
         run_id = tx.start_run("orders", "incremental", run_id="nasty-run")
         tx.finish_run(run_id, "failed", rows=0, bytes_read=2**40, error=NASTY, error_code="E_NASTY")
@@ -579,7 +579,7 @@ def _other_source_state(cfg: Path, url: str) -> None:
     from statetool.runtime import StateStore
 
     other = write_config(cfg.parent.parent / "other", source_url="postgresql://reader@crm.internal:5432/crm")
-    store = StateStore.open(other, state_url=url, env={})
+    store = StateStore.open(other, state_url=url, env={}, create=True)
     with store.transaction() as tx:
         tx.commit_cursor("orders", "incremental", "2026-05-01T00:00:00Z")
 
@@ -587,7 +587,7 @@ def _other_source_state(cfg: Path, url: str) -> None:
 def _this_config_progress(cfg: Path, url: str) -> None:
     from statetool.runtime import StateStore
 
-    store = StateStore.open(cfg, state_url=url, env={})
+    store = StateStore.open(cfg, state_url=url, env={}, create=True)
     with store.transaction() as tx:
         run_id = tx.start_run("order_lines", "chunked")
         tx.finish_run(run_id, "succeeded", rows=5)
@@ -777,6 +777,7 @@ def test_dry_run_changes_nothing_and_prints_tables_rows_bytes_checkpoints_and_th
     work = cfg.parent
     schema = split_url(pw_url)[1]
     before = tree_digest(work)
+    leases_before = sorted(p.name for p in (work / ".rivet_state.leases").iterdir())
     size = (work / ".rivet_state.db").stat().st_size
     absolute = {n: str(work / p) for n, p in RELATIVE_CHECKPOINTS.items()}
 
@@ -785,7 +786,7 @@ def test_dry_run_changes_nothing_and_prints_tables_rows_bytes_checkpoints_and_th
     as_json = run_cli("-c", str(cfg), "--json", "transfer", "--to", pw_url, "--dry-run")
     assert as_json.returncode == 0, describe(as_json)
     assert tree_digest(work) == before, "a dry run changed the source directory"
-    assert not (work / ".rivet_state.leases").exists()
+    assert sorted(p.name for p in (work / ".rivet_state.leases").iterdir()) == leases_before, "a dry run took a lease"
     assert not schema_exists(admin, schema), "a dry run created the destination schema"
 
     doc = json.loads(as_json.stdout)

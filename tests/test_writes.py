@@ -25,7 +25,7 @@ PROGRESS_TABLES = ("rivet_exports", "rivet_runs", "rivet_chunks", "rivet_run_agg
 
 def seed_progress(target: Target) -> None:
     """A state at head with progress, written the way a pipeline writes it (the runtime API)."""
-    store = StateStore.open(target.config, env=dict(target.context().env))
+    store = StateStore.open(target.config, env=dict(target.context().env), create=True)
     with store.transaction() as tx:
         for i in range(3):
             run = tx.start_run("orders", "incremental", started_at=f"2026-05-0{i + 1}T00:00:00.000000Z")
@@ -69,7 +69,7 @@ def test_set_cursor_changes_only_that_cursor_audits_and_backs_up_first(target: T
     assert "2026-04-15T00:00:00Z" in doc["next_run"] and "resume" in doc["next_run"], describe(proc)
 
     after = target.dump()
-    for table in set(before["data"]) - {"rivet_exports", "rivet_audit"}:
+    for table in set(before["data"]) - {"rivet_exports", "rivet_audit", "rivet_lease_tokens"}:
         assert after["data"][table] == before["data"][table], table
     rows_before = _rows_by(before, "rivet_exports", "export_name")
     rows_after = _rows_by(after, "rivet_exports", "export_name")
@@ -132,7 +132,7 @@ def test_each_set_cursor_keeps_its_own_backup(tmp_path: Path) -> None:
 def test_set_cursor_on_an_export_name_with_a_slash_keeps_its_backup_beside_the_state(tmp_path: Path) -> None:
     config = write_config(tmp_path / "pipeline", exports="exports:\n  - name: sales/orders\n    mode: incremental\n")
     target = Target("sqlite", config)
-    StateStore.open(config, env={})
+    StateStore.open(config, env={}, create=True)
     before = target.dump()
     proc = cli(target, "exports", "set-cursor", "sales/orders", "7", "--json")
     assert proc.returncode == 0, describe(proc)

@@ -24,14 +24,15 @@ def open_backend(location: Location, lock_wait: float = 600.0) -> Backend:
     return PostgresBackend(location, lock_wait)
 
 
-def open_leases(location: Location, lock_wait: float = 600.0) -> LeaseStore:
+def open_leases(location: Location, lock_wait: float = 600.0, ttl: int = 30) -> LeaseStore:
     """The lease store of a resolved location, loading only what that store needs (a SQLite
-    lease is an flock: no database driver is imported for it)."""
+    lease is an flock: no database driver is imported for it). ``ttl`` (seconds) is the
+    TTL of the PostgreSQL leases this store takes."""
     if location.backend == "sqlite":
         from statetool.backends.sqlite_leases import FlockLeases
 
-        assert location.directory is not None
-        return FlockLeases(location.directory)
+        assert location.path is not None
+        return FlockLeases(location.path)
     from statetool.backends.postgres import PostgresBackend
 
-    return PostgresBackend(location, lock_wait).leases()
+    return PostgresBackend(location, lock_wait).leases(ttl)

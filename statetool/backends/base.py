@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from pathlib import Path
 from dataclasses import dataclass
-from typing import Protocol
-
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -27,6 +25,9 @@ Progress = Callable[[int, int], None]
 class Holder:
     """Who holds (or held) a lease: pid, host, user, command, and times (ISO-8601 UTC).
 
+    ``started`` is the holder's process start time (clock ticks since boot, Linux), so a
+    reused pid never reads as alive; ``child_pid``/``child_started`` name the command a
+    ``leases run`` wrapper started; ``token`` is the acquisition's fencing token (SPEC §5).
     ``heartbeat_at`` and ``ttl_seconds`` exist on PostgreSQL only.
     """
 
@@ -37,10 +38,15 @@ class Holder:
     acquired_at: str
     heartbeat_at: str | None = None
     ttl_seconds: int | None = None
+    token: int | None = None
+    started: int | None = None
+    child_pid: int | None = None
+    child_started: int | None = None
 
     def describe(self) -> str:
         """``pid 123 on host as user since T: command`` for messages."""
-        return f"pid {self.pid} on {self.host} as {self.user} since {self.acquired_at}: {self.command}"
+        child = f" (command pid {self.child_pid})" if self.child_pid else ""
+        return f"pid {self.pid}{child} on {self.host} as {self.user} since {self.acquired_at}: {self.command}"
 
 
 @dataclass(frozen=True)
@@ -58,10 +64,19 @@ class LeaseInfo:
 
 
 class HeldLease(Protocol):
-    """A lease this process holds until :meth:`release`."""
+    """A lease this process holds until :meth:`release` (SPEC §5)."""
 
     key: str
     holder: Holder
+
+    @property
+    def token(self) -> int | None:
+        """The fencing token of this acquisition (None on a PostgreSQL state whose lease
+        table predates revision 0004)."""
+
+    @property
+    def lost(self) -> bool:
+        """True once this process knows another holder took the lease over."""
 
     def release(self) -> None:
         """Give the lease up (idempotent)."""
@@ -70,20 +85,52 @@ class HeldLease(Protocol):
         """File descriptors a child process must inherit to keep holding the lease
         after this process dies (SQLite flock); empty on PostgreSQL."""
 
+    def set_child(self, pid: int, started: int | None) -> None:
+        """Record the command this holder started, so that it keeps the lease live on this
+        host while it lives (a ``leases run`` wrapper that died)."""
+
+    def fence(self, conn: Connection, *, final: bool = False) -> None:
+        """Check, inside the write transaction of ``conn``, that this acquisition still holds
+        the lease; raises ``RIVET_STATE_LEASE_LOST`` otherwise. With ``final`` (right before
+        the commit) a PostgreSQL row lock keeps a takeover out until the commit ends."""
+
+
+class StaleClaim(Protocol):
+    """A stale lease held still for a release that must be audited atomically."""
+
+    info: LeaseInfo
+
+    def commit(self) -> None:
+        """Remove the holder record (after the audit row committed)."""
+
+    def abandon(self) -> None:
+        """Leave the record exactly as it was (the audit failed)."""
+
 
 class LeaseStore(Protocol):
     """The leases of one state (SPEC §5)."""
 
     def try_acquire(self, key: str, holder: Holder) -> HeldLease | LeaseInfo:
         """Take ``key`` now if it is free or stale (a stale holder is taken over), else
-        return the live holder's :class:`LeaseInfo`. Never waits."""
+        return the live holder's :class:`LeaseInfo`. Never waits. Raises
+        ``RIVET_STATE_UNSAFE_FILE`` where a sidecar is a symlink or not a regular file."""
+
+    def info(self, key: str) -> LeaseInfo:
+        """One lease with its state, read without taking any lock."""
+
+    def require_state(self) -> None:
+        """Raise ``RIVET_STATE_MISSING`` / ``RIVET_STATE_RELOCATED`` (and the like) unless a
+        state is where this store keeps its leases; cheap, loads no database driver for SQLite."""
 
     def list(self) -> list[LeaseInfo]:
         """Every lease with its state, read without taking any lock."""
 
-    def clear_stale(self, key: str) -> LeaseInfo:
-        """Remove the record of a stale lease; returns what was removed. Raises
-        ``RIVET_STATE_RUN_IN_PROGRESS`` when the holder is live."""
+    def claim_stale(self, key: str, conn: Connection) -> StaleClaim:
+        """Hold the stale lease ``key`` for its release: on PostgreSQL its row is deleted in
+        ``conn``'s transaction (so the audit row commits with it); on SQLite its sidecar is
+        locked until :meth:`StaleClaim.commit` or :meth:`StaleClaim.abandon`. Raises
+        ``RIVET_STATE_RUN_IN_PROGRESS`` for a live holder and ``RIVET_STATE_LEASE_UNKNOWN``
+        for a key that has no record."""
 
 
 class Backend(Protocol):
@@ -129,5 +176,10 @@ class Backend(Protocol):
         """A verified copy of the state beside it (SQLite), named with ``label``; None on
         PostgreSQL, whose migrations run in one transaction instead."""
 
-    def leases(self) -> LeaseStore:
-        """The lease store of this state (flock sidecars, or the PostgreSQL lease table)."""
+    def vanished_evidence(self) -> list[str]:
+        """Where a state is missing: what shows that one lived here before (a relocation's
+        keep, backups, lease records), one line each; empty for a new place (SPEC §5a)."""
+
+    def leases(self, ttl: int = 30) -> LeaseStore:
+        """The lease store of this state (flock sidecars, or the PostgreSQL lease table whose
+        leases get a TTL of ``ttl`` seconds)."""

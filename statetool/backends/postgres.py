@@ -139,7 +139,11 @@ class PostgresBackend:
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> None:
         return None
 
-    def leases(self) -> RowLeases:
+    def vanished_evidence(self) -> list[str]:
+        """Always empty: an empty schema keeps no trace of a state that was dropped."""
+        return []
+
+    def leases(self, ttl: int = 30) -> RowLeases:
         from statetool.backends.postgres_leases import RowLeases
 
-        return RowLeases(self._engine(read_only=False, autocommit=True))
+        return RowLeases(self._engine(read_only=False, autocommit=True), ttl)

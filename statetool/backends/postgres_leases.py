@@ -1,18 +1,30 @@
 """PostgreSQL leases: one row per key in ``rivet_leases`` (revision 0002), kept fresh by a heartbeat.
 
 SPEC §5. A row is *stale* when its heartbeat is older than its TTL by the database
-clock (``now()``, never the client's), or when its holder ran on this host and its pid
-is gone. A stale row is taken over at once by compare-and-swap on the row as observed
-(key, pid, host, acquired_at and heartbeat_at all unchanged), never by a blind update,
-so of two takers racing for one stale row exactly one wins. The holder's heartbeat
-thread refreshes ``heartbeat_at`` every TTL/3 seconds for as long as the holder lives.
-Documented limit: a holder that stalls past its TTL is taken over and is not fenced.
+clock (``now()``, never the client's), or, on this host, when neither its holder nor the
+command the holder started is alive (each judged by pid AND process start time, so a
+reused pid never reads as alive). A holder on this host that died while its command
+lives on keeps the lease live: the work still runs. A stale row is taken over at once by
+compare-and-swap on the row as observed (key, pid, host, acquired_at and heartbeat_at
+unchanged), never by a blind update, so of two takers racing for one stale row exactly
+one wins.
+
+Fencing (revision 0004): every acquisition draws the next token of its key from
+``rivet_lease_tokens`` in the same statement, so tokens grow per key across releases. A
+holding is the row with this holder's (key, pid, host, acquired_at); a write under the
+lease checks, inside its own transaction, that the row is still that holding
+(``SELECT ... FOR SHARE`` right before the commit, so a takeover waits for the commit).
+One heartbeat thread per store refreshes every lease it holds every TTL/3 seconds; a
+lease it finds gone is marked lost, and its holder stops (``leases run`` kills its
+command; fenced writes refuse with ``RIVET_STATE_LEASE_LOST``).
+
+A lease table from before revision 0004 (a state waiting for its migration) has none of
+the new columns: the store sees that once, and takes and lists leases without them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import sys
 import threading
@@ -25,37 +37,35 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from statetool.backends.base import HeldLease, Holder, LeaseInfo
+from statetool.backends.processes import alive
 from statetool.errors import StateError
 
 DEFAULT_TTL = 30
 
-_COLUMNS = "key, holder_pid, holder_host, holder_user, command, acquired_at, heartbeat_at, ttl_seconds"
-_SELECT = (f"SELECT {_COLUMNS}, extract(epoch FROM now() - heartbeat_at) AS age FROM rivet_leases")
+_OLD_COLUMNS = "key, holder_pid, holder_host, holder_user, command, acquired_at, heartbeat_at, ttl_seconds"
+_NEW_COLUMNS = "fencing_token, holder_started, child_pid, child_started"
+_AGE = "extract(epoch FROM now() - heartbeat_at) AS age"
 _OBSERVED = ("key = :key AND holder_pid = :o_pid AND holder_host = :o_host "
              "AND acquired_at = :o_acquired AND heartbeat_at = :o_heartbeat")
+_MINE = "key = :key AND holder_pid = :pid AND holder_host = :host AND acquired_at = :acquired"
+#: The next token of a key, as a CTE: inserted at 1, or the last one plus one.
+_NEXT_TOKEN = ("WITH t AS (INSERT INTO rivet_lease_tokens AS t (key, token) VALUES (:key, 1) "
+               "ON CONFLICT (key) DO UPDATE SET token = t.token + 1 RETURNING token) ")
 
 
 def _iso(t: datetime) -> str:
     return t.isoformat()
 
 
-def pid_alive(pid: int) -> bool:
-    """True when a process ``pid`` exists on this host (signal 0 probe)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _info(row: Any, here: str | None = None) -> LeaseInfo:
+def _info(row: Any, here: str) -> LeaseInfo:
+    fenced = "fencing_token" in row._fields
     holder = Holder(row.holder_pid, row.holder_host, row.holder_user, row.command, _iso(row.acquired_at),
-                    _iso(row.heartbeat_at), row.ttl_seconds)
+                    _iso(row.heartbeat_at), row.ttl_seconds,
+                    *((row.fencing_token, row.holder_started, row.child_pid, row.child_started) if fenced else ()))
     age = float(row.age)
-    dead_here = row.holder_host == (here or socket.gethostname()) and not pid_alive(row.holder_pid)
-    stale = age > row.ttl_seconds or dead_here
+    stale = age > row.ttl_seconds
+    if row.holder_host == here and not alive(holder.pid, holder.started):
+        stale = not alive(holder.child_pid, holder.child_started)
     return LeaseInfo(row.key, "stale" if stale else "live", holder, age, max(0.0, row.ttl_seconds - age))
 
 
@@ -66,54 +76,73 @@ def _observed(row: Any) -> dict[str, object]:
 
 @dataclass
 class RowLease:
-    """A held row lease and its heartbeat thread."""
+    """A held row lease; its heartbeat is the store's."""
 
     key: str
     holder: Holder
-    engine: sa.Engine
+    store: RowLeases
     acquired: datetime
-    ttl: int
-    lost: bool = False
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    lost_event: threading.Event = field(default_factory=threading.Event)
+    released: bool = False
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._beat, name=f"lease-heartbeat {self.key}", daemon=True)
-        self._thread.start()
+    @property
+    def token(self) -> int | None:
+        return self.holder.token
 
-    def _mine(self) -> dict[str, object]:
+    @property
+    def lost(self) -> bool:
+        return self.lost_event.is_set()
+
+    def mine(self) -> dict[str, object]:
+        """The bind parameters that name this holding (``_MINE``)."""
         return {"key": self.key, "pid": self.holder.pid, "host": self.holder.host, "acquired": self.acquired}
 
-    def _beat(self) -> None:
-        interval = max(self.ttl / 3, 0.2)
-        while not self._stop.wait(interval):
-            try:
-                with self.engine.connect() as conn:
-                    kept = conn.execute(sa.text(
-                        "UPDATE rivet_leases SET heartbeat_at = now() WHERE key = :key AND holder_pid = :pid "
-                        "AND holder_host = :host AND acquired_at = :acquired"), self._mine()).rowcount
-            except sa.exc.DBAPIError as err:
-                sys.stderr.write(f"statetool: lease {self.key}: heartbeat failed ({type(err.orig).__name__}); "
-                                 "retrying\n")
-                continue
-            if not kept:
-                self.lost = True
-                sys.stderr.write(f"statetool: lease {self.key} was taken over by another holder "
-                                 "(this holder stalled past its TTL)\n")
-                return
+    def set_child(self, pid: int, started: int | None) -> None:
+        self.holder = Holder(**{**self.holder.__dict__, "child_pid": pid, "child_started": started})
+        if self.store.fenced_layout():
+            with self.store.connect() as conn:
+                conn.execute(sa.text(f"UPDATE rivet_leases SET child_pid = :c, child_started = :cs WHERE {_MINE}"),
+                             {**self.mine(), "c": pid, "cs": started})
+
+    def fence(self, conn: Connection, *, final: bool = False) -> None:
+        if conn.execute(sa.text("SELECT to_regclass('rivet_leases')")).scalar() is None:
+            return  # this very transaction dropped the lease table (a downgrade under the state lease)
+        lock = " FOR SHARE" if final else ""
+        held = not self.lost and conn.execute(sa.text(f"SELECT 1 FROM rivet_leases WHERE {_MINE}{lock}"),
+                                              self.mine()).first() is not None
+        if not held:
+            raise StateError("RIVET_STATE_LEASE_LOST",
+                             f"lease {self.key} was taken over by another holder (this holder stalled past its "
+                             f"TTL of {self.holder.ttl_seconds} s, or the lease was released); nothing was written",
+                             {"key": self.key})
 
     def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        with self.engine.connect() as conn:
-            conn.execute(sa.text("DELETE FROM rivet_leases WHERE key = :key AND holder_pid = :pid "
-                                 "AND holder_host = :host AND acquired_at = :acquired"), self._mine())
-        self.engine.dispose()
+        if self.released:
+            return
+        self.released = True
+        self.store.forget(self)
+        try:
+            with self.store.connect() as conn:
+                conn.execute(sa.text(f"DELETE FROM rivet_leases WHERE {_MINE}"), self.mine())
+        except StateError as err:
+            if err.code != "RIVET_STATE_MIGRATION_PENDING":
+                raise  # else: a downgrade this lease guarded dropped the lease table, and the lease with it
 
     def inheritable_fds(self) -> tuple[int, ...]:
         return ()
+
+
+@dataclass
+class RowStaleClaim:
+    """A stale row deleted in the caller's transaction: it is gone when that commits."""
+
+    info: LeaseInfo
+
+    def commit(self) -> None:
+        """Nothing left to do: the delete committed with the audit row."""
+
+    def abandon(self) -> None:
+        """Nothing to undo: the transaction that deleted the row rolled back."""
 
 
 class RowLeases:
@@ -122,9 +151,15 @@ class RowLeases:
     def __init__(self, engine: sa.Engine, ttl: int = DEFAULT_TTL) -> None:
         self.engine = engine
         self.ttl = ttl
+        self.here = socket.gethostname()
+        self._fenced: bool | None = None
+        self._held: dict[str, RowLease] = {}
+        self._mutex = threading.Lock()
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def _connect(self) -> Iterator[Connection]:
+    def connect(self) -> Iterator[Connection]:
         """A pooled autocommit connection; a missing lease table (a state below revision
         0002) is ``RIVET_STATE_MIGRATION_PENDING``, found by the query itself, not a probe."""
         try:
@@ -136,54 +171,153 @@ class RowLeases:
             raise StateError("RIVET_STATE_MIGRATION_PENDING",
                              "this state has no lease table (revision 0002); run statetool migrate") from None
 
+    def require_state(self) -> None:
+        """Raise ``RIVET_STATE_MISSING`` when the schema holds no table, and
+        ``RIVET_STATE_MIGRATION_PENDING`` when it has no lease table yet."""
+        with self.connect() as conn:
+            tables = set(conn.execute(sa.text("SELECT table_name FROM information_schema.tables "
+                                              "WHERE table_schema = current_schema()")).scalars())
+        if not tables:
+            raise StateError("RIVET_STATE_MISSING", "no state here: the state schema holds no table")
+        if "rivet_leases" not in tables:
+            raise StateError("RIVET_STATE_MIGRATION_PENDING",
+                             "this state has no lease table (revision 0002); run statetool migrate")
+
+    def fenced_layout(self) -> bool:
+        """True when the lease table has revision 0004's columns (read once per store)."""
+        if self._fenced is None:
+            with self.connect() as conn:
+                self._fenced = bool(conn.execute(sa.text(
+                    "SELECT count(*) FROM information_schema.columns WHERE table_schema = current_schema() "
+                    "AND table_name = 'rivet_leases' AND column_name = 'fencing_token'")).scalar())
+        return self._fenced
+
+    def _select(self) -> str:
+        extra = f", {_NEW_COLUMNS}" if self.fenced_layout() else ""
+        return f"SELECT {_OLD_COLUMNS}{extra}, {_AGE} FROM rivet_leases"
+
+    def _take(self, conn: Connection, key: str, holder: Holder, row: Any | None) -> tuple[datetime, int | None] | None:
+        """Insert the row (``row`` None) or take the observed stale ``row`` over; returns
+        (acquired_at, token), or None when someone else got there first."""
+        values: dict[str, object] = {"key": key, "pid": holder.pid, "host": holder.host, "user": holder.user,
+                                     "cmd": holder.command, "ttl": self.ttl, "started": holder.started}
+        fenced = self.fenced_layout()
+        token_cte = _NEXT_TOKEN if fenced else ""
+        if row is None:
+            columns = f"{_OLD_COLUMNS}, fencing_token, holder_started" if fenced else _OLD_COLUMNS
+            picks = ":key, :pid, :host, :user, :cmd, now(), now(), :ttl" + (", t.token, :started" if fenced else "")
+            source = f"SELECT {picks} FROM t" if fenced else f"VALUES ({picks})"
+            sql = (f"{token_cte}INSERT INTO rivet_leases ({columns}) {source} "
+                   "ON CONFLICT (key) DO NOTHING RETURNING acquired_at" + (", fencing_token" if fenced else ""))
+        else:
+            values.update(_observed(row))
+            extra = (", fencing_token = (SELECT token FROM t), holder_started = :started, child_pid = NULL, "
+                     "child_started = NULL") if fenced else ""
+            sql = (f"{token_cte}UPDATE rivet_leases SET holder_pid = :pid, holder_host = :host, holder_user = :user, "
+                   f"command = :cmd, acquired_at = now(), heartbeat_at = now(), ttl_seconds = :ttl{extra} "
+                   f"WHERE {_OBSERVED} RETURNING acquired_at" + (", fencing_token" if fenced else ""))
+        got = conn.execute(sa.text(sql), values).first()
+        if got is None:
+            return None
+        return got[0], (got[1] if fenced else None)
+
     def try_acquire(self, key: str, holder: Holder) -> HeldLease | LeaseInfo:
-        values = {"key": key, "pid": holder.pid, "host": holder.host, "user": holder.user, "cmd": holder.command,
-                  "ttl": self.ttl}
-        with self._connect() as conn:
+        with self.connect() as conn:
             for _attempt in range(3):
-                acquired = conn.execute(sa.text(
-                    f"INSERT INTO rivet_leases ({_COLUMNS}) VALUES (:key, :pid, :host, :user, :cmd, now(), now(), :ttl) "
-                    "ON CONFLICT (key) DO NOTHING RETURNING acquired_at"), values).scalar()
-                if acquired is None:
-                    row = conn.execute(sa.text(f"{_SELECT} WHERE key = :key"), {"key": key}).first()
+                taken = self._take(conn, key, holder, None)
+                if taken is None:
+                    row = conn.execute(sa.text(f"{self._select()} WHERE key = :key"), {"key": key}).first()
                     if row is None:
                         continue  # released between the insert and the read: try again
-                    info = _info(row)
+                    info = _info(row, self.here)
                     if info.state == "live":
                         return info
-                    acquired = conn.execute(sa.text(
-                        "UPDATE rivet_leases SET holder_pid = :pid, holder_host = :host, holder_user = :user, "
-                        "command = :cmd, acquired_at = now(), heartbeat_at = now(), ttl_seconds = :ttl "
-                        f"WHERE {_OBSERVED} RETURNING acquired_at"), {**values, **_observed(row)}).scalar()
-                    if acquired is None:
+                    taken = self._take(conn, key, holder, row)
+                    if taken is None:
                         continue  # another taker won the row: look again
-                lease = RowLease(key, Holder(holder.pid, holder.host, holder.user, holder.command, _iso(acquired),
-                                             _iso(acquired), self.ttl), self.engine, acquired, self.ttl)
-                lease.start()
+                acquired, token = taken
+                lease = RowLease(key, Holder(**{**holder.__dict__, "acquired_at": _iso(acquired),
+                                                "heartbeat_at": _iso(acquired), "ttl_seconds": self.ttl,
+                                                "token": token}), self, acquired)
+                self._hold(lease)
                 return lease
-            row = conn.execute(sa.text(f"{_SELECT} WHERE key = :key"), {"key": key}).first()
-            return _info(row) if row is not None else LeaseInfo(key, "free", None)
+            row = conn.execute(sa.text(f"{self._select()} WHERE key = :key"), {"key": key}).first()
+            return _info(row, self.here) if row is not None else LeaseInfo(key, "free", None)
+
+    # -- the heartbeat: one thread for every lease this store holds ------------------------
+
+    def _hold(self, lease: RowLease) -> None:
+        with self._mutex:
+            self._held[lease.key] = lease
+            if self._thread is None:
+                self._stop = threading.Event()
+                self._thread = threading.Thread(target=self._beat, args=(self._stop,), name="lease-heartbeat",
+                                                daemon=True)
+                self._thread.start()
+
+    def forget(self, lease: RowLease) -> None:
+        """Stop beating for ``lease``; the thread ends with the last lease."""
+        with self._mutex:
+            if self._held.get(lease.key) is lease:
+                del self._held[lease.key]
+            thread = self._thread if not self._held else None
+            if thread is not None and self._stop is not None:
+                self._thread = None
+                self._stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _beat(self, stop: threading.Event) -> None:
+        interval = max(self.ttl / 3, 0.2)
+        while not stop.wait(interval):
+            with self._mutex:
+                held = list(self._held.values())
+            if not held:
+                continue
+            try:
+                with self.connect() as conn:
+                    kept = {(r.key, r.acquired_at) for r in conn.execute(sa.text(
+                        "UPDATE rivet_leases SET heartbeat_at = now() WHERE key = ANY(:keys) AND holder_pid = :pid "
+                        "AND holder_host = :host RETURNING key, acquired_at"),
+                        {"keys": [lease.key for lease in held], "pid": held[0].holder.pid,
+                         "host": held[0].holder.host})}
+            except (sa.exc.DBAPIError, StateError) as err:
+                reason = type(getattr(err, "orig", err)).__name__
+                sys.stderr.write(f"statetool: lease heartbeat failed ({reason}); retrying\n")
+                continue
+            for lease in held:
+                if (lease.key, lease.acquired) not in kept and not lease.released:
+                    lease.lost_event.set()
+                    self.forget(lease)
+                    sys.stderr.write(f"statetool: lease {lease.key} was taken over by another holder "
+                                     "(this holder stalled past its TTL, or the lease was released)\n")
+
+    # -- reading and releasing ----------------------------------------------------------
+
+    def info(self, key: str) -> LeaseInfo:
+        try:
+            with self.connect() as conn:
+                row = conn.execute(sa.text(f"{self._select()} WHERE key = :key"), {"key": key}).first()
+        except StateError:
+            return LeaseInfo(key, "free", None)  # no lease table yet: no lease has ever been taken
+        return _info(row, self.here) if row is not None else LeaseInfo(key, "free", None)
 
     def list(self) -> list[LeaseInfo]:
         try:
-            with self._connect() as conn:
-                rows = conn.execute(sa.text(f"{_SELECT} ORDER BY key")).all()
+            with self.connect() as conn:
+                rows = conn.execute(sa.text(f"{self._select()} ORDER BY key")).all()
         except StateError:
             return []  # no lease table yet: no lease has ever been taken
-        here = socket.gethostname()
-        return [_info(row, here) for row in rows]
+        return [_info(row, self.here) for row in rows]
 
-    def clear_stale(self, key: str) -> LeaseInfo:
-        with self._connect() as conn:
-            row = conn.execute(sa.text(f"{_SELECT} WHERE key = :key"), {"key": key}).first()
-            if row is None:
-                return LeaseInfo(key, "free", None)
-            info = _info(row)
-            if info.state == "live":
-                assert info.holder is not None
-                raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
-                                 f"lease {key} is held by a live process: {info.holder.describe()}", {"key": key})
-            if not conn.execute(sa.text(f"DELETE FROM rivet_leases WHERE {_OBSERVED}"), _observed(row)).rowcount:
-                raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
-                                 f"lease {key} was taken over while it was being released; look again")
-            return info
+    def claim_stale(self, key: str, conn: Connection) -> RowStaleClaim:
+        row = conn.execute(sa.text(f"{self._select()} WHERE key = :key FOR UPDATE"), {"key": key}).first()
+        if row is None:
+            raise StateError("RIVET_STATE_LEASE_UNKNOWN", f"this state has no lease {key}", {"key": key})
+        info = _info(row, self.here)
+        if info.state == "live":
+            assert info.holder is not None
+            raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
+                             f"lease {key} is held by a live process: {info.holder.describe()}", {"key": key})
+        conn.execute(sa.text(f"DELETE FROM rivet_leases WHERE {_OBSERVED}"), _observed(row))
+        return RowStaleClaim(info)

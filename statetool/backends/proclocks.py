@@ -21,9 +21,19 @@ def lock_holders(path: Path) -> set[int] | None:
     """
     try:
         st = os.stat(path)
-        table = PROC_LOCKS.read_text()
     except FileNotFoundError:
         return None if not PROC_LOCKS.exists() else set()
+    except OSError:
+        return None
+    return lock_holders_of(st)
+
+
+def lock_holders_of(st: os.stat_result) -> set[int] | None:
+    """Pids holding any lock on the file whose ``os.stat``/``os.fstat`` result is ``st``
+    (an open file judged by its descriptor, never by a path that may be swapped); None
+    when the kernel's lock table cannot be read."""
+    try:
+        table = PROC_LOCKS.read_text()
     except OSError:
         return None
     wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"

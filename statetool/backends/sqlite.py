@@ -38,16 +38,12 @@ from sqlalchemy.pool import NullPool
 
 from statetool.backends.base import Progress
 from statetool.backends.proclocks import lock_holders
-from statetool.backends.tombstone import MAGIC as TOMBSTONE_MAGIC
-from statetool.backends.tombstone import read_tombstone
+from statetool.backends.sqlite_file import read_header
 from statetool.errors import StateError
 from statetool.location import Location
 
 if TYPE_CHECKING:
     from statetool.backends.sqlite_leases import FlockLeases
-
-MAGIC = b"SQLite format 3\x00"
-
 
 def fsync_dir(directory: Path) -> None:
     """fsync a directory so a rename inside it survives power loss."""
@@ -104,38 +100,7 @@ class SqliteBackend:
         return os.path.lexists(self.path)
 
     def _header(self) -> bytes:
-        if not self.path.is_file():
-            raise StateError("RIVET_STATE_NOT_A_STATE", f"{self.path} is not a regular file", {"path": str(self.path)})
-        with open(self.path, "rb") as fh:
-            header = fh.read(100)
-        if header.startswith(TOMBSTONE_MAGIC):
-            raise self._relocated()
-        if len(header) < 100 or not header.startswith(MAGIC):
-            what = "an empty file" if not header else "not a SQLite database"
-            raise StateError("RIVET_STATE_NOT_A_STATE", f"{self.path} is {what}, not a rivet state",
-                             {"path": str(self.path)})
-        page_size = int.from_bytes(header[16:18], "big")
-        page_size = 65536 if page_size == 1 else page_size
-        pages = int.from_bytes(header[28:32], "big")
-        header_count_valid = header[24:28] == header[92:96]
-        size = self.path.stat().st_size
-        if header_count_valid and pages and size < pages * page_size:
-            raise StateError("RIVET_STATE_CORRUPT",
-                             f"{self.path} is truncated: {size} bytes on disk, its header says "
-                             f"{pages} pages of {page_size} bytes ({pages * page_size} bytes)",
-                             {"path": str(self.path)})
-        return header
-
-    def _relocated(self) -> StateError:
-        doc = read_tombstone(self.path) or {}
-        url = doc.get("state_url", "?")
-        return StateError(
-            "RIVET_STATE_RELOCATED",
-            f"the state that was at {self.path} was moved to {doc.get('to', '?')} on {doc.get('at', '?')} "
-            f"by {doc.get('by', '?')}; every task must now run with RIVET_STATE_URL={url} "
-            f"(the old bytes are kept as {doc.get('kept_as', '?')})",
-            {"path": str(self.path), "to": doc.get("to"), "state_url": url},
-        )
+        return read_header(self.path)
 
     def _orphan_wal_beside(self) -> bool:
         """A -wal or -shm beside the file, and no hot -journal (which mode=ro must still see)."""
@@ -381,7 +346,17 @@ class SqliteBackend:
         """True when no ``-wal`` frame lies outside the database file."""
         return not self._wal_has_frames()
 
-    def leases(self) -> FlockLeases:
+    def vanished_evidence(self) -> list[str]:
+        """What beside the (missing) state file shows that a state lived here: a keep of a
+        relocation, backups, lease records. Empty for a new place (SPEC §5a)."""
+        directory = self.path.parent
+        found = [str(p) for p in sorted(directory.glob(f"{self.path.name}.relocated-*"))]
+        found += [str(p) for p in sorted(directory.glob(f"{self.path.name}.backup-*")) if not p.name.endswith(".tmp")]
+        if self.leases().list():
+            found.append(f"lease records in {directory / '.rivet_state.leases'}")
+        return found
+
+    def leases(self, ttl: int = 30) -> FlockLeases:
         from statetool.backends.sqlite_leases import FlockLeases
 
-        return FlockLeases(self.path.parent)
+        return FlockLeases(self.path)

@@ -1,10 +1,23 @@
 """SQLite leases: an ``flock`` on one sidecar file per key in ``<state dir>/.rivet_state.leases/``.
 
 SPEC §5. The holder takes ``LOCK_EX`` on the file, then writes its record (JSON: pid,
-host, user, command, acquired_at) into it. The kernel releases the lock when the holder
-dies, so a dead holder never blocks anyone; its record stays behind, which is what
-``stale`` means here. Files are never deleted: deleting a lock file lets a waiter that
-opened the old inode and a newcomer that creates a new one hold "the same" lease at once.
+host, user, command, acquired_at, key, and since this release fencing_token,
+pid_started, child_pid, child_started) into it. The kernel releases the lock when the
+last process holding the open file dies (a ``leases run`` command inherits it), so a dead
+holder never blocks anyone; its record stays behind, which is what ``stale`` means here.
+A clean release replaces the record by ``{"key", "fencing_token", "released_at"}``: no
+pid, so every release reads it as free, and the token survives for the next holder.
+Files are never deleted: deleting a lock file lets a waiter that opened the old inode and
+a newcomer that creates a new one hold "the same" lease at once.
+
+Fencing: the token is the previous record's plus one, written under the lock. A write
+made under the lease checks, inside its transaction, that the sidecar at the path is
+still the inode this holder locked and still carries its token: nobody else can have
+taken the lock on that inode, so a mismatch means the file was replaced under it.
+
+Nothing here follows a symlink or opens a non-regular file (SPEC §8a): the folder and the
+sidecars are opened with ``O_NOFOLLOW`` relative to the folder's descriptor, and anything
+else where they belong is ``RIVET_STATE_UNSAFE_FILE``.
 
 Liveness is read from ``/proc/locks`` (an FLOCK entry on the file's inode), never by
 trying the lock, so listing leases cannot make a real run see a busy lease. Where the
@@ -14,18 +27,26 @@ fallback, and the documentation says so.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import stat
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
 
 from statetool.backends.base import HeldLease, Holder, LeaseInfo
-from statetool.backends.proclocks import lock_holders
+from statetool.backends.proclocks import lock_holders_of
+from statetool.backends.sqlite_file import read_header
 from statetool.errors import StateError
+from statetool.location import LEASE_DIR
 
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _MAX_NAME = 240
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 def key_to_filename(key: str) -> str:
@@ -43,23 +64,44 @@ def key_to_filename(key: str) -> str:
 
 def filename_to_key(name: str) -> str:
     """The key a sidecar file name stands for (inverse of :func:`key_to_filename`)."""
-    from urllib.parse import unquote
-
     return unquote(name)
 
 
-def _read_record(path: Path) -> Holder | None:
+def _unsafe(path: Path, what: str) -> StateError:
+    return StateError("RIVET_STATE_UNSAFE_FILE", f"{path} is {what}, where statetool keeps a lease file; "
+                      "nothing was written", {"path": str(path)})
+
+
+def _read_doc(fd: int) -> dict[str, Any]:
+    """The record in an open sidecar: its first line as JSON, ``{}`` when empty or torn."""
+    data = os.pread(fd, 65536, 0)
     try:
-        text = path.read_text()
-    except OSError:
-        return None
-    if not text.strip():
-        return None
+        doc = json.loads(data.split(b"\n", 1)[0] or b"{}")
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _holder(doc: dict[str, Any]) -> Holder | None:
+    """The holder a record names, None for a released or empty record."""
     try:
-        doc = json.loads(text)
-        return Holder(int(doc["pid"]), doc["host"], doc["user"], doc["command"], doc["acquired_at"])
+        return Holder(int(doc["pid"]), doc["host"], doc["user"], doc["command"], doc["acquired_at"],
+                      token=doc.get("fencing_token"), started=doc.get("pid_started"),
+                      child_pid=doc.get("child_pid"), child_started=doc.get("child_started"))
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _write_doc(fd: int, doc: dict[str, Any]) -> None:
+    """Replace the record: the new line first, then cut what is left of the old one, so a
+    record torn by a crash still starts with a whole line."""
+    data = json.dumps(doc, sort_keys=True).encode() + b"\n"
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
 
 
 @dataclass
@@ -71,10 +113,40 @@ class FlockLease:
     fd: int
     path: Path
 
+    @property
+    def token(self) -> int | None:
+        return self.holder.token
+
+    @property
+    def lost(self) -> bool:
+        return False  # the kernel keeps an flock for as long as the file is open
+
+    def _record(self) -> dict[str, Any]:
+        h = self.holder
+        return {"pid": h.pid, "host": h.host, "user": h.user, "command": h.command, "acquired_at": h.acquired_at,
+                "key": self.key, "fencing_token": h.token, "pid_started": h.started, "child_pid": h.child_pid,
+                "child_started": h.child_started}
+
+    def set_child(self, pid: int, started: int | None) -> None:
+        self.holder = Holder(**{**self.holder.__dict__, "child_pid": pid, "child_started": started})
+        _write_doc(self.fd, self._record())
+
+    def fence(self, conn: object, *, final: bool = False) -> None:
+        mine = os.fstat(self.fd)
+        try:
+            there = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            there = None
+        if there is None or (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino) \
+                or _read_doc(self.fd).get("fencing_token") != self.token:
+            raise StateError("RIVET_STATE_LEASE_LOST",
+                             f"lease {self.key}: {self.path} is no longer the file this holder locked (it was "
+                             "removed or replaced); nothing was written", {"key": self.key})
+
     def release(self) -> None:
         if self.fd < 0:
             return
-        os.ftruncate(self.fd, 0)
+        _write_doc(self.fd, {"key": self.key, "fencing_token": self.token, "released_at": _now()})
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = -1
@@ -83,78 +155,170 @@ class FlockLease:
         return (self.fd,) if self.fd >= 0 else ()
 
 
+@dataclass
+class FlockStaleClaim:
+    """A stale sidecar locked for its audited release."""
+
+    info: LeaseInfo
+    fd: int
+
+    def commit(self) -> None:
+        doc = _read_doc(self.fd)
+        _write_doc(self.fd, {"key": self.info.key, "fencing_token": doc.get("fencing_token"), "released_at": _now()})
+        self.abandon()
+
+    def abandon(self) -> None:
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
+
+
 class FlockLeases:
     """The lease store of a SQLite state directory."""
 
-    def __init__(self, state_dir: Path) -> None:
-        self.directory = state_dir / ".rivet_state.leases"
+    def __init__(self, state_path: Path) -> None:
+        self.state_path = state_path
+        self.directory = state_path.parent / LEASE_DIR
 
-    def _live(self, path: Path) -> bool:
-        holders = lock_holders(path)
+    def require_state(self) -> None:
+        """Raise unless a state file is at its place (``RIVET_STATE_MISSING``,
+        ``RIVET_STATE_RELOCATED``, ``RIVET_STATE_NOT_A_STATE``): a lease beside no state
+        guards nothing, and its folder would make an empty directory look used."""
+        read_header(self.state_path)
+
+    def _dir_fd(self, create: bool) -> int | None:
+        """The lease folder, opened without following a symlink; None when it does not
+        exist and ``create`` is false. Raises ``RIVET_STATE_UNSAFE_FILE``."""
+        if create:
+            try:
+                os.mkdir(self.directory, 0o755)
+            except FileExistsError:
+                pass
+        try:
+            return os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+        except FileNotFoundError:
+            if create:
+                raise
+            return None
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise _unsafe(self.directory, "a symlink or not a directory") from None
+            raise
+
+    def _open(self, dfd: int, name: str, flags: int) -> int:
+        try:
+            fd = os.open(name, flags | _NOFOLLOW, 0o644, dir_fd=dfd)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise _unsafe(self.directory / name, "a symlink") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _unsafe(self.directory / name, "not a regular file")
+        return fd
+
+    @staticmethod
+    def _live(fd: int) -> bool:
+        holders = lock_holders_of(os.fstat(fd))
         if holders is not None:
             return bool(holders)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
+        try:  # fd is this inspection's own open of the file: a shared lock on it disturbs nobody for long
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return True
-        finally:
-            os.close(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
         return False
 
-    def _info(self, key: str, path: Path) -> LeaseInfo:
-        # A clean release empties the record BEFORE it unlocks. So a record read while the
+    def _info(self, key: str, fd: int) -> LeaseInfo:
+        # A clean release rewrites the record BEFORE it unlocks. So a record read while the
         # lock is free, and read again unchanged after the lock is seen free once more, was
         # left by a holder that died holding it: stale. Reading the record once, before or
         # after one liveness check, reports a normal release (or a quick take-and-release)
         # in between as "stale". A holder that came or went in between: look again.
         for _ in range(10):
-            if self._live(path):
-                return LeaseInfo(key, "live", _read_record(path))
-            record = _read_record(path)
+            if self._live(fd):
+                return LeaseInfo(key, "live", _holder(_read_doc(fd)))
+            record = _holder(_read_doc(fd))
             if record is None:
                 return LeaseInfo(key, "free", None)
-            if not self._live(path) and _read_record(path) == record:
+            if not self._live(fd) and _holder(_read_doc(fd)) == record:
                 return LeaseInfo(key, "stale", record)
-        return LeaseInfo(key, "live", _read_record(path))  # taken and released without pause: in use
+        return LeaseInfo(key, "live", _holder(_read_doc(fd)))  # taken and released without pause: in use
 
     def try_acquire(self, key: str, holder: Holder) -> HeldLease | LeaseInfo:
-        self.directory.mkdir(exist_ok=True)
-        path = self.directory / key_to_filename(key)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        name = key_to_filename(key)
+        dfd = self._dir_fd(create=True)
+        assert dfd is not None
+        try:
+            fd = self._open(dfd, name, os.O_RDWR | os.O_CREAT)
+        finally:
+            os.close(dfd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            info = LeaseInfo(key, "live", _holder(_read_doc(fd)))
             os.close(fd)
-            return LeaseInfo(key, "live", _read_record(path))
-        os.ftruncate(fd, 0)
-        record = {"pid": holder.pid, "host": holder.host, "user": holder.user, "command": holder.command,
-                  "acquired_at": holder.acquired_at, "key": key}
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-        return FlockLease(key, holder, fd, path)
-
-    def list(self) -> list[LeaseInfo]:
-        if not self.directory.is_dir():
-            return []
-        return [self._info(filename_to_key(p.name), p) for p in sorted(self.directory.iterdir()) if p.is_file()]
-
-    def clear_stale(self, key: str) -> LeaseInfo:
-        path = self.directory / key_to_filename(key)
-        if not path.is_file():
-            return LeaseInfo(key, "free", None)
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _read_record(path)
-                raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
-                                 f"lease {key} is held by a live process: "
-                                 f"{holder.describe() if holder else 'holder record not written yet'}",
-                                 {"key": key}) from None
-            info = LeaseInfo(key, "stale" if _read_record(path) else "free", _read_record(path))
-            os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
             return info
+        previous = _read_doc(fd).get("fencing_token")
+        token = (previous if isinstance(previous, int) else 0) + 1
+        lease = FlockLease(key, Holder(**{**holder.__dict__, "token": token}), fd, self.directory / name)
+        _write_doc(fd, lease._record())  # noqa: SLF001 - the record is the lease's own
+        return lease
+
+    def info(self, key: str) -> LeaseInfo:
+        dfd = self._dir_fd(create=False)
+        if dfd is None:
+            return LeaseInfo(key, "free", None)
+        try:
+            fd = self._open(dfd, key_to_filename(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return LeaseInfo(key, "free", None)
+        finally:
+            os.close(dfd)
+        try:
+            return self._info(key, fd)
         finally:
             os.close(fd)
+
+    def list(self) -> list[LeaseInfo]:
+        dfd = self._dir_fd(create=False)
+        if dfd is None:
+            return []
+        found = []
+        try:
+            for name in sorted(os.listdir(dfd)):
+                try:
+                    fd = self._open(dfd, name, os.O_RDONLY)
+                except (StateError, FileNotFoundError):
+                    continue  # not a lease file (a symlink is never followed); removed meanwhile
+                try:
+                    found.append(self._info(filename_to_key(name), fd))
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(dfd)
+        return found
+
+    def claim_stale(self, key: str, conn: object) -> FlockStaleClaim:
+        name = key_to_filename(key)
+        dfd = self._dir_fd(create=False)
+        if dfd is None:
+            raise StateError("RIVET_STATE_LEASE_UNKNOWN", f"this state has no lease {key}", {"key": key})
+        try:
+            fd = self._open(dfd, name, os.O_RDWR)
+        except FileNotFoundError:
+            raise StateError("RIVET_STATE_LEASE_UNKNOWN", f"this state has no lease {key}", {"key": key}) from None
+        finally:
+            os.close(dfd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(_read_doc(fd))
+            os.close(fd)
+            raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
+                             f"lease {key} is held by a live process: "
+                             f"{holder.describe() if holder else 'holder record not written yet'}",
+                             {"key": key}) from None
+        record = _holder(_read_doc(fd))
+        return FlockStaleClaim(LeaseInfo(key, "stale" if record else "free", record), fd)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from statetool.location import DEFAULT_CONFIG, ENV_VAR, Location, resolve_location
 
 if TYPE_CHECKING:
-    from statetool.backends.base import Backend
+    from statetool.backends.base import Backend, LeaseStore
     from statetool.config import PipelineConfig
 
 #: progress(description) -> a context yielding update(done, total) (units of the caller's choosing).
@@ -51,6 +51,8 @@ class Context:
     progress: ProgressFactory = no_progress
     #: Where progress messages go (waiting for a lease, ...): silent by default.
     log: Callable[[str], None] = field(default=lambda _message: None)
+    #: TTL of the PostgreSQL leases this invocation takes, in seconds (SPEC §5, ``--lease-ttl``).
+    lease_ttl: int = 30
 
     @cached_property
     def location(self) -> Location:
@@ -76,6 +78,14 @@ class Context:
         from statetool.backends import open_backend
 
         return open_backend(self.location, self.lock_wait)
+
+    @cached_property
+    def lease_store(self) -> LeaseStore:
+        """The lease store of the resolved location, one per invocation (so one heartbeat
+        thread serves every PostgreSQL lease it holds)."""
+        from statetool.backends import open_leases
+
+        return open_leases(self.location, self.lock_wait, self.lease_ttl)
 
     @property
     def actor(self) -> str:

@@ -9,7 +9,7 @@ from sqlalchemy.engine import Connection
 from statetool import migrations
 from statetool.errors import StateError
 from statetool.operations.context import Context
-from statetool.operations.writes import audit, record_identity
+from statetool.operations.writes import create_state
 
 
 @dataclass
@@ -45,9 +45,6 @@ def init(ctx: Context) -> InitResult:
 
     def build(conn: Connection) -> None:
         migrations.apply(conn, migrations.head(), backend.schema, "up")
-        if key:
-            record_identity(conn, ctx, key, "stamp")
-        audit(conn, ctx, "init", {"revision": migrations.head(), "state_key": key or None})
 
-    backend.create(build)
+    create_state(ctx, build, key)
     return InitResult(location.as_dict(), migrations.head(), key or None)

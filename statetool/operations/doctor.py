@@ -20,12 +20,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from statetool import schema
+from statetool.backends import open_leases
 from statetool.backends.mounts import mount_of
 from statetool.backends.tombstone import read_tombstone
 from statetool.config import Export
 from statetool.errors import REGISTRY, WARNINGS, StateError
 from statetool.identity import identity_verdict
-from statetool.location import STATE_FILE, Location, checkpoint_relative_message, resolve_checkpoint
+from statetool.location import LEASE_DIR, STATE_FILE, Location, checkpoint_relative_message, resolve_checkpoint
 from statetool.operations.context import Context
 from statetool.operations.probe import Snapshot, read_snapshot
 
@@ -181,7 +182,10 @@ def _directory_reasons(location: Location) -> list[Reason]:
         return [Reason("RIVET_STATE_DIR_MISSING", f"the declared state directory {directory} does not exist: "
                        "the volume is probably not mounted in this task", {"directory": str(directory)})]
     reasons = []
-    if not any(directory.iterdir()):
+    # A lease folder whose sidecars name no holder is what a refused or finished command may
+    # leave: it does not make a new volume a used one.
+    if not any(p.name != LEASE_DIR for p in directory.iterdir()) and not any(
+            info.holder for info in open_leases(location).list()):
         reasons.append(Reason("RIVET_STATE_MISSING", f"the declared state directory {directory} is empty: a volume "
                               "that is mounted but new, or the wrong one", {"directory": str(directory)}))
     mount = mount_of(directory)

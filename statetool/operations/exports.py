@@ -14,9 +14,9 @@ import sqlalchemy as sa
 from statetool import schema
 from statetool.errors import StateError, StateWarning
 from statetool.operations.context import Context
-from statetool.operations.leases import run_lease_key
+from statetool.operations.context import now_iso
 from statetool.operations.probe import Snapshot
-from statetool.operations.writes import audit, head_write, now_iso
+from statetool.operations.writes import guarded_write, one_export
 
 
 @dataclass
@@ -50,8 +50,8 @@ def set_cursor(ctx: Context, name: str, value: str) -> ExportChange:
     Raises ``RIVET_EXPORT_UNKNOWN`` and every pre-flight code; nothing is written then.
     """
     e = schema.exports
-    with head_write(ctx, backup_label=f"set-cursor-{name}", lease_key=run_lease_key(name),
-                    check=lambda snap: _known(ctx, snap, name)) as session:
+    with guarded_write(ctx, one_export(name), backup_label=f"set-cursor-{name}",
+                       check=lambda snap: _known(ctx, snap, name)) as session:
         mode = _known(ctx, session.snapshot, name)
         conn = session.conn
         old = conn.execute(sa.select(e.c.cursor_value).where(e.c.export_name == name)).scalar()
@@ -61,7 +61,7 @@ def set_cursor(ctx: Context, name: str, value: str) -> ExportChange:
         if not updated:
             conn.execute(sa.insert(e).values(export_name=name, mode=mode, cursor_value=value,
                                              cursor_updated_at=now, updated_at=now))
-        audit(conn, ctx, "exports.set-cursor", {"export": name, "old": old, "new": value})
+        session.audit("exports.set-cursor", {"export": name, "old": old, "new": value})
         backup, warnings = session.backup, session.warnings
     return ExportChange(name, "set-cursor", {"cursor": old}, {"cursor": value},
                         f"resumes after cursor {value!r}", str(backup) if backup else None, warnings)
@@ -74,15 +74,15 @@ def reset(ctx: Context, name: str) -> ExportChange:
     from). Raises ``RIVET_EXPORT_UNKNOWN`` and every pre-flight code.
     """
     e, c = schema.exports, schema.chunks
-    with head_write(ctx, backup_label=f"reset-{name}", lease_key=run_lease_key(name),
-                    check=lambda snap: _known(ctx, snap, name)) as session:
+    with guarded_write(ctx, one_export(name), backup_label=f"reset-{name}",
+                       check=lambda snap: _known(ctx, snap, name)) as session:
         _known(ctx, session.snapshot, name)
         conn = session.conn
         old = conn.execute(sa.select(e.c.cursor_value).where(e.c.export_name == name)).scalar()
         chunks = conn.execute(sa.delete(c).where(c.c.export_name == name)).rowcount
         conn.execute(sa.update(e).where(e.c.export_name == name)
                      .values(cursor_value=None, cursor_updated_at=None, updated_at=now_iso()))
-        audit(conn, ctx, "exports.reset", {"export": name, "old_cursor": old, "chunks_removed": chunks})
+        session.audit("exports.reset", {"export": name, "old_cursor": old, "chunks_removed": chunks})
         backup, warnings = session.backup, session.warnings
     return ExportChange(name, "reset", {"cursor": old, "chunks": chunks}, {"cursor": None, "chunks": 0},
                         "FIRST RUN: reads everything from the start", str(backup) if backup else None, warnings)

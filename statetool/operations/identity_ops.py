@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from statetool.errors import StateError, StateWarning
 from statetool.identity import identity_verdict, state_key
 from statetool.operations.context import Context
-from statetool.operations.preflight import DESCRIBABLE, identity_message, raise_failures, run_preflight
-from statetool.operations.writes import head_write, record_identity
+from statetool.operations.preflight import DESCRIBABLE, identity_message, raise_failures, require, run_preflight
+from statetool.operations.probe import recorded_key
+from statetool.operations.writes import WHOLE_STATE, guarded_write
 
 _SCOPES = ("declared_dir", "beside_config", "shared")
 
@@ -59,13 +60,21 @@ def adopt(ctx: Context) -> IdentityResult:
     """
     if not ctx.computed_key:
         raise StateError("RIVET_STATE_KEY_UNCOMPUTABLE", "the config's source URL is not set here; nothing to adopt")
-    with head_write(ctx, backup_label=None) as session:
-        recorded = session.snapshot.recorded_key
+
+    def unclaimed(recorded: str | None) -> None:
         if recorded and recorded != ctx.computed_key:
             raise StateError("RIVET_STATE_IDENTITY_MISMATCH",
                              f"the state already records {recorded}; to change it on purpose run "
                              f"statetool identity rekey --old {recorded} --new {ctx.computed_key}")
-        result = show_after(ctx, recorded, changed=recorded is None)
+
+    pf = run_preflight(ctx, for_write=True, recover=True)
+    snap = require(pf)
+    unclaimed(snap.recorded_key)
+    if snap.recorded_key == ctx.computed_key:
+        return show_after(ctx, snap.recorded_key, changed=False)  # nothing to write: no lease, no audit row
+    with guarded_write(ctx, WHOLE_STATE, preflight=pf) as session:
+        unclaimed(recorded_key(session.conn))  # another writer may have claimed it meanwhile
+        result = show_after(ctx, snap.recorded_key, changed=True)
         result.warnings = session.warnings
         return result
 
@@ -91,11 +100,15 @@ def rekey(ctx: Context, old: str, new: str | None = None, reason: str = "") -> I
                          "(scheme://host[:port]/database)")
     if not target:
         raise StateError("RIVET_STATE_KEY_UNCOMPUTABLE", "give --new, or set the config's source URL")
-    with head_write(ctx, backup_label=None, claim=False, allow=frozenset({"RIVET_STATE_FOREIGN"})) as session:
-        recorded = session.snapshot.recorded_key
+
+    def recorded_is_old(recorded: str | None) -> None:
         if recorded != old:
             raise StateError("RIVET_STATE_IDENTITY_MISMATCH",
                              f"the state records {recorded or 'no key'}, not {old}; nothing was changed")
-        record_identity(session.conn, ctx, target, "rekey", old=old, reason=reason)
+
+    with guarded_write(ctx, WHOLE_STATE, claim=False, allow=frozenset({"RIVET_STATE_FOREIGN"}),
+                       check=lambda snap: recorded_is_old(snap.recorded_key)) as session:
+        recorded_is_old(recorded_key(session.conn))  # another writer may have re-keyed it meanwhile
+        session.record_identity(target, "rekey", old=old, reason=reason)
     return IdentityResult(target, ctx.computed_key, ctx.location.scope, "ok", None,
                           f"re-keyed from {old} to {target}", changed=True)

@@ -9,6 +9,7 @@ import sqlalchemy as sa
 from statetool import migrations, schema
 from statetool.errors import StateError
 from statetool.operations.context import Context
+from statetool.operations.leasing import list_leases
 from statetool.operations.preflight import DESCRIBABLE, identity_message, raise_failures, run_preflight
 from statetool.operations.probe import ExportProgress, Snapshot
 
@@ -75,7 +76,6 @@ def info(ctx: Context) -> InfoResult:
         if verdict else "no state: nothing recorded",
     }
     from statetool.operations.checkpoints import checkpoints
-    from statetool.operations.leases import list_leases
 
     warnings = [w.as_dict() for w in pf.warnings + checkpoints(ctx).warnings]
     leases = list_leases(ctx).leases if snap is not None and snap.known else []

@@ -19,9 +19,9 @@ from sqlalchemy.engine import Connection
 from statetool import migrations, schema
 from statetool.errors import StateError, StateWarning
 from statetool.operations.context import Context
-from statetool.operations.preflight import require, run_preflight
+from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import row_counts
-from statetool.operations.writes import audit, claim_identity
+from statetool.operations.writes import WHOLE_STATE, guarded_write
 
 #: Tables a migration writes to itself: left out of the before/after row-count comparison.
 _WRITTEN_BY_MIGRATE = {schema.identity.name, schema.audit.name, schema.VERSION_TABLE}
@@ -85,7 +85,8 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     never creates one, ``statetool init`` does), ``RIVET_STATE_REVISION_UNKNOWN``,
     ``RIVET_STATE_DATA_LOSS`` (a downgrade that drops rows, without
     ``allow_data_loss``), ``RIVET_STATE_SQL_UNSUPPORTED`` (``sql`` on SQLite),
-    ``RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN`` (a live lease past ``--lock-wait``),
+    ``RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN`` (a live lease past ``--lock-wait``; while it
+    runs the migration holds the state lease and every run lease, so no run starts),
     ``RIVET_STATE_MIGRATION_LOCKED`` (another writer past ``--lock-wait``) and
     ``RIVET_STATE_VERIFY_FAILED`` (rolled back). ``dry_run`` and ``sql`` write nothing.
     """
@@ -127,17 +128,17 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
             "; this downgrade drops the rows in the 'drops' column and needs --allow-data-loss"
             if lost and not allow_data_loss else "")
         return result
-    from statetool.operations.leases import wait_until_no_live_lease
-
-    wait_until_no_live_lease(ctx)
-    _execute(ctx, result, pf.verdict, snap.legacy)
+    _execute(ctx, result, pf, snap.legacy)
     return result
 
 
-def _execute(ctx: Context, result: MigrateResult, verdict: object, legacy: bool) -> None:
+def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -> None:
     backend = ctx.backend()
     target, direction = result.to_revision, result.direction
-    with backend.writing("RIVET_STATE_MIGRATION_LOCKED") as conn:
+    with guarded_write(ctx, WHOLE_STATE, preflight=pf, allow=frozenset({"RIVET_STATE_MIGRATION_PENDING"}),
+                       claim=False, at_head=False, busy_code="RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN",
+                       lock_code="RIVET_STATE_MIGRATION_LOCKED") as session:
+        conn = session.conn
         tables = backend.table_names(conn)
         now = conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).scalar() \
             if schema.VERSION_TABLE in tables else None
@@ -161,9 +162,9 @@ def _execute(ctx: Context, result: MigrateResult, verdict: object, legacy: bool)
                 migrations.apply(conn, target, backend.schema, direction, lambda _rev: update(next(done), total))
         after_tables = backend.table_names(conn)
         if schema.identity.name in after_tables:
-            result.warnings = claim_identity(conn, ctx, verdict)  # type: ignore[arg-type]
+            result.warnings = session.claim()
         if schema.audit.name in after_tables:
-            audit(conn, ctx, "migrate", {"from": result.from_revision, "to": target, "backup": result.backup})
+            session.audit("migrate", {"from": result.from_revision, "to": target, "backup": result.backup})
         problems = backend.integrity_problems(conn)
         after = row_counts(conn, set(before) & after_tables)
         changed = {t: (before[t], after[t]) for t in after if before[t] != after[t]}

@@ -14,6 +14,7 @@ from statetool.backends.base import Backend
 from statetool.errors import REGISTRY, WARNINGS, StateError, StateWarning
 from statetool.identity import Verdict, identity_verdict
 from statetool.operations.context import Context
+from statetool.operations.leasing import live_holders
 from statetool.operations.probe import Snapshot, read_snapshot
 
 #: The checks in the order they run (SPEC §4): each id appears in ``check --json``.
@@ -101,7 +102,8 @@ def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = Fals
     """Run every check in order on a read-only open. Never raises a :class:`StateError`:
     failures become ``fail`` rows carrying their error.
 
-    ``for_write`` only changes wording (what happens vs what a write would do).
+    ``for_write`` changes wording (what happens vs what a write would do), and leaves the
+    lease check to the write path, which takes the leases (see :func:`_check_leases`).
     ``progress=False`` reads only whether any progress exists, not each export's (a
     migration needs no more, and on a large legacy state the full read costs seconds).
     ``integrity=False`` skips ``quick_check`` (relocate proves it on its copy instead).
@@ -149,24 +151,29 @@ def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = Fals
     pf.add("relocated", "ok", "in use at this place (no relocation or transfer recorded)")
     if snap.known:
         _check_identity(pf, ctx, snap, for_write)
-        _check_leases(pf, ctx)
+        _check_leases(pf, ctx, for_write)
     else:
         pf.skip_rest("revision unknown to this release")
     return pf
 
 
-def _check_leases(pf: Preflight, ctx: Context) -> None:
-    """Report live leases (SPEC §4 check 6). Only a migration refuses beside one
-    (``RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN``); other writes take their export's lease."""
-    from statetool.operations.leases import live_holders
-
+def _check_leases(pf: Preflight, ctx: Context, for_write: bool) -> None:
+    """SPEC §4 check 6. For a write, the guarded write path takes the leases the write
+    needs right after this pre-flight (waiting up to ``--lock-wait``), and that is where
+    this check fails (``RIVET_STATE_RUN_IN_PROGRESS``, ``RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN``):
+    a lease looked at here could be taken a moment later. A read reports each live lease
+    as warning ``RIVET_STATE_LEASE_LIVE``: a run is on, and a whole-state write would wait."""
+    if for_write:
+        pf.add("leases", "ok", "taken by the write itself, right after this pre-flight")
+        return
     try:
         holders = live_holders(ctx)
     except StateError as err:
         pf.add("leases", "skip", f"leases not readable: {err.message}")
         return
     if holders:
-        pf.add("leases", "ok", f"{len(holders)} live: {'; '.join(holders)} (a migration would wait for them)")
+        pf.add("leases", "warn", f"{len(holders)} live: {'; '.join(holders)} (a migration or another write of the "
+               "whole state would wait for them; a write of one of these exports too)", "RIVET_STATE_LEASE_LIVE")
     else:
         pf.add("leases", "ok", "no live lease")
 

@@ -120,7 +120,7 @@ def read_snapshot(backend: Backend, conn: Connection, *, integrity: bool = True,
         else:
             snap.any_progress = _any_progress(conn, tables)
         if schema.identity.name in tables:
-            snap.recorded_key = conn.execute(sa.select(schema.identity.c.state_key)).scalar() or None
+            snap.recorded_key = recorded_key(conn)
     return snap
 
 
@@ -173,6 +173,11 @@ def _any_progress(conn: Connection, tables: frozenset[str]) -> bool:
     if schema.load_ledger.name in tables:
         probes.append(sa.select(schema.load_ledger.c.id))
     return any(conn.execute(probe.limit(1)).first() is not None for probe in probes)
+
+
+def recorded_key(conn: Connection) -> str | None:
+    """The ``state_key`` the state records (SPEC §3), None when it records none."""
+    return conn.execute(sa.select(schema.identity.c.state_key)).scalar() or None
 
 
 def export_names(conn: Connection) -> set[str]:

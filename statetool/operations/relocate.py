@@ -47,11 +47,10 @@ from statetool.backends.sqlite import SqliteBackend, content_digest, fsync_dir
 from statetool.backends.tombstone import read_tombstone, write_tombstone_tmp
 from statetool.errors import StateError
 from statetool.location import STATE_FILE, Location, resolve_checkpoint
-from statetool.operations.context import Context
-from statetool.operations.leases import hold_run_leases
+from statetool.operations.context import Context, now_iso
 from statetool.operations.preflight import require, run_preflight
 from statetool.operations.probe import export_names, row_counts
-from statetool.operations.writes import now_iso
+from statetool.operations.writes import WHOLE_STATE, WriteSession, guarded_write
 
 COPY_NAME = f"{STATE_FILE}.relocating"
 CRASH_POINTS = ("leases", "checkpointed", "locked", "digested", "copied", "checkpoint-copied", "audited",
@@ -257,13 +256,17 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
         Path(f"{target_dir / COPY_NAME}{suffix}").unlink(missing_ok=True)
     for stale in location.directory.glob(f"{STATE_FILE}.tombstone-*.tmp"):
         stale.unlink()
-    with contextlib.ExitStack() as stack:
-        hold_run_leases(ctx, stack, exports)
+
+    def hold_off_writers() -> None:
         crash_point("leases")
         wait_for_openers(source, ctx.lock_wait)
         backend.checkpoint_wal()
         crash_point("checkpointed")
-        conn = stack.enter_context(backend.writing("RIVET_STATE_RUN_IN_PROGRESS"))
+
+    with contextlib.ExitStack() as stack:
+        session = stack.enter_context(guarded_write(ctx, WHOLE_STATE, preflight=pf, exports=exports, claim=False,
+                                                    prepare=hold_off_writers, lock_code="RIVET_STATE_RUN_IN_PROGRESS"))
+        conn = session.conn
         if not backend.wal_is_empty():
             raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"a writer wrote to {source} during the checkpoint; re-run")
         crash_point("locked")
@@ -280,7 +283,7 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
         created = _absent_paths(target_dir, result.checkpoints)
         try:
             if resume is None:
-                _copy_state(ctx, backend, conn, target_dir, result, full_verify, digesting)
+                _copy_state(ctx, session, backend, conn, target_dir, result, full_verify, digesting)
             else:
                 for move in result.checkpoints:
                     if move.present:
@@ -358,8 +361,8 @@ def _remove_partial_copy(target_dir: Path, moves: list[CheckpointMove], created:
                 path.unlink()
 
 
-def _copy_state(ctx: Context, backend: SqliteBackend, conn: object, target_dir: Path, result: RelocateResult,
-                full_verify: bool, source_digest: Future[str]) -> None:
+def _copy_state(ctx: Context, session: WriteSession, backend: SqliteBackend, conn: object, target_dir: Path,
+                result: RelocateResult, full_verify: bool, source_digest: Future[str]) -> None:
     copy = target_dir / COPY_NAME
 
     def progress(done: int, total: int) -> None:
@@ -383,10 +386,9 @@ def _copy_state(ctx: Context, backend: SqliteBackend, conn: object, target_dir: 
     db = sqlite3.connect(copy)
     try:
         with db:
-            db.execute("INSERT INTO rivet_audit (at, actor, command, action, detail) VALUES (?, ?, ?, ?, ?)",
-                       (now_iso(), ctx.actor, ctx.command, "relocate", json.dumps({
-                           "from": result.source, "to": result.target, "source_digest": result.source_digest,
-                           "checkpoints": [m.target for m in result.checkpoints if m.present]}, sort_keys=True)))
+            session.audit("relocate", {"from": result.source, "to": result.target,
+                                       "source_digest": result.source_digest,
+                                       "checkpoints": [m.target for m in result.checkpoints if m.present]}, into=db)
     finally:
         db.close()
     with open(copy, "rb+") as fh:

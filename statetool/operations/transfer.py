@@ -42,12 +42,10 @@ from statetool.errors import StateError
 from statetool.location import (ENV_VAR, STATE_FILE, Location, checkpoint_relative_message, resolve_checkpoint,
                                 resolve_location)
 from statetool.operations.context import Context
-from statetool.operations.leases import hold_run_leases
 from statetool.operations.preflight import require, run_preflight
 from statetool.operations.probe import read_snapshot
 from statetool.operations.relocate import crash_point, retire_source, wait_for_openers
-from statetool.operations.writes import now_iso
-from statetool.redact import redact_text
+from statetool.operations.writes import WHOLE_STATE, guarded_write
 
 #: Tables copied, parents first; ``id`` columns of the append-only tables are not copied
 #: (the destination assigns its own, so a shared schema's rows never collide).
@@ -286,11 +284,14 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     exports = sorted({e.name for e in ctx.config.exports} | in_state)
     for stale in source_path.parent.glob(f"{STATE_FILE}.tombstone-*.tmp"):  # a kill before the switch left it
         stale.unlink()
-    with contextlib.ExitStack() as stack:
-        hold_run_leases(ctx, stack, exports)
+    def hold_off_writers() -> None:
         wait_for_openers(source_path, ctx.lock_wait)
         backend.checkpoint_wal()
-        source_conn = stack.enter_context(backend.writing("RIVET_STATE_RUN_IN_PROGRESS"))
+
+    with contextlib.ExitStack() as stack:
+        session = stack.enter_context(guarded_write(ctx, WHOLE_STATE, preflight=pf, exports=exports, claim=False,
+                                                    prepare=hold_off_writers, lock_code="RIVET_STATE_RUN_IN_PROGRESS"))
+        source_conn = session.conn
         if not backend.wal_is_empty():
             raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"a writer wrote to {source_path} during the checkpoint")
         digest = content_digest(source_path)
@@ -308,10 +309,8 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
                                  "changed since; nothing was changed")
             if earlier is None:
                 _copy(ctx, raw, dest, conn, result)
-                conn.execute(sa.insert(schema.audit).values(  # --to URL on the command line: redacted
-                    at=now_iso(), actor=ctx.actor, command=redact_text(ctx.command), action="transfer",
-                    detail=json.dumps({"from": str(source_path), "to": result.destination,
-                                       "source_digest": digest, "rows": counts}, sort_keys=True)))
+                session.audit("transfer", {"from": str(source_path), "to": result.destination,
+                                           "source_digest": digest, "rows": counts}, into=conn)
             crash_point("copied")
         crash_point("committed")
         wait_for_openers(source_path, ctx.lock_wait)  # again, at the last instant before the switch

@@ -1,12 +1,29 @@
-"""What every write does besides its own change: claim the identity, write the audit row,
-back up first (SQLite). One place, so no write path can forget a step."""
+"""The one guarded write path (SPEC §4, §5, §9; ARCHITECTURE "The guard of a write").
+
+Every write of statetool and of the runtime API passes through :func:`guarded_write`:
+
+1. the write pre-flight (SPEC §4 checks 1-5) on a read-only open; nothing is written, and
+   no file is created, before it passes;
+2. the leases the write needs (check 6): a write of the whole state holds the state lease
+   and every run lease (:func:`statetool.operations.leasing.hold_whole_state`), a write of
+   one export holds that export's run lease, waited on up to ``--lock-wait``;
+3. one writing transaction, in which every held lease is fenced (its token still current)
+   first and again right before the commit;
+4. a verified backup first (SQLite, when the write names one), the identity claim, and
+   the audit row, all in that same transaction: this module is the only writer of
+   ``rivet_audit`` and ``rivet_identity``;
+5. the commit, then the leases are released.
+
+``init`` creates a state instead of changing one: :func:`create_state` builds it with
+its identity and audit row through the same writers.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import sqlite3
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,95 +31,202 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from statetool import migrations, schema
+from statetool.backends.base import HeldLease
 from statetool.errors import StateError, StateWarning
-from statetool.identity import Verdict
 from statetool.operations.context import Context, now_iso
-from statetool.operations.preflight import identity_message, require, run_preflight
+from statetool.operations.leasing import acquire, hold_whole_state, run_lease_key
+from statetool.operations.preflight import Preflight, identity_message, require, run_preflight
 from statetool.operations.probe import Snapshot
 from statetool.redact import redact_text
 
 
-def audit(conn: Connection, ctx: Context, action: str, detail: dict[str, object]) -> None:
-    """Append one row to ``rivet_audit``: who (user@host), when, which command, what.
+@dataclass(frozen=True)
+class Scope:
+    """Which leases a write holds for its whole duration (SPEC §5): every run (the whole
+    state), one export's run, or none (a lease release, which fences nothing)."""
 
-    The command line and the detail are redacted: a ``--state-url`` or ``--new`` given with
-    a password must not land in the audit trail (SPEC §7)."""
-    conn.execute(sa.insert(schema.audit).values(
-        at=now_iso(), actor=ctx.actor, command=redact_text(ctx.command), action=action,
-        detail=redact_text(json.dumps(detail, sort_keys=True, default=str)),
-    ))
+    whole_state: bool = False
+    export: str | None = None
 
 
-def record_identity(conn: Connection, ctx: Context, key: str, action: str, old: str | None = None,
-                    reason: str = "") -> None:
-    """Write ``key`` as the state's identity (insert or replace the single row) and audit it."""
+WHOLE_STATE = Scope(whole_state=True)
+NO_LEASE = Scope()
+
+
+def one_export(name: str) -> Scope:
+    """The scope of a write of export ``name``'s progress: its run lease."""
+    return Scope(export=name)
+
+
+def _audit_values(ctx: Context, action: str, detail: dict[str, object]) -> dict[str, str]:
+    # The command line and the detail are redacted: a --state-url or --new given with a
+    # password must not land in the audit trail (SPEC §7).
+    return {"at": now_iso(), "actor": ctx.actor, "command": redact_text(ctx.command), "action": action,
+            "detail": redact_text(json.dumps(detail, sort_keys=True, default=str))}
+
+
+def _write_audit(into: Connection | sqlite3.Connection, ctx: Context, action: str, detail: dict[str, object]) -> None:
+    values = _audit_values(ctx, action, detail)
+    if isinstance(into, sqlite3.Connection):  # a relocation's copy, written before it is linked into place
+        into.execute("INSERT INTO rivet_audit (at, actor, command, action, detail) VALUES (?, ?, ?, ?, ?)",
+                     tuple(values.values()))
+    else:
+        into.execute(sa.insert(schema.audit).values(**values))
+
+
+def _write_identity(conn: Connection, ctx: Context, key: str, action: str, old: str | None, reason: str) -> None:
     conn.execute(sa.delete(schema.identity))
     conn.execute(sa.insert(schema.identity).values(id=1, state_key=key, recorded_at=now_iso(), recorded_by=ctx.actor))
-    audit(conn, ctx, f"identity.{action}", {"old": old, "new": key, "reason": reason or None})
-
-
-def claim_identity(conn: Connection, ctx: Context, verdict: Verdict | None) -> list[StateWarning]:
-    """Apply a write's identity verdict (SPEC §3): stamp or adopt the computed key.
-
-    Returns the warnings the claim gives (``RIVET_STATE_IDENTITY_ADOPTED``,
-    ``RIVET_STATE_FOREIGN_BESIDE_CONFIG``). A ``refuse`` verdict never reaches here: the
-    pre-flight raised ``RIVET_STATE_FOREIGN`` first.
-    """
-    if verdict is None:
-        return []
-    where = str(ctx.location.directory or ctx.location.display)
-    if verdict.writes:
-        record_identity(conn, ctx, verdict.computed, verdict.action)
-    if verdict.code in ("RIVET_STATE_IDENTITY_ADOPTED", "RIVET_STATE_FOREIGN_BESIDE_CONFIG"):
-        return [StateWarning(verdict.code, identity_message(verdict, where, for_write=True))]
-    return []
+    _write_audit(conn, ctx, f"identity.{action}", {"old": old, "new": key, "reason": reason or None})
 
 
 @dataclass
 class WriteSession:
-    """An open writing transaction at head, with the pre-flight it passed."""
+    """An open writing transaction that passed the write pre-flight, with its leases."""
 
+    ctx: Context
     conn: Connection
-    snapshot: Snapshot
-    backup: Path | None
+    preflight: Preflight
+    leases: list[HeldLease]
+    backup: Path | None = None
     warnings: list[StateWarning] = field(default_factory=list)
+    _after_commit: list[Callable[[], None]] = field(default_factory=list)
+    _on_abort: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The state as the pre-flight read it."""
+        assert self.preflight.snapshot is not None
+        return self.preflight.snapshot
+
+    def audit(self, action: str, detail: dict[str, object], into: Connection | sqlite3.Connection | None = None
+              ) -> None:
+        """Append one row to ``rivet_audit`` (who, when, which command, what), redacted, in
+        this transaction (or in ``into``: the database a move writes, which becomes the state)."""
+        _write_audit(self.conn if into is None else into, self.ctx, action, detail)
+
+    def record_identity(self, key: str, action: str, old: str | None = None, reason: str = "") -> None:
+        """Record ``key`` as the state's identity (the one row) and audit it (SPEC §3)."""
+        _write_identity(self.conn, self.ctx, key, action, old, reason)
+
+    def claim(self) -> list[StateWarning]:
+        """Apply the pre-flight's identity verdict (SPEC §3): stamp or adopt the computed
+        key. Returns the warnings it gives (``RIVET_STATE_IDENTITY_ADOPTED``,
+        ``RIVET_STATE_FOREIGN_BESIDE_CONFIG``); a refusal never reaches here."""
+        verdict = self.preflight.verdict
+        if verdict is None:
+            return []
+        if verdict.writes:
+            self.record_identity(verdict.computed, verdict.action)
+        if verdict.code in ("RIVET_STATE_IDENTITY_ADOPTED", "RIVET_STATE_FOREIGN_BESIDE_CONFIG"):
+            where = str(self.ctx.location.directory or self.ctx.location.display)
+            return [StateWarning(verdict.code, identity_message(verdict, where, for_write=True))]
+        return []
+
+    def fence(self, *, final: bool = False) -> None:
+        """Raise ``RIVET_STATE_LEASE_LOST`` unless every lease of this write is still held."""
+        for lease in self.leases:
+            lease.fence(self.conn, final=final)
+
+    def after_commit(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once the transaction has committed (a lease record to remove)."""
+        self._after_commit.append(action)
+
+    def on_abort(self, action: Callable[[], None]) -> None:
+        """Run ``action`` when the transaction rolls back."""
+        self._on_abort.append(action)
+
+
+def _scope_exports(ctx: Context, snap: Snapshot, exports: Iterable[str] | None) -> set[str]:
+    names = set(exports) if exports is not None else set(snap.exports)
+    try:
+        names |= {e.name for e in ctx.config.exports}
+    except StateError:
+        pass  # an unreadable config was a pre-flight row already; the state's own exports remain
+    return names
 
 
 @contextmanager
-def head_write(ctx: Context, *, backup_label: str | None, lock_code: str = "RIVET_STATE_LOCK_TIMEOUT",
-               claim: bool = True, allow: frozenset[str] = frozenset(),
-               lease_key: str | None = None,
-               check: Callable[[Snapshot], object] | None = None) -> Iterator[WriteSession]:
-    """Pre-flight, then one writing transaction on a state at head.
+def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None, claim: bool = True,
+                  allow: frozenset[str] = frozenset(), check: Callable[[Snapshot], object] | None = None,
+                  at_head: bool = True, exports: Iterable[str] | None = None, preflight: Preflight | None = None,
+                  prepare: Callable[[], None] | None = None, held: list[HeldLease] | None = None,
+                  busy_code: str = "RIVET_STATE_RUN_IN_PROGRESS",
+                  lock_code: str = "RIVET_STATE_LOCK_TIMEOUT") -> Iterator[WriteSession]:
+    """Pre-flight, leases, one fenced writing transaction with its audit row, release.
 
-    Raises every pre-flight failure (a state with pending revisions:
-    ``RIVET_STATE_MIGRATION_PENDING``) before anything is written. With ``backup_label``,
-    a SQLite state is backed up (verified) inside the write lock before the change.
-    With ``claim``, the identity verdict is applied in the same transaction. ``allow``
-    lists pre-flight codes this write may pass (rekey passes ``RIVET_STATE_FOREIGN``).
-    With ``lease_key``, that lease is held (waited on up to ``--lock-wait``) from after
-    the pre-flight until the transaction ends. ``check`` validates the request against
-    the pre-flight's snapshot (an unknown export) before any lease, backup or write, so a
-    refused request leaves no file behind.
+    ``scope`` says which leases are held (:class:`Scope`); a whole-state write also holds
+    the run lease of every export in ``exports`` (default: the config's and the state's),
+    and waits past them up to ``--lock-wait``, then raises ``busy_code``. A per-export
+    write waits for its run lease, then raises ``RIVET_STATE_LOCK_TIMEOUT`` (at once with
+    ``--lock-wait 0``: ``RIVET_STATE_RUN_IN_PROGRESS``).
+
+    ``preflight`` is a write pre-flight the caller ran already (to plan); ``allow`` lists
+    pre-flight codes this write may pass (rekey passes ``RIVET_STATE_FOREIGN``); ``check``
+    validates the request against the snapshot (an unknown export) before any lease or
+    file; ``prepare`` runs with the leases held, before the transaction (a WAL checkpoint).
+    ``held`` lists leases the caller holds already (a runtime run): they are fenced like
+    the write's own, including any the caller appends to that list during the body.
+    With ``at_head`` the revision is read again in the transaction
+    (``RIVET_STATE_MIGRATION_PENDING`` when it moved). With ``backup_label`` a SQLite
+    state is backed up (verified) in the transaction before the change; with ``claim``
+    the identity verdict is applied. The transaction waits ``--lock-wait`` for the
+    backend's write lock, then raises ``lock_code``. Every held lease is fenced at the
+    start and right before the commit (``RIVET_STATE_LEASE_LOST``).
     """
-    pf = run_preflight(ctx, for_write=True, recover=True)
+    pf = preflight if preflight is not None else run_preflight(ctx, for_write=True, recover=True)
     snap = require(pf, allow=allow)
     if check is not None:
         check(snap)
-    backend = ctx.backend()
-    with contextlib.ExitStack() as stack:
-        if lease_key is not None:
-            from statetool.operations.leases import holding
+    if scope.whole_state or scope.export is not None:
+        # Wait for the state's write lock once before any lease is taken, holding nothing:
+        # a write refused because another writer keeps the state busy leaves no lease file.
+        with ctx.backend().writing(lock_code):
+            pass
+    with ExitStack() as stack:
+        leases: list[HeldLease] = held if held is not None else []
+        if scope.whole_state:
+            leases += hold_whole_state(ctx, stack, _scope_exports(ctx, snap, exports), busy_code)
+        elif scope.export is not None:
+            lease = acquire(ctx, run_lease_key(scope.export))
+            stack.callback(lease.release)
+            leases.append(lease)
+        if prepare is not None:
+            prepare()
+        session: WriteSession | None = None
+        try:
+            with ctx.backend().writing(lock_code) as conn:
+                session = WriteSession(ctx, conn, pf, leases)
+                session.fence()
+                if at_head:
+                    current = conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).scalar()
+                    if current != migrations.head():
+                        raise StateError("RIVET_STATE_MIGRATION_PENDING",
+                                         f"the state changed to revision {current} while waiting; re-run")
+                if backup_label:
+                    with ctx.progress("backup") as update:
+                        session.backup = ctx.backend().backup(conn, backup_label, update)
+                if claim:
+                    session.warnings = session.claim()
+                yield session
+                session.fence(final=True)
+        except BaseException:
+            for action in session._on_abort if session is not None else ():  # noqa: SLF001 - own session
+                action()
+            raise
+        for action in session._after_commit:  # noqa: SLF001 - own session
+            action()
 
-            stack.enter_context(holding(ctx, lease_key, ctx.command))
-        conn = stack.enter_context(backend.writing(lock_code))
-        current = conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).scalar()
-        if current != migrations.head():
-            raise StateError("RIVET_STATE_MIGRATION_PENDING",
-                             f"the state changed to revision {current} while waiting; re-run")
-        backup = None
-        if backup_label:
-            with ctx.progress("backup") as update:
-                backup = backend.backup(conn, backup_label, update)
-        warnings = claim_identity(conn, ctx, pf.verdict) if claim else []
-        yield WriteSession(conn, snap, backup, warnings)
+
+def create_state(ctx: Context, build: Callable[[Connection], None], key: str) -> None:
+    """Create a new state at head through the backend's atomic create: ``build`` (the
+    schema) runs first, then the identity ``key`` is recorded (when set) and the ``init``
+    audit row written, all in one transaction. Refuses nothing itself (``init`` does)."""
+
+    def whole(conn: Connection) -> None:
+        build(conn)
+        if key:
+            _write_identity(conn, ctx, key, "stamp", None, "")
+        _write_audit(conn, ctx, "init", {"revision": migrations.head(), "state_key": key or None})
+
+    ctx.backend().create(whole)

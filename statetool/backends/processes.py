@@ -1,0 +1,60 @@
+"""Is a process alive? By pid AND start time, so a reused pid never reads as alive (SPEC §5).
+
+The start time is field 22 of Linux ``/proc/PID/stat``: clock ticks since boot at which
+the process started (proc(5)). Two processes that get the same pid one after the other
+never share a start time, so a holder record naming (pid, start time) names exactly one
+process. Where ``/proc`` cannot be read (not Linux), the start time is None and liveness
+falls back to the pid alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` from the state on (field 3), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
+    return stat[stat.rfind(b")") + 2:].split()
+
+
+def process_started(pid: int) -> int | None:
+    """The start time of process ``pid`` in clock ticks since boot, or None when it does
+    not exist or ``/proc`` cannot be read."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process ``pid`` exists on this host (signal 0 probe; a zombie counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def alive(pid: int | None, started: int | None) -> bool:
+    """True when process ``pid`` runs on this host and, when ``started`` is known, is the
+    very process that started then (not a later one that reuses its pid). A zombie (dead,
+    not yet reaped: state ``Z``/``X``) is dead: it does no more work."""
+    if pid is None or not pid_alive(pid):
+        return False
+    fields = _stat_fields(pid)
+    if fields is None:
+        return True  # no /proc: the pid alone
+    if not fields or fields[0] in (b"Z", b"X"):
+        return False
+    return started is None or process_started(pid) == started
