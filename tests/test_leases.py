@@ -828,7 +828,7 @@ def test_scheduler_guide_exists_with_sh_blocks() -> None:
     text = GUIDE.read_text().lower()
     for phrase in ("chunk-run:<export>", "--lock-wait", "rivet_state_lock_timeout", "rivet_state_run_in_progress",
                    "statetool leases release", "two hosts with two separate sqlite files", "network filesystem",
-                   "not fenced", "retryable", "refusal"):
+                   "rivet_state_lease_lost", "pr_set_pdeathsig", "retryable", "refusal"):
         assert phrase in text, phrase
 
 

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 #: SQLSTATEs of a refused login (invalid_password, invalid_authorization_specification).
 _AUTH_STATES = {"28P01", "28000"}
 _POLL_SECONDS = 0.2
+#: Milliseconds a lease statement waits for a row lock before it counts as busy.
+LEASE_LOCK_TIMEOUT_MS = 200
 
 
 class PostgresBackend:
@@ -45,6 +47,11 @@ class PostgresBackend:
         options = f'-c search_path="{self.schema}"'  # quoted: an unquoted MixedCase would fold to mixedcase
         if read_only:
             options += " -c default_transaction_read_only=on"
+        if autocommit:
+            # A lease statement never queues behind a row lock (a writer between its last
+            # fence and its commit): it gives up after this and the wait loop tries again,
+            # so --lock-wait bounds every wait (docs/decisions.md, "Locks and leases").
+            options += f" -c lock_timeout={LEASE_LOCK_TIMEOUT_MS}"
         url = "postgresql+psycopg://" + self.location.url.split("://", 1)[1]
         # Autocommit engines serve leases: polling, heartbeats and the release reuse one
         # pooled connection instead of opening a server connection per statement.

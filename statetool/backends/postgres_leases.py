@@ -41,6 +41,8 @@ from statetool.backends.processes import alive
 from statetool.errors import StateError
 
 DEFAULT_TTL = 30
+#: SQLSTATE lock_not_available: lock_timeout ran out, or NOWAIT found the row locked.
+_LOCK_NOT_AVAILABLE = "55P03"
 
 _OLD_COLUMNS = "key, holder_pid, holder_host, holder_user, command, acquired_at, heartbeat_at, ttl_seconds"
 _NEW_COLUMNS = "fencing_token, holder_started, child_pid, child_started"
@@ -48,9 +50,6 @@ _AGE = "extract(epoch FROM now() - heartbeat_at) AS age"
 _OBSERVED = ("key = :key AND holder_pid = :o_pid AND holder_host = :o_host "
              "AND acquired_at = :o_acquired AND heartbeat_at = :o_heartbeat")
 _MINE = "key = :key AND holder_pid = :pid AND holder_host = :host AND acquired_at = :acquired"
-#: The next token of a key, as a CTE: inserted at 1, or the last one plus one.
-_NEXT_TOKEN = ("WITH t AS (INSERT INTO rivet_lease_tokens AS t (key, token) VALUES (:key, 1) "
-               "ON CONFLICT (key) DO UPDATE SET token = t.token + 1 RETURNING token) ")
 
 
 def _iso(t: datetime) -> str:
@@ -198,30 +197,52 @@ class RowLeases:
 
     def _take(self, conn: Connection, key: str, holder: Holder, row: Any | None) -> tuple[datetime, int | None] | None:
         """Insert the row (``row`` None) or take the observed stale ``row`` over; returns
-        (acquired_at, token), or None when someone else got there first."""
+        (acquired_at, token), or None when someone else got there first.
+
+        The token is the key's last plus one, read with the token row locked (so two
+        acquirers of one key draw in turn) and written back only by the statement that
+        actually took the lease: an attempt that finds the lease busy writes nothing."""
         values: dict[str, object] = {"key": key, "pid": holder.pid, "host": holder.host, "user": holder.user,
                                      "cmd": holder.command, "ttl": self.ttl, "started": holder.started}
-        fenced = self.fenced_layout()
-        token_cte = _NEXT_TOKEN if fenced else ""
+        if not self.fenced_layout():
+            if row is None:
+                sql = (f"INSERT INTO rivet_leases ({_OLD_COLUMNS}) VALUES (:key, :pid, :host, :user, :cmd, now(), "
+                       "now(), :ttl) ON CONFLICT (key) DO NOTHING RETURNING acquired_at, NULL")
+            else:
+                values.update(_observed(row))
+                sql = ("UPDATE rivet_leases SET holder_pid = :pid, holder_host = :host, holder_user = :user, "
+                       "command = :cmd, acquired_at = now(), heartbeat_at = now(), ttl_seconds = :ttl "
+                       f"WHERE {_OBSERVED} RETURNING acquired_at, NULL")
+            got = conn.execute(sa.text(sql), values).first()
+            return None if got is None else (got[0], None)
         if row is None:
-            columns = f"{_OLD_COLUMNS}, fencing_token, holder_started" if fenced else _OLD_COLUMNS
-            picks = ":key, :pid, :host, :user, :cmd, now(), now(), :ttl" + (", t.token, :started" if fenced else "")
-            source = f"SELECT {picks} FROM t" if fenced else f"VALUES ({picks})"
-            sql = (f"{token_cte}INSERT INTO rivet_leases ({columns}) {source} "
-                   "ON CONFLICT (key) DO NOTHING RETURNING acquired_at" + (", fencing_token" if fenced else ""))
+            take = (f"INSERT INTO rivet_leases ({_OLD_COLUMNS}, fencing_token, holder_started) "
+                    "SELECT :key, :pid, :host, :user, :cmd, now(), now(), :ttl, nxt.token, :started FROM nxt "
+                    "ON CONFLICT (key) DO NOTHING RETURNING key, acquired_at, fencing_token")
         else:
             values.update(_observed(row))
-            extra = (", fencing_token = (SELECT token FROM t), holder_started = :started, child_pid = NULL, "
-                     "child_started = NULL") if fenced else ""
-            sql = (f"{token_cte}UPDATE rivet_leases SET holder_pid = :pid, holder_host = :host, holder_user = :user, "
-                   f"command = :cmd, acquired_at = now(), heartbeat_at = now(), ttl_seconds = :ttl{extra} "
-                   f"WHERE {_OBSERVED} RETURNING acquired_at" + (", fencing_token" if fenced else ""))
-        got = conn.execute(sa.text(sql), values).first()
-        if got is None:
-            return None
-        return got[0], (got[1] if fenced else None)
+            take = ("UPDATE rivet_leases SET holder_pid = :pid, holder_host = :host, holder_user = :user, "
+                    "command = :cmd, acquired_at = now(), heartbeat_at = now(), ttl_seconds = :ttl, "
+                    "fencing_token = (SELECT token FROM nxt), holder_started = :started, child_pid = NULL, "
+                    f"child_started = NULL WHERE {_OBSERVED} RETURNING key, acquired_at, fencing_token")
+        got = conn.execute(sa.text(
+            "WITH nxt AS (SELECT coalesce((SELECT token FROM rivet_lease_tokens WHERE key = :key FOR UPDATE), 0) + 1 "
+            f"AS token), took AS ({take}), "
+            "kept AS (INSERT INTO rivet_lease_tokens (key, token) SELECT key, fencing_token FROM took "
+            "ON CONFLICT (key) DO UPDATE SET token = excluded.token) "
+            "SELECT acquired_at, fencing_token FROM took"), values).first()
+        return None if got is None else (got[0], got[1])
 
     def try_acquire(self, key: str, holder: Holder) -> HeldLease | LeaseInfo:
+        try:
+            return self._try_acquire(key, holder)
+        except sa.exc.OperationalError as err:
+            if getattr(err.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+                raise
+            # the row is locked by a writer about to commit under this lease: busy, look again
+            return LeaseInfo(key, "live", None)
+
+    def _try_acquire(self, key: str, holder: Holder) -> HeldLease | LeaseInfo:
         with self.connect() as conn:
             for _attempt in range(3):
                 taken = self._take(conn, key, holder, None)
@@ -311,7 +332,13 @@ class RowLeases:
         return [_info(row, self.here) for row in rows]
 
     def claim_stale(self, key: str, conn: Connection) -> RowStaleClaim:
-        row = conn.execute(sa.text(f"{self._select()} WHERE key = :key FOR UPDATE"), {"key": key}).first()
+        try:
+            row = conn.execute(sa.text(f"{self._select()} WHERE key = :key FOR UPDATE NOWAIT"), {"key": key}).first()
+        except sa.exc.OperationalError as err:
+            if getattr(err.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+                raise
+            raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"lease {key} is locked by a writer that holds it "
+                             "right now; look again", {"key": key}) from None
         if row is None:
             raise StateError("RIVET_STATE_LEASE_UNKNOWN", f"this state has no lease {key}", {"key": key})
         info = _info(row, self.here)

@@ -32,6 +32,7 @@ import fcntl
 import json
 import os
 import stat
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -119,7 +120,17 @@ class FlockLease:
 
     @property
     def lost(self) -> bool:
-        return False  # the kernel keeps an flock for as long as the file is open
+        """True once the sidecar at the path is no longer the file this holder locked
+        (removed or replaced): the kernel keeps the lock on the old file, which nobody
+        else will ever look at, while a newcomer locks the new one."""
+        if self.fd < 0:
+            return False
+        mine = os.fstat(self.fd)
+        try:
+            there = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return True
+        return (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino)
 
     def _record(self) -> dict[str, Any]:
         h = self.holder
@@ -132,13 +143,7 @@ class FlockLease:
         _write_doc(self.fd, self._record())
 
     def fence(self, conn: object, *, final: bool = False) -> None:
-        mine = os.fstat(self.fd)
-        try:
-            there = os.stat(self.path, follow_symlinks=False)
-        except OSError:
-            there = None
-        if there is None or (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino) \
-                or _read_doc(self.fd).get("fencing_token") != self.token:
+        if self.lost or _read_doc(self.fd).get("fencing_token") != self.token:
             raise StateError("RIVET_STATE_LEASE_LOST",
                              f"lease {self.key}: {self.path} is no longer the file this holder locked (it was "
                              "removed or replaced); nothing was written", {"key": self.key})
@@ -261,7 +266,11 @@ class FlockLeases:
             os.close(fd)
             return info
         previous = _read_doc(fd).get("fencing_token")
-        token = (previous if isinstance(previous, int) else 0) + 1
+        # The last token plus one; a new sidecar starts at the clock in microseconds, so one
+        # that was removed (and its count with it) never hands out a token used before: every
+        # acquisition takes far more than a microsecond. Only a wall clock set back breaks this
+        # (docs/decisions.md, "Fencing").
+        token = previous + 1 if isinstance(previous, int) and previous > 0 else time.time_ns() // 1000
         lease = FlockLease(key, Holder(**{**holder.__dict__, "token": token}), fd, self.directory / name)
         _write_doc(fd, lease._record())  # noqa: SLF001 - the record is the lease's own
         return lease

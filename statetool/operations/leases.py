@@ -28,7 +28,6 @@ from statetool.operations.leasing import (
     run_lease_key,
     valid_key,
 )
-from statetool.operations.writes import NO_LEASE, guarded_write
 from statetool.redact import redact_text
 
 __all__ = ["LeasesResult", "list_leases", "release", "run_under_lease"]
@@ -50,6 +49,10 @@ def release(ctx: Context, key: str, reason: str) -> dict[str, object]:
     pre-flight code. Returns ``{"key", "released": lease doc | None, "reason"}``; a lease
     that is already free is left alone, with no audit row (``released`` None).
     """
+    # Loaded here, not at the top: `leases run` and `leases list` must not pay for SQLAlchemy
+    # (the write path's import), which only a release needs. No cycle: writes imports no command.
+    from statetool.operations.writes import NO_LEASE, guarded_write
+
     key = valid_key(key)
     reason = redact_text(reason) or None
     with guarded_write(ctx, NO_LEASE, claim=False) as session:

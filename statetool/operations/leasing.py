@@ -20,6 +20,7 @@ Two kinds of lease exclude each other:
 
 from __future__ import annotations
 
+import functools
 import getpass
 import os
 import random
@@ -68,16 +69,25 @@ def valid_key(key: str) -> str:
                      f"{STATE_LEASE})", {"key": key})
 
 
-def this_holder(command: str) -> Holder:
-    """The holder record of this process (command redacted and cut to 1,000 characters),
-    with its process start time."""
+@functools.cache
+def _this_process() -> tuple[int, str, str, int | None]:
+    """(pid, host, user, start time) of this process, read once."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = str(os.getuid())
     pid = os.getpid()
-    return Holder(pid, socket.gethostname(), user, redact_text(command)[:1000], now_iso(),
-                  started=process_started(pid))
+    return pid, socket.gethostname(), user, process_started(pid)
+
+
+def this_holder(command: str) -> Holder:
+    """The holder record of this process (command redacted and cut to 1,000 characters),
+    with its process start time."""
+    pid, host, user, started = _this_process()
+    if pid != os.getpid():  # a forked child: it is another holder
+        _this_process.cache_clear()
+        pid, host, user, started = _this_process()
+    return Holder(pid, host, user, redact_text(command)[:1000], now_iso(), started=started)
 
 
 def lease_store(ctx: Context) -> LeaseStore:
@@ -156,11 +166,17 @@ def acquire(ctx: Context, key: str, command: str | None = None, *, under_state_l
     store = lease_store(ctx)
     holder = this_holder(ctx.command if command is None else command)
 
+    respects_state = key != STATE_LEASE and not under_state_lease
+
     def attempt() -> HeldLease | str:
+        if respects_state:  # a first look, read-only: a run refused here creates no lease file
+            whole = store.info(STATE_LEASE)
+            if whole.state == "live":
+                return f"a write of the whole state ({holder_text(whole)})"
         got = store.try_acquire(key, holder)
         if isinstance(got, LeaseInfo):
             return holder_text(got)
-        if key != STATE_LEASE and not under_state_lease:
+        if respects_state:  # the look that counts: after this lease is visible to the whole-state writer
             whole = store.info(STATE_LEASE)
             if whole.state == "live":
                 got.release()
