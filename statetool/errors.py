@@ -112,6 +112,12 @@ REGISTRY: dict[str, Entry] = {
     "RIVET_STATE_LEASE_UNKNOWN": _e(
         "usage", "generic", "statetool leases lists every lease this state has; release one of those",
     ),
+    # generic, not retryable: the database itself refuses, the same way on every re-run.
+    "RIVET_STATE_WRITE_REFUSED": _e(
+        "environment", "generic",
+        "the state database refused the write (a constraint, a trigger, or the rights of the role, named in the "
+        "message): fix that on the database side, then re-run; nothing was written",
+    ),
     # generic, not retryable: a re-run fails the same way until someone frees space.
     "RIVET_STATE_DISK_FULL": _e(
         "environment", "generic",

@@ -15,20 +15,23 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from statetool.errors import StateError, error_object
 
 # Not a terminal (a log, CI) and no COLUMNS: wide enough that paths and the one line an
 # operator must copy (RIVET_STATE_URL=...) are never cut mid-token at rich's default 80.
-out = Console(highlight=False, soft_wrap=False,
+# markup=False: paths, URLs, cursors and messages are the user's text, and "[/x]" in them
+# is no style tag (SPEC §8a); styles are given as Text objects instead.
+out = Console(highlight=False, soft_wrap=False, markup=False,
               width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def print_error(error: StateError) -> None:
     """``Error: …`` and ``Try: …`` on stderr (the ``--json-errors`` line is cli.py's)."""
-    err.print(f"[bold red]Error[/] [{error.code}]: {error.message}", markup=True, highlight=False)
-    err.print(f"Try: {error.entry.action}", markup=False)
+    err.print(Text.assemble(("Error", "bold red"), f" [{error.code}]: {error.message}"))
+    err.print(f"Try: {error.entry.action}")
 
 
 def print_check_failure(check: Any) -> None:
@@ -45,8 +48,8 @@ def print_check_failure(check: Any) -> None:
 def print_warnings(warnings: list[dict[str, str]]) -> None:
     """Each warning on stderr: ``Warning [CODE]: message`` and its action."""
     for w in warnings:
-        err.print(f"[yellow]Warning[/] [{w['code']}]: {w['message']}", markup=True)
-        err.print(f"  Try: {w['action']}", markup=False)
+        err.print(Text.assemble(("Warning", "yellow"), f" [{w['code']}]: {w['message']}"))
+        err.print(f"  Try: {w['action']}")
 
 
 @contextlib.contextmanager
@@ -135,12 +138,12 @@ def check(doc: dict[str, Any]) -> None:
         table.add_column(col, overflow="fold")
     for row in doc["checks"]:
         style = _STATUS_STYLE[row["status"]]
-        table.add_row(row["id"], f"[{style}]{row['status']}[/]", _fmt(row["code"]), row["message"])
+        table.add_row(row["id"], Text(row["status"], style=style), _fmt(row["code"]), row["message"])
     out.print(table)
     failing = [r for r in doc["checks"] if r["status"] in ("fail", "warn") and r["action"]]
     for row in failing:
-        out.print(f"Try ({row['id']}): {row['action']}", markup=False)
-    out.print("[green]ok[/]" if doc["ok"] else "[bold red]not ok[/]")
+        out.print(f"Try ({row['id']}): {row['action']}")
+    out.print(Text("ok", style="green") if doc["ok"] else Text("not ok", style="bold red"))
 
 
 def migrate(doc: dict[str, Any]) -> None:
@@ -158,11 +161,11 @@ def migrate(doc: dict[str, Any]) -> None:
                       ", ".join(f"{t} ({n})" for t, n in step["loses"].items()) or "-")
     out.print(table)
     if doc.get("backup"):
-        out.print(f"backup: {doc['backup']}", markup=False)
+        out.print(f"backup: {doc['backup']}")
     if doc.get("verified_rows"):
         out.print("verified: integrity ok, row counts equal (" +
-                  ", ".join(f"{t} {n}" for t, n in doc["verified_rows"].items()) + ")", markup=False)
-    out.print(doc["message"], markup=False)
+                  ", ".join(f"{t} {n}" for t, n in doc["verified_rows"].items()) + ")")
+    out.print(doc["message"])
     print_warnings(doc.get("warnings", []))
 
 
@@ -173,7 +176,7 @@ def leases(doc: dict[str, Any]) -> None:
         table.add_column(col, overflow="fold")
     for row in doc["leases"]:
         style = {"live": "bold", "stale": "yellow", "free": "dim"}[row["state"]]
-        table.add_row(row["key"], f"[{style}]{row['state']}[/]", _fmt(row["holder_pid"]), _fmt(row["host"]),
+        table.add_row(row["key"], Text(row["state"], style=style), _fmt(row["holder_pid"]), _fmt(row["host"]),
                       _fmt(row["user"]), _fmt(row["acquired_at"]), _fmt(row["heartbeat_age"]), _fmt(row["ttl_left"]),
                       _fmt(row["command"]))
     out.print(table)
@@ -190,10 +193,10 @@ def relocate(doc: dict[str, Any]) -> None:
         out.print(_kv("Tables (rows)", list(doc["tables"].items())))
     for move in doc["checkpoints"]:
         state = f"{move['bytes']} bytes" if move["present"] else "MISSING"
-        out.print(f"checkpoint {move['export']}: {move['source']} -> {move['target']} ({state})", markup=False)
+        out.print(f"checkpoint {move['export']}: {move['source']} -> {move['target']} ({state})")
     if doc.get("kept_as"):
-        out.print(f"old bytes kept as {doc['kept_as']}", markup=False)
-    out.print(doc["message"], markup=False)
+        out.print(f"old bytes kept as {doc['kept_as']}")
+    out.print(doc["message"])
 
 
 def _annotation_escape(text: str) -> str:
@@ -217,7 +220,7 @@ def doctor(doc: dict[str, Any]) -> None:
     out.print(_kv("State", [("location", state["location"]["display"]), ("set by", state["set_by"]),
                             ("every task must share", state["every_task_must_share"])]))
     for candidate in state.get("candidates", []):
-        out.print(f"  possible state: {json.dumps(candidate, sort_keys=True)}", markup=False)
+        out.print(f"  possible state: {json.dumps(candidate, sort_keys=True)}")
     lines = []  # plain text: thousands of exports print in well under a second
     for export in doc["exports"]:
         line = f"{export['name']} ({export['mode']}): " + ("resumes" if export["verdict"] == "resumes" else "FIRST RUN")
@@ -256,11 +259,10 @@ def transfer(doc: dict[str, Any]) -> None:
         table.add_row(row["table"], str(row["rows"]), _fmt(row["verified"]))
     out.print(table)
     for cp in doc["checkpoints"]:
-        out.print(f"checkpoint {cp['export']}: {cp['configured']} -> set cdc.checkpoint to {cp['set_to']}",
-                  markup=False)
+        out.print(f"checkpoint {cp['export']}: {cp['configured']} -> set cdc.checkpoint to {cp['set_to']}")
     if doc.get("kept_as"):
-        out.print(f"old SQLite bytes kept as {doc['kept_as']}", markup=False)
-    out.print(doc["message"], markup=False)
+        out.print(f"old SQLite bytes kept as {doc['kept_as']}")
+    out.print(doc["message"])
     print_warnings(doc.get("warnings", []))
 
 

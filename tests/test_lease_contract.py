@@ -918,8 +918,6 @@ def test_a_password_given_as_the_release_reason_never_shows_anywhere(
 # -- more findings on the same rules ----------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 (one error boundary; permanent database refusals get a "
-                   "non-retryable code): SQLite reports RIVET_INTERNAL, PostgreSQL RIVET_STATE_UNREACHABLE")
 def test_a_release_the_database_refuses_is_a_permanent_error_not_a_statetool_bug_nor_retryable(
         state: State, spawn: Callable[..., LeaseRun]) -> None:
     """SPEC §7/§8a: a fault of the environment has a registered code and the right class; a

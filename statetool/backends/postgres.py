@@ -28,6 +28,14 @@ if TYPE_CHECKING:
 #: SQLSTATEs of a refused login (invalid_password, invalid_authorization_specification).
 _AUTH_STATES = {"28P01", "28000"}
 _POLL_SECONDS = 0.2
+#: SQLSTATE classes and codes a re-run may get past (https://www.postgresql.org/docs/15/errcodes-appendix.html):
+#: connection exceptions, insufficient resources, operator intervention; serialization failure, deadlock.
+_TRANSIENT_CLASSES = {"08", "53", "57"}
+_TRANSIENT_STATES = {"40001", "40P01", "55P03"}
+#: The database refuses on purpose, the same way every time: integrity constraints, a trigger's
+#: RAISE, a missing privilege, a read-only transaction or server.
+_REFUSING_CLASSES = {"23", "P0"}
+_REFUSING_STATES = {"42501", "25006"}
 #: Milliseconds a lease statement waits for a row lock before it counts as busy.
 LEASE_LOCK_TIMEOUT_MS = 200
 
@@ -69,9 +77,14 @@ class PostgresBackend:
         if sqlstate == "3D000" or "does not exist" in text and "database" in text:
             return StateError("RIVET_STATE_URL_INVALID", f"the state database named in {where} does not exist "
                               f"on that server: {text}")
-        if isinstance(err, sa.exc.OperationalError) and sqlstate is None:
-            return StateError("RIVET_STATE_UNREACHABLE", f"the state database at {where} is unreachable: {text}")
-        return StateError("RIVET_STATE_UNREACHABLE", f"the state database at {where} answered: {text}")
+        if sqlstate is None or sqlstate[:2] in _TRANSIENT_CLASSES or sqlstate in _TRANSIENT_STATES:
+            return StateError("RIVET_STATE_UNREACHABLE", f"the state database at {where} is unreachable or busy: "
+                              f"{text}")
+        if sqlstate[:2] in _REFUSING_CLASSES or sqlstate in _REFUSING_STATES:
+            return StateError("RIVET_STATE_WRITE_REFUSED", f"the state database at {where} refused the write "
+                              f"(SQLSTATE {sqlstate}): {text}", {"sqlstate": sqlstate})
+        return StateError("RIVET_INTERNAL", f"{type(orig).__name__} (SQLSTATE {sqlstate}) from the state database "
+                          f"at {where}: {text}")
 
     @contextlib.contextmanager
     def _connect(self, read_only: bool) -> Iterator[Connection]:

@@ -227,7 +227,11 @@ class SqliteBackend:
                                          f"{self.lock_wait:g} s (--lock-wait)", {"path": str(self.path)}) from None
                     raise self._translate(err) from None
                 with trans:
-                    yield conn
+                    try:
+                        yield conn
+                    except sa.exc.IntegrityError as err:  # a constraint or a trigger's RAISE: the database refuses
+                        raise StateError("RIVET_STATE_WRITE_REFUSED", f"{self.path} refused the write: {err.orig}",
+                                         {"path": str(self.path)}) from None
         finally:
             engine.dispose()
 

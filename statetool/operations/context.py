@@ -14,11 +14,16 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from statetool.errors import StateError
 from statetool.location import DEFAULT_CONFIG, ENV_VAR, Location, resolve_location
 
 if TYPE_CHECKING:
     from statetool.backends.base import Backend, LeaseStore
     from statetool.config import PipelineConfig
+
+#: The longest --lock-wait, in seconds (7 days): SQLite's busy timeout is a C int of
+#: milliseconds, which a larger wait would overflow into a wait of almost nothing.
+MAX_LOCK_WAIT = 604800.0
 
 #: progress(description) -> a context yielding update(done, total) (units of the caller's choosing).
 ProgressFactory = Callable[[str], contextlib.AbstractContextManager[Callable[[int, int], None]]]
@@ -40,7 +45,8 @@ class Context:
     """The inputs of one statetool invocation.
 
     ``config_path`` defaults to ``./rivet.yaml``; ``state_url`` is ``--state-url`` (None
-    when not given: ``RIVET_STATE_URL`` from ``env`` applies); ``lock_wait`` is in seconds.
+    when not given: ``RIVET_STATE_URL`` from ``env`` applies); ``lock_wait`` is in seconds,
+    0 to :data:`MAX_LOCK_WAIT` (else ``RIVET_CLI_USAGE``).
     """
 
     config_path: Path = field(default_factory=lambda: Path(DEFAULT_CONFIG))
@@ -53,6 +59,11 @@ class Context:
     log: Callable[[str], None] = field(default=lambda _message: None)
     #: TTL of the PostgreSQL leases this invocation takes, in seconds (SPEC §5, ``--lease-ttl``).
     lease_ttl: int = 30
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lock_wait <= MAX_LOCK_WAIT:
+            raise StateError("RIVET_CLI_USAGE", f"--lock-wait {self.lock_wait:g} is outside 0 to {MAX_LOCK_WAIT:g} "
+                             "seconds (7 days)")
 
     @cached_property
     def location(self) -> Location:
