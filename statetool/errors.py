@@ -201,6 +201,11 @@ REGISTRY: dict[str, Entry] = {
         "a state lived here before (the message names the evidence): find where it went (statetool info, "
         "the tombstone, the backups) and point RIVET_STATE_URL at it; never start a new state over it",
     ),
+    "RIVET_STATE_FOREIGN_WAL": _e(
+        "refusal", "refusal",
+        "with every run stopped, find out which copy of the state is the right one (statetool info on each), "
+        "then move the -wal/-shm that do not belong to this state out of its directory, and re-run",
+    ),
     "RIVET_STATE_UNSAFE_FILE": _e(
         "refusal", "refusal",
         "a symlink or a non-regular file stands where statetool keeps one of its own files (named in the "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -94,3 +96,104 @@ def test_a_lock_wait_past_its_documented_maximum_is_refused_as_usage(state: Path
         Context(state, lock_wait=MAX_LOCK_WAIT + 1)
     assert err.value.code == "RIVET_CLI_USAGE" and "7 days" in err.value.message
     assert Context(state, lock_wait=MAX_LOCK_WAIT).lock_wait == MAX_LOCK_WAIT
+
+
+def _rollback_journal_state(config: Path) -> Path:
+    """The state beside ``config`` switched to a rollback journal (as a legacy state is)."""
+    path = config.parent / ".rivet_state.db"
+    db = sqlite3.connect(path)
+    try:
+        assert db.execute("PRAGMA journal_mode = DELETE").fetchone()[0] == "delete"
+    finally:
+        db.close()
+    return path
+
+
+def test_another_copys_wal_beside_a_rollback_journal_state_is_never_merged_by_a_write(
+        state: Path, tmp_path: Path) -> None:
+    path = _rollback_journal_state(state)
+    # another copy of the state, written in WAL mode with its frames left in its -wal
+    copy = tmp_path / "copy" / ".rivet_state.db"
+    copy.parent.mkdir()
+    shutil.copyfile(path, copy)
+    other = sqlite3.connect(copy, isolation_level=None)
+    other.execute("PRAGMA journal_mode = WAL")
+    other.execute("PRAGMA wal_autocheckpoint = 0")
+    other.execute("INSERT INTO rivet_exports (export_name, mode, cursor_value, updated_at) "
+                  "VALUES ('order_lines', 'chunked', 'FROM-THE-OTHER-COPY', 'now')")
+    shutil.copyfile(f"{copy}-wal", f"{path}-wal")  # while the copy is open: its frames are not checkpointed
+    other.close()
+    before = tree_digest(state.parent)
+
+    for args in (("exports", "set-cursor", "orders", "2026-01-01"), ("migrate", "--to", "0003", "--allow-data-loss"),
+                 ("identity", "rekey", "--old", "postgresql://db.internal:5432/sales", "--new",
+                  "postgresql://db.moved:5432/sales"), ("exports", "reset", "orders")):
+        proc = run_cli("-c", str(state), "--json-errors", "--lock-wait", "0", *args)
+        assert proc.returncode == 5, describe(proc)
+        err = _error(proc)
+        assert err["code"] == "RIVET_STATE_FOREIGN_WAL" and f"{path}-wal" in str(err["message"]), describe(proc)
+        assert tree_digest(state.parent) == before, f"{args} changed the state or its directory"
+    db = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
+    try:
+        assert db.execute("SELECT count(*) FROM rivet_exports WHERE cursor_value = 'FROM-THE-OTHER-COPY'"
+                          ).fetchone() == (0,)
+    finally:
+        db.close()
+
+
+def test_a_wal_of_another_page_size_beside_a_wal_state_is_refused_by_a_write(state: Path, tmp_path: Path) -> None:
+    path = state.parent / ".rivet_state.db"
+    assert path.read_bytes()[18] == 2, "statetool init makes WAL states"
+    other = tmp_path / "other.db"
+    db = sqlite3.connect(other, isolation_level=None)
+    db.execute("PRAGMA page_size = 8192")
+    db.execute("PRAGMA journal_mode = WAL")
+    db.execute("PRAGMA wal_autocheckpoint = 0")
+    db.execute("CREATE TABLE t (x)")
+    db.execute("INSERT INTO t VALUES (1)")
+    shutil.copyfile(f"{other}-wal", f"{path}-wal")
+    db.close()
+    before = tree_digest(state.parent)
+    proc = run_cli("-c", str(state), "--json-errors", "exports", "set-cursor", "orders", "2026-01-01")
+    assert proc.returncode == 5 and _error(proc)["code"] == "RIVET_STATE_FOREIGN_WAL", describe(proc)
+    assert "8192" in str(_error(proc)["message"]), describe(proc)
+    assert tree_digest(state.parent) == before
+
+
+@pytest.mark.parametrize("leftover", ["-wal", "-journal"])
+def test_files_of_a_former_state_beside_a_missing_one_are_never_applied_to_a_new_state(
+        state: Path, tmp_path: Path, leftover: str) -> None:
+    """An old state's -wal (committed frames) or -journal (a transaction to roll back) left
+    where a new state would be created: SQLite would apply it to the new file."""
+    old = state.parent / ".rivet_state.db"
+    other = tmp_path / "other" / "rivet.yaml"
+    other.parent.mkdir()
+    (other.parent / f".rivet_state.db{leftover}").write_bytes(b"leftover of a state that was here\n")
+    shutil.copyfile(state, other)
+    before = tree_digest(other.parent)
+    proc = run_cli("-c", str(other), "--json-errors", "init")
+    assert proc.returncode == 5 and _error(proc)["code"] == "RIVET_STATE_TARGET_NOT_EMPTY", describe(proc)
+    assert f".rivet_state.db{leftover}" in str(_error(proc)["message"]), describe(proc)
+    from statetool.runtime import StateStore
+
+    with pytest.raises(StateError) as err:
+        StateStore.open(other, env={}, create=True)
+    assert err.value.code == "RIVET_STATE_VANISHED" and f".rivet_state.db{leftover}" in err.value.message
+    assert tree_digest(other.parent) == before
+    assert old.is_file()
+
+
+def test_an_unsafe_entry_in_the_lease_folder_fails_check_and_leases_and_a_refused_rekey_creates_nothing(
+        state: Path, tmp_path: Path) -> None:
+    leases = state.parent / ".rivet_state.leases"
+    leases.mkdir(exist_ok=True)
+    (leases / "chunk-run%3Aorders").symlink_to(tmp_path / "victim-that-does-not-exist")
+    before = tree_digest(state.parent)
+    listing = sorted(p.name for p in leases.iterdir())
+    for args in (("leases",), ("check",), ("identity", "rekey", "--old", "postgresql://db.internal:5432/sales",
+                                           "--new", "postgresql://db.moved:5432/sales")):
+        proc = run_cli("-c", str(state), "--json-errors", "--lock-wait", "0", *args)
+        assert proc.returncode == 5, describe(proc)
+        assert "RIVET_STATE_UNSAFE_FILE" in proc.stderr + proc.stdout, describe(proc)
+        assert tree_digest(state.parent) == before and sorted(p.name for p in leases.iterdir()) == listing, args
+    assert not (tmp_path / "victim-that-does-not-exist").exists()

@@ -43,6 +43,8 @@ from statetool.errors import StateError
 DEFAULT_TTL = 30
 #: SQLSTATE lock_not_available: lock_timeout ran out, or NOWAIT found the row locked.
 _LOCK_NOT_AVAILABLE = "55P03"
+#: The holder shown for a lease row or table locked by a write under way.
+_LOCKED_BY_A_WRITER = Holder(0, "?", "?", "a migration or another write holding the lease table", "now")
 
 _OLD_COLUMNS = "key, holder_pid, holder_host, holder_user, command, acquired_at, heartbeat_at, ttl_seconds"
 _NEW_COLUMNS = "fencing_token, holder_started, child_pid, child_started"
@@ -160,15 +162,21 @@ class RowLeases:
     @contextlib.contextmanager
     def connect(self) -> Iterator[Connection]:
         """A pooled autocommit connection; a missing lease table (a state below revision
-        0002) is ``RIVET_STATE_MIGRATION_PENDING``, found by the query itself, not a probe."""
+        0002) is ``RIVET_STATE_MIGRATION_PENDING``, found by the query itself, not a probe;
+        a lease table locked past the lock timeout (a migration altering it) is
+        ``RIVET_STATE_MIGRATION_LOCKED``."""
         try:
             with self.engine.connect() as conn:
                 yield conn
-        except sa.exc.ProgrammingError as err:
-            if getattr(err.orig, "sqlstate", None) != "42P01":  # undefined_table
-                raise
-            raise StateError("RIVET_STATE_MIGRATION_PENDING",
-                             "this state has no lease table (revision 0002); run statetool migrate") from None
+        except sa.exc.DBAPIError as err:
+            sqlstate = getattr(err.orig, "sqlstate", None)
+            if sqlstate == "42P01":  # undefined_table
+                raise StateError("RIVET_STATE_MIGRATION_PENDING",
+                                 "this state has no lease table (revision 0002); run statetool migrate") from None
+            if sqlstate == _LOCK_NOT_AVAILABLE:
+                raise StateError("RIVET_STATE_MIGRATION_LOCKED",
+                                 "the lease table is locked by a migration or another write under way") from None
+            raise
 
     def require_state(self) -> None:
         """Raise ``RIVET_STATE_MISSING`` when the schema holds no table, and
@@ -236,11 +244,11 @@ class RowLeases:
     def try_acquire(self, key: str, holder: Holder) -> HeldLease | LeaseInfo:
         try:
             return self._try_acquire(key, holder)
-        except sa.exc.OperationalError as err:
-            if getattr(err.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+        except StateError as err:
+            if err.code != "RIVET_STATE_MIGRATION_LOCKED":
                 raise
-            # the row is locked by a writer about to commit under this lease: busy, look again
-            return LeaseInfo(key, "live", None)
+            # the row or the table is locked by a writer under way (a migration): busy, look again
+            return LeaseInfo(key, "live", _LOCKED_BY_A_WRITER)
 
     def _try_acquire(self, key: str, holder: Holder) -> HeldLease | LeaseInfo:
         with self.connect() as conn:
@@ -319,7 +327,9 @@ class RowLeases:
         try:
             with self.connect() as conn:
                 row = conn.execute(sa.text(f"{self._select()} WHERE key = :key"), {"key": key}).first()
-        except StateError:
+        except StateError as err:
+            if err.code == "RIVET_STATE_MIGRATION_LOCKED":
+                return LeaseInfo(key, "live", _LOCKED_BY_A_WRITER)
             return LeaseInfo(key, "free", None)  # no lease table yet: no lease has ever been taken
         return _info(row, self.here) if row is not None else LeaseInfo(key, "free", None)
 
@@ -327,7 +337,9 @@ class RowLeases:
         try:
             with self.connect() as conn:
                 rows = conn.execute(sa.text(f"{self._select()} ORDER BY key")).all()
-        except StateError:
+        except StateError as err:
+            if err.code == "RIVET_STATE_MIGRATION_LOCKED":
+                raise
             return []  # no lease table yet: no lease has ever been taken
         return [_info(row, self.here) for row in rows]
 

@@ -107,6 +107,29 @@ class SqliteBackend:
         wal, shm, journal = (Path(f"{self.path}{suffix}") for suffix in ("-wal", "-shm", "-journal"))
         return (wal.exists() or shm.exists()) and not journal.exists()
 
+    def foreign_companions(self, header: bytes) -> list[str]:
+        """The ``-wal``/``-shm`` beside the state that cannot be its own, one line each: any
+        of them beside a rollback-journal state (header byte 18 = 1), which never makes one;
+        a ``-wal`` beside a WAL state whose header is not a WAL header or names another page
+        size (https://www.sqlite.org/fileformat2.html#walformat). A write must never open the
+        state with them there: SQLite would merge that ``-wal`` into the state."""
+        wal, shm = Path(f"{self.path}-wal"), Path(f"{self.path}-shm")
+        if header[18] != 2:
+            return [f"{p} (beside a rollback-journal state, which never makes one)" for p in (wal, shm)
+                    if os.path.lexists(p)]
+        if not wal.is_file() or wal.stat().st_size < 32:
+            return []
+        with open(wal, "rb") as fh:
+            wal_header = fh.read(32)
+        page_size = int.from_bytes(header[16:18], "big")
+        page_size = 65536 if page_size == 1 else page_size
+        if wal_header[:4] not in (b"\x37\x7f\x06\x82", b"\x37\x7f\x06\x83"):
+            return [f"{wal} (not a SQLite WAL file)"]
+        if int.from_bytes(wal_header[8:12], "big") != page_size:
+            return [f"{wal} (written for pages of {int.from_bytes(wal_header[8:12], 'big')} bytes; this state's "
+                    f"pages are {page_size} bytes)"]
+        return []
+
     def _wal_has_frames(self) -> bool:
         wal = Path(f"{self.path}-wal")
         return wal.exists() and wal.stat().st_size > 32
@@ -118,9 +141,11 @@ class SqliteBackend:
         header = self._header()
         wal_mode = header[18] == 2
         with contextlib.ExitStack() as stack:
-            if not wal_mode and self._orphan_wal_beside() and lock_holders(self.path) == set():
-                # A rollback-journal state with a -wal/-shm beside it (restored or copied apart): a
-                # mode=ro open adopts that -wal and rewrites the -shm; immutable=1 reads the main file alone.
+            if (not wal_mode and self._orphan_wal_beside() and lock_holders(self.path) == set()) or (
+                    wal_mode and self.foreign_companions(header)):
+                # A -wal/-shm that is not the state's own (restored or copied apart; another page
+                # size): a mode=ro open adopts that -wal and rewrites the -shm, a private copy would
+                # merge it; immutable=1 reads the main file alone.
                 uri = f"file:{self._quoted(self.path)}?immutable=1"
             elif not wal_mode:
                 uri = f"file:{self._quoted(self.path)}?mode=ro"
@@ -215,7 +240,11 @@ class SqliteBackend:
     def writing(self, lock_code: str) -> Iterator[Connection]:
         if not self.present():
             raise StateError("RIVET_STATE_MISSING", f"no state at {self.path}", {"path": str(self.path)})
-        self._header()
+        foreign = self.foreign_companions(self._header())
+        if foreign:
+            raise StateError("RIVET_STATE_FOREIGN_WAL",
+                             f"{'; '.join(foreign)}: a write would merge it into {self.path}; nothing was written",
+                             {"path": str(self.path), "files": foreign})
         engine = self._writer_engine(self.path)
         try:
             with engine.connect() as conn:
@@ -235,7 +264,19 @@ class SqliteBackend:
         finally:
             engine.dispose()
 
+    def _companions(self) -> list[Path]:
+        """The ``-wal``, ``-shm`` and ``-journal`` beside the state's path."""
+        return [p for p in (Path(f"{self.path}{suffix}") for suffix in ("-wal", "-shm", "-journal"))
+                if os.path.lexists(p)]
+
     def create(self, build: Callable[[Connection], None]) -> None:
+        leftovers = self._companions()
+        if leftovers:
+            # SQLite would apply them to the new file as if they were its own: another state's
+            # committed frames, or the roll-back of another state's transaction.
+            raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
+                             f"{', '.join(map(str, leftovers))} lie where the new state would be: files of a state "
+                             "that was there before; nothing was created", {"path": str(self.path)})
         directory = self.path.parent
         tmp = directory / f"{self.path.name}.init-{os.getpid()}.tmp"
         engine = self._writer_engine(tmp)
@@ -354,7 +395,8 @@ class SqliteBackend:
         """What beside the (missing) state file shows that a state lived here: a keep of a
         relocation, backups, lease records. Empty for a new place (SPEC §5a)."""
         directory = self.path.parent
-        found = [str(p) for p in sorted(directory.glob(f"{self.path.name}.relocated-*"))]
+        found = [f"{p} (a journal file of a state)" for p in self._companions()]
+        found += [str(p) for p in sorted(directory.glob(f"{self.path.name}.relocated-*"))]
         found += [str(p) for p in sorted(directory.glob(f"{self.path.name}.backup-*")) if not p.name.endswith(".tmp")]
         if self.leases().list():
             found.append(f"lease records in {directory / '.rivet_state.leases'}")

@@ -217,6 +217,8 @@ class FlockLeases:
         except OSError as err:
             if err.errno == errno.ELOOP:
                 raise _unsafe(self.directory / name, "a symlink") from None
+            if err.errno == errno.EISDIR:
+                raise _unsafe(self.directory / name, "a directory") from None
             raise
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
@@ -299,8 +301,9 @@ class FlockLeases:
             for name in sorted(os.listdir(dfd)):
                 try:
                     fd = self._open(dfd, name, os.O_RDONLY)
-                except (StateError, FileNotFoundError):
-                    continue  # not a lease file (a symlink is never followed); removed meanwhile
+                except FileNotFoundError:
+                    continue  # removed meanwhile; anything unsafe is refused (RIVET_STATE_UNSAFE_FILE), not skipped
+
                 try:
                     found.append(self._info(filename_to_key(name), fd))
                 finally:

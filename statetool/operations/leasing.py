@@ -212,7 +212,12 @@ def hold_whole_state(ctx: Context, stack: ExitStack, exports: Iterable[str], bus
     store = lease_store(ctx)
 
     def quiet() -> bool | str:
-        live = [info for info in store.list() if info.state == "live"]
+        try:
+            live = [info for info in store.list() if info.state == "live"]
+        except StateError as err:
+            if err.code != "RIVET_STATE_MIGRATION_LOCKED":
+                raise
+            return err.message  # another migration alters the lease table: wait for it
         return True if not live else "; ".join(f"{i.key} ({holder_text(i)})" for i in live)
 
     with _driver_errors(ctx):  # looked at first, read-only: a write refused here creates no lease file

@@ -169,7 +169,10 @@ def _check_leases(pf: Preflight, ctx: Context, for_write: bool) -> None:
     try:
         holders = live_holders(ctx)
     except StateError as err:
-        pf.add("leases", "skip", f"leases not readable: {err.message}")
+        if err.code == "RIVET_STATE_UNSAFE_FILE":  # every lease, and so every run and write, will refuse
+            pf.fail(err, "leases")
+        else:
+            pf.add("leases", "skip", f"leases not readable: {err.message}")
         return
     if holders:
         pf.add("leases", "warn", f"{len(holders)} live: {'; '.join(holders)} (a migration or another write of the "
