@@ -118,6 +118,15 @@ REGISTRY: dict[str, Entry] = {
         "the state database refused the write (a constraint, a trigger, or the rights of the role, named in the "
         "message): fix that on the database side, then re-run; nothing was written",
     ),
+    "RIVET_STATE_READ_ONLY": _e(
+        "environment", "generic",
+        "the state's filesystem is mounted read-only: mount it read-write (or run only read commands), then re-run",
+    ),
+    "RIVET_STATE_PERMISSION_DENIED": _e(
+        "environment", "generic",
+        "run as the user that owns the state (or grant this one write access to the file and its directory), "
+        "then re-run",
+    ),
     # generic, not retryable: a re-run fails the same way until someone frees space.
     "RIVET_STATE_DISK_FULL": _e(
         "environment", "generic",

@@ -10,7 +10,9 @@ import json
 import os
 import shutil
 import sqlite3
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -197,3 +199,34 @@ def test_an_unsafe_entry_in_the_lease_folder_fails_check_and_leases_and_a_refuse
         assert "RIVET_STATE_UNSAFE_FILE" in proc.stderr + proc.stdout, describe(proc)
         assert tree_digest(state.parent) == before and sorted(p.name for p in leases.iterdir()) == listing, args
     assert not (tmp_path / "victim-that-does-not-exist").exists()
+
+
+@pytest.fixture
+def read_only(state: Path, tmp_path: Path) -> Any:
+    """The state's directory bind-mounted read-only at a second path, with a config there;
+    yields that config. A real mount (root may make one), unmounted afterwards."""
+    mount_point = tmp_path / "ro"
+    mount_point.mkdir()
+    proc = subprocess.run(["mount", "--bind", "-o", "ro", str(state.parent), str(mount_point)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:  # said loudly: the fault class is untested on this machine
+        pytest.fail(f"cannot make a read-only bind mount here: {proc.stderr.strip()}")
+    try:
+        yield mount_point / state.name
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_writes_on_a_read_only_mount_are_read_only_errors_that_change_nothing(read_only: Path) -> None:
+    before = tree_digest(read_only.parent)
+    for args in (("exports", "set-cursor", "orders", "2026-01-01"), ("exports", "reset", "orders"),
+                 ("leases", "run", "--export", "orders", "--", "true"),
+                 ("identity", "rekey", "--old", "postgresql://db.internal:5432/sales", "--new",
+                  "postgresql://db.moved:5432/sales")):
+        proc = run_cli("-c", str(read_only), "--json-errors", "--lock-wait", "0", *args)
+        assert proc.returncode == 1, describe(proc)
+        err = _error(proc)
+        assert (err["code"], err["retryable"]) == ("RIVET_STATE_READ_ONLY", False), describe(proc)
+        assert tree_digest(read_only.parent) == before, args
+    proc = run_cli("-c", str(read_only), "check")
+    assert proc.returncode == 0, describe(proc)  # reads still work on a read-only mount

@@ -37,6 +37,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.pool import NullPool
 
 from statetool.backends.base import Progress
+from statetool.backends.faults import fault
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.sqlite_file import read_header
 from statetool.errors import StateError
@@ -247,20 +248,29 @@ class SqliteBackend:
                              {"path": str(self.path), "files": foreign})
         engine = self._writer_engine(self.path)
         try:
-            with engine.connect() as conn:
+            try:
+                connection = engine.connect()
+            except sa.exc.OperationalError as err:  # "unable to open database file": read-only, permission
+                raise fault(self.path, err) or self._translate(err) from None
+            with connection as conn:
                 try:
                     trans = conn.begin()
                 except sa.exc.OperationalError as err:
                     if "locked" in str(err.orig) or "busy" in str(err.orig):
                         raise StateError(lock_code, f"{self.path} stayed locked by another writer for "
                                          f"{self.lock_wait:g} s (--lock-wait)", {"path": str(self.path)}) from None
-                    raise self._translate(err) from None
+                    raise fault(self.path, err) or self._translate(err) from None
                 with trans:
                     try:
                         yield conn
                     except sa.exc.IntegrityError as err:  # a constraint or a trigger's RAISE: the database refuses
                         raise StateError("RIVET_STATE_WRITE_REFUSED", f"{self.path} refused the write: {err.orig}",
                                          {"path": str(self.path)}) from None
+                    except (sa.exc.OperationalError, OSError) as err:  # read-only, permission, full disk
+                        known = fault(self.path, err)
+                        if known is None:
+                            raise
+                        raise known from None
         finally:
             engine.dispose()
 

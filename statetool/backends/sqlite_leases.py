@@ -40,6 +40,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from statetool.backends.base import HeldLease, Holder, LeaseInfo
+from statetool.backends.faults import fault
 from statetool.backends.proclocks import lock_holders_of
 from statetool.backends.sqlite_file import read_header
 from statetool.errors import StateError
@@ -254,6 +255,15 @@ class FlockLeases:
         return LeaseInfo(key, "live", _holder(_read_doc(fd)))  # taken and released without pause: in use
 
     def try_acquire(self, key: str, holder: Holder) -> HeldLease | LeaseInfo:
+        try:
+            return self._try_acquire(key, holder)
+        except OSError as err:  # a read-only mount, another user's folder, a full disk
+            known = fault(self.directory, err)
+            if known is None:
+                raise
+            raise known from None
+
+    def _try_acquire(self, key: str, holder: Holder) -> HeldLease | LeaseInfo:
         name = key_to_filename(key)
         dfd = self._dir_fd(create=True)
         assert dfd is not None

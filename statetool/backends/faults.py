@@ -1,0 +1,53 @@
+"""Environment faults of a SQLite state, named truly (SPEC §8a): a read-only filesystem, a
+permission the user lacks, a full disk. Each is permanent until someone acts, so none is
+retryable, and none is a bug of statetool.
+
+Given an ``OSError`` or a SQLite error text, :func:`fault` returns the registered error,
+or None when the error is not one of these (the caller handles it as before).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from statetool.errors import StateError
+
+#: SQLite's own texts for these faults (https://www.sqlite.org/rescode.html).
+_SQLITE_READONLY = ("attempt to write a readonly database", "unable to open database file")
+_SQLITE_FULL = ("database or disk is full", "disk i/o error")
+
+
+def _read_only_fs(path: Path) -> bool:
+    """True when the filesystem holding ``path`` (or its nearest existing parent) is
+    mounted read-only (statvfs ``ST_RDONLY``)."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def fault(path: Path, err: BaseException) -> StateError | None:
+    """The registered error for an environment fault met at ``path`` (a state file, a lease
+    sidecar, their directory), or None.
+
+    ``RIVET_STATE_READ_ONLY`` (the filesystem is mounted read-only),
+    ``RIVET_STATE_PERMISSION_DENIED`` (this user may not write there), ``RIVET_STATE_DISK_FULL``.
+    """
+    number = err.errno if isinstance(err, OSError) else None
+    text = str(getattr(err, "orig", err)).lower()
+    where = {"path": str(path)}
+    if number in (errno.ENOSPC, errno.EDQUOT) or any(t in text for t in _SQLITE_FULL):
+        return StateError("RIVET_STATE_DISK_FULL", f"no space left for {path} ({text}); nothing was written", where)
+    if number in (errno.EROFS, errno.EACCES, errno.EPERM) or any(t in text for t in _SQLITE_READONLY):
+        if number == errno.EROFS or _read_only_fs(path):
+            return StateError("RIVET_STATE_READ_ONLY", f"{path} is on a filesystem mounted read-only; nothing was "
+                              "written", where)
+        if number is not None or not os.access(path if path.exists() else path.parent, os.W_OK):
+            return StateError("RIVET_STATE_PERMISSION_DENIED",
+                              f"this user may not write {path} (or its directory): {text}; nothing was written", where)
+    return None
