@@ -384,16 +384,22 @@ def _print_traceback() -> None:
 
 
 def _fail(error: StateError, json_errors: bool) -> NoReturn:
-    if json_errors:  # one line on stderr, without loading rich
-        import json
+    try:
+        if json_errors:  # one line on stderr, without loading rich
+            import json
 
-        from statetool.errors import error_object
+            from statetool.errors import error_object
 
-        sys.stderr.write(json.dumps(error_object(error)) + "\n")
-    else:
-        from statetool.render import print_error
+            sys.stderr.write(json.dumps(error_object(error)) + "\n")
+        else:
+            from statetool.render import print_error
 
-        print_error(error)
+            print_error(error)
+        sys.stderr.flush()
+    except (OSError, SystemExit):
+        # The reader of stderr went away (`2>&1 | head -1`; rich then exits 1 by itself): the
+        # exit code must still be the error's class.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
     raise SystemExit(error.exit_code)
 
 

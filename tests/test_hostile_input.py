@@ -11,6 +11,7 @@ import os
 import shutil
 import sqlite3
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +231,21 @@ def test_writes_on_a_read_only_mount_are_read_only_errors_that_change_nothing(re
         assert tree_digest(read_only.parent) == before, args
     proc = run_cli("-c", str(read_only), "check")
     assert proc.returncode == 0, describe(proc)  # reads still work on a read-only mount
+
+
+def test_the_exit_code_of_a_refusal_does_not_depend_on_whether_stderr_is_still_read(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "pipeline")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    argv = [sys.executable, "-m", "statetool", "-c", str(config), "--state-url", f"sqlite:{empty}", "leases", "run",
+            "--export", "orders", "--", "true"]
+    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
+    read, write = os.pipe()
+    os.close(read)  # nobody reads stderr
+    try:
+        proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=write, env=env, timeout=120)
+    finally:
+        os.close(write)
+    kept = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert kept.returncode == 5, describe(kept)
+    assert proc.returncode == kept.returncode
