@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from statetool.errors import StateError
+from statetool.location import MAX_LEASE_FILE_NAME, lease_file_name
 from statetool.redact import remember_secrets
 
 MODES = ("full", "incremental", "chunked", "cdc")
@@ -155,6 +156,11 @@ class _Reader:
         name = self.scalar(fields.get("name"), "name")
         if not name:
             raise self.fail(node, "an export has no 'name'")
+        if len(lease_file_name(f"chunk-run:{name}")) > MAX_LEASE_FILE_NAME or any(
+                ord(ch) < 32 or ord(ch) == 127 for ch in name):
+            raise self.fail(fields.get("name"), f"export name {name[:60]!r}{'…' if len(name) > 60 else ''} is too long "
+                            f"for its run lease (chunk-run:<name> percent-encoded may take {MAX_LEASE_FILE_NAME} "
+                            "bytes) or holds control characters")
         mode = self.scalar(fields.get("mode"), "mode") or "full"
         if mode not in MODES:
             raise self.fail(fields.get("mode"), f"export '{name}': mode '{mode}' is not one of {', '.join(MODES)}")

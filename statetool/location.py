@@ -20,6 +20,16 @@ from statetool.redact import redact_url, remember_secrets
 STATE_FILE = ".rivet_state.db"
 #: The folder of SQLite lease sidecars beside the state file (SPEC §5, §10).
 LEASE_DIR = ".rivet_state.leases"
+#: The longest sidecar file name (bytes), well inside every filesystem's 255.
+MAX_LEASE_FILE_NAME = 240
+_LEASE_NAME_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def lease_file_name(key: str) -> str:
+    """The sidecar file name of lease ``key`` (SPEC §5): every byte outside ``[A-Za-z0-9_-]``
+    percent-encoded (``.`` and ``/`` too), so no key can name ``..``, a path or a hidden file.
+    May be longer than :data:`MAX_LEASE_FILE_NAME`: callers refuse such keys."""
+    return "".join(ch if ch in _LEASE_NAME_SAFE else "".join(f"%{b:02X}" for b in ch.encode()) for ch in key)
 #: The pipeline config read when no --config/-c is given (SPEC §2).
 DEFAULT_CONFIG = "rivet.yaml"
 LEASES_DIR = ".rivet_state.leases"

@@ -249,3 +249,24 @@ def test_the_exit_code_of_a_refusal_does_not_depend_on_whether_stderr_is_still_r
     kept = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
     assert kept.returncode == 5, describe(kept)
     assert proc.returncode == kept.returncode
+
+
+@pytest.mark.parametrize("cursor", ["", "   ", "2026\x1b[2J", "line\nbreak"])
+def test_an_empty_cursor_or_one_with_control_characters_is_refused_and_nothing_changes(state: Path,
+                                                                                       cursor: str) -> None:
+    before = tree_digest(state.parent)
+    proc = run_cli("-c", str(state), "--json-errors", "exports", "set-cursor", "orders", cursor)
+    assert proc.returncode == 1 and _error(proc)["code"] == "RIVET_CLI_USAGE", describe(proc)
+    assert "\x1b" not in proc.stderr
+    assert tree_digest(state.parent) == before
+
+
+def test_an_export_name_too_long_for_its_lease_is_refused_where_the_config_says_it(tmp_path: Path) -> None:
+    name = "é" * 50  # 2 bytes each, 6 characters each percent-encoded: 300 bytes
+    config = write_config(tmp_path / "pipeline", exports=f"exports:\n  - name: {name}\n    mode: full\n")
+    (tmp_path / "new").mkdir()
+    for args in (("check",), ("relocate", "--to", str(tmp_path / "new"), "--dry-run")):
+        proc = run_cli("-c", str(config), "--json-errors", "--json", *args)
+        assert proc.returncode != 0, describe(proc)  # check: the worst row wins (no state: 5); relocate: 1
+        out = proc.stdout + proc.stderr
+        assert "RIVET_CONFIG_INVALID" in out and f"{config}:4:" in out, describe(proc)

@@ -44,10 +44,8 @@ from statetool.backends.faults import fault
 from statetool.backends.proclocks import lock_holders_of
 from statetool.backends.sqlite_file import read_header
 from statetool.errors import StateError
-from statetool.location import LEASE_DIR
+from statetool.location import LEASE_DIR, MAX_LEASE_FILE_NAME, lease_file_name
 
-_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
-_MAX_NAME = 240
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
@@ -56,10 +54,10 @@ def key_to_filename(key: str) -> str:
     so no key can name ``..``, a path, or a hidden file. Raises ``RIVET_CLI_USAGE`` for an
     empty key or one whose encoding is longer than a file name may be (the key comes from
     user input, e.g. ``--export``: fix the input, not a bug)."""
-    name = "".join(ch if ch in _SAFE else "".join(f"%{b:02X}" for b in ch.encode()) for ch in key)
-    if not name or len(name) > _MAX_NAME:
+    name = lease_file_name(key)
+    if not name or len(name) > MAX_LEASE_FILE_NAME:
         raise StateError("RIVET_CLI_USAGE", f"lease key {key[:60]!r}{'…' if len(key) > 60 else ''} is empty or "
-                         f"too long for a SQLite lease file ({len(name)} bytes encoded, at most {_MAX_NAME})",
+                         f"too long for a SQLite lease file ({len(name)} bytes encoded, at most {MAX_LEASE_FILE_NAME})",
                          {"key": key})
     return name
 

@@ -47,8 +47,13 @@ def _known(ctx: Context, snapshot: Snapshot, name: str) -> str:
 def set_cursor(ctx: Context, name: str, value: str) -> ExportChange:
     """Set export ``name``'s cursor to ``value`` (rewind or advance, on purpose).
 
-    Raises ``RIVET_EXPORT_UNKNOWN`` and every pre-flight code; nothing is written then.
+    Raises ``RIVET_CLI_USAGE`` for an empty cursor or one holding control characters (a
+    terminal escape, a newline: never a value a source would give), ``RIVET_EXPORT_UNKNOWN``
+    and every pre-flight code; nothing is written then.
     """
+    if not value.strip() or any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        raise StateError("RIVET_CLI_USAGE", f"cursor {value!r} is empty or holds control characters; give the value "
+                         "the export's cursor column holds (to start over, use statetool exports reset)")
     e = schema.exports
     with guarded_write(ctx, one_export(name), backup_label=f"set-cursor-{name}",
                        check=lambda snap: _known(ctx, snap, name)) as session:
