@@ -134,6 +134,9 @@ def doctor(ctx: typer.Context,
     g = _g(ctx)
     result = op(g.context(), export)
     _emit(g, result.as_dict(), render.doctor)
+    reason = result.worst
+    if result.exit_code and g.json_errors and reason is not None:
+        render.print_failure_line(reason.code, reason.message)
     if result.exit_code:
         raise typer.Exit(result.exit_code)
 

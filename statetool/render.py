@@ -34,15 +34,20 @@ def print_error(error: StateError) -> None:
     err.print(f"Try: {error.entry.action}")
 
 
-def print_check_failure(check: Any) -> None:
-    """The ``--json-errors`` line of the worst failing check (a warning failed by --strict too)."""
+def print_failure_line(code: str, message: str, error: StateError | None = None) -> None:
+    """The ``--json-errors`` line of a failing row: the error object of ``error`` (or of a
+    registered ``code``), else the warning object of a warning ``code``."""
     from statetool.errors import REGISTRY, StateWarning, warning_object
 
-    if check.error is not None or check.code in REGISTRY:
-        error = check.error or StateError(check.code, check.message)
-        sys.stderr.write(json.dumps(error_object(error)) + "\n")
+    if error is not None or code in REGISTRY:
+        sys.stderr.write(json.dumps(error_object(error or StateError(code, message))) + "\n")
     else:
-        sys.stderr.write(json.dumps(warning_object(StateWarning(check.code, check.message))) + "\n")
+        sys.stderr.write(json.dumps(warning_object(StateWarning(code, message))) + "\n")
+
+
+def print_check_failure(check: Any) -> None:
+    """The ``--json-errors`` line of the worst failing check (a warning failed by --strict too)."""
+    print_failure_line(check.code, check.message, check.error)
 
 
 def print_warnings(warnings: list[dict[str, str]]) -> None:

@@ -270,3 +270,12 @@ def test_an_export_name_too_long_for_its_lease_is_refused_where_the_config_says_
         assert proc.returncode != 0, describe(proc)  # check: the worst row wins (no state: 5); relocate: 1
         out = proc.stdout + proc.stderr
         assert "RIVET_CONFIG_INVALID" in out and f"{config}:4:" in out, describe(proc)
+
+
+def test_doctor_json_errors_prints_the_error_object_of_its_worst_verdict(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "pipeline")  # no state: every export would be a first run
+    proc = run_cli("-c", str(config), "--json-errors", "doctor")
+    assert proc.returncode == 5, describe(proc)
+    err = _error(proc)
+    assert err["code"] == "RIVET_STATE_MISSING" and err["exit_code"] == 5, describe(proc)
+    assert set(err) >= {"error", "exit_class", "code", "kind", "class", "exit_code", "retryable", "action", "message"}

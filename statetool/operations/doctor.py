@@ -24,7 +24,7 @@ from statetool.backends import open_leases
 from statetool.backends.mounts import mount_of
 from statetool.backends.tombstone import read_tombstone
 from statetool.config import Export
-from statetool.errors import REGISTRY, WARNINGS, StateError
+from statetool.errors import REGISTRY, WARNINGS, StateError, worst
 from statetool.identity import identity_verdict
 from statetool.location import LEASE_DIR, STATE_FILE, Location, checkpoint_relative_message, resolve_checkpoint
 from statetool.operations.context import Context
@@ -89,6 +89,15 @@ class DoctorResult:
     def exit_code(self) -> int:
         """0 when every export resumes; 5 (refusal) when any would first-run."""
         return 5 if any(e.verdict == "first_run" for e in self.exports) else 0
+
+    @property
+    def worst(self) -> Reason | None:
+        """The reason that explains the verdict best, for ``--json-errors``: among the
+        first-run exports' reasons, the registered error whose class ranks highest
+        (:func:`statetool.errors.worst`), else the first warning; None when every export resumes."""
+        reasons = [r for e in self.exports if e.verdict == "first_run" for r in e.reasons]
+        code = worst([r.code for r in reasons if r.code in REGISTRY])
+        return next((r for r in reasons if r.code == code), reasons[0] if reasons else None)
 
     def as_dict(self) -> dict[str, Any]:
         """``{"exports": [...], "state": {...}}``."""
