@@ -119,7 +119,8 @@ def check(ctx: typer.Context,
     if os.environ.get("GITHUB_ACTIONS") == "true":
         render.github_annotations(result.as_dict()["checks"], to_stderr=g.json)
     if result.worst is not None and g.json_errors:
-        render.print_check_failure(result.worst)
+        w = result.worst
+        render.print_failure_line(w.code, w.message, w.error, result.failures)
     if result.exit_code:
         raise typer.Exit(result.exit_code)
 
@@ -136,7 +137,7 @@ def doctor(ctx: typer.Context,
     _emit(g, result.as_dict(), render.doctor)
     reason = result.worst
     if result.exit_code and g.json_errors and reason is not None:
-        render.print_failure_line(reason.code, reason.message)
+        render.print_failure_line(reason.code, reason.message, failures=result.failures)
     if result.exit_code:
         raise typer.Exit(result.exit_code)
 
@@ -420,12 +421,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(done.exit_code) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None
-    except Exception as exc:  # noqa: BLE001 - the one place an unexpected error is turned into RIVET_INTERNAL
+    except typer.TyperException as exc:  # the argument parser's usage errors
         if type(exc).__name__ == "NoArgsIsHelpError":  # a bare command group: its help is the answer
-            sys.stdout.write(exc.format_message() + "\n")  # type: ignore[attr-defined]
+            sys.stdout.write(exc.format_message() + "\n")
             raise SystemExit(0) from None
-        if callable(getattr(exc, "format_message", None)):  # the argument parser's usage errors
-            _fail(StateError("RIVET_CLI_USAGE", exc.format_message()), json_errors)
+        _fail(StateError("RIVET_CLI_USAGE", exc.format_message()), json_errors)
+    except OSError as exc:  # an environment fault no layer below named: name it, never call it a bug
+        from statetool.backends.faults import os_fault
+
+        if debug:
+            _print_traceback()
+        _fail(os_fault(exc) or internal_error(exc), json_errors)
+    except Exception as exc:  # noqa: BLE001 - the one place an unexpected error is turned into RIVET_INTERNAL
         if _interrupted(exc):
             # Ctrl-C while a transaction was open: the driver's cleanup error hides the
             # interrupt. Every write is one transaction, so nothing was committed.

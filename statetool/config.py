@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from statetool.access import denied
 from statetool.errors import StateError
 from statetool.location import MAX_LEASE_FILE_NAME, lease_file_name
 from statetool.redact import remember_secrets
@@ -81,6 +82,8 @@ def load_config(path: str | os.PathLike[str]) -> PipelineConfig:
     except FileNotFoundError:
         raise StateError("RIVET_CONFIG_NOT_FOUND", f"pipeline config {file} does not exist",
                          {"file": str(file)}) from None
+    except PermissionError:
+        raise denied(file, "read the pipeline config") from None
     except (OSError, UnicodeDecodeError) as err:
         raise StateError("RIVET_CONFIG_NOT_FOUND", f"pipeline config {file} cannot be read: {err}",
                          {"file": str(file)}) from None

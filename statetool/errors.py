@@ -86,7 +86,8 @@ REGISTRY: dict[str, Entry] = {
     ),
     "RIVET_STATE_DIR_MISSING": _e(
         "usage", "generic",
-        "mount or create the declared state directory first; statetool never creates it, "
+        "mount or create the declared state directory first (a sqlite: location names a directory, never a "
+        "file); statetool never creates it, "
         "because a missing mount would hide the real state",
     ),
     "RIVET_STATE_SQL_UNSUPPORTED": _e(
@@ -124,8 +125,8 @@ REGISTRY: dict[str, Entry] = {
     ),
     "RIVET_STATE_PERMISSION_DENIED": _e(
         "environment", "generic",
-        "run as the user that owns the state (or grant this one write access to the file and its directory), "
-        "then re-run",
+        "run as the user that owns the file named in the message (or grant this user access to it and to each "
+        "directory above it), then re-run",
     ),
     # generic, not retryable: a re-run fails the same way until someone frees space.
     "RIVET_STATE_DISK_FULL": _e(
@@ -293,8 +294,7 @@ class StateError(Exception):
         return self.message
 
 
-def error_object(err: StateError) -> dict[str, Any]:
-    """The ``--json-errors`` object of SPEC §7: every key present, ``exit_class`` an int."""
+def _object(err: StateError) -> dict[str, Any]:
     entry = err.entry
     return {
         "error": err.message,
@@ -309,13 +309,41 @@ def error_object(err: StateError) -> dict[str, Any]:
     }
 
 
-def warning_object(warning: StateWarning) -> dict[str, Any]:
-    """The error object of a warning that ``check --strict`` failed: class refusal (5)."""
+def _warning(warning: StateWarning) -> dict[str, Any]:
     return {
         "error": warning.message, "exit_class": EXIT_CODES["refusal"], "code": warning.code, "kind": "warning",
         "class": "refusal", "exit_code": EXIT_CODES["refusal"], "retryable": False, "action": warning.action,
         "message": warning.message,
     }
+
+
+def unit_failure(export: str, code: str, message: str, error: StateError | None = None) -> dict[str, Any]:
+    """One entry of ``failures[]`` (ADR-0039 D2): the object of an export's failure (of
+    ``error``, else of the registered ``code``, else of the warning ``code`` that
+    ``check --strict`` failed) plus ``export``."""
+    if error is None and code not in REGISTRY:
+        return {**_warning(StateWarning(code, message)), "export": export}
+    return {**_object(error or StateError(code, message)), "export": export}
+
+
+def error_object(err: StateError, failures: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The ``--json-errors`` object of SPEC §7: every key present, ``exit_class`` an int.
+
+    The top-level keys describe ``err``, the worst failure. ``failures`` (ADR-0039 D2)
+    holds each failed unit (an export) as a :func:`unit_failure` entry. When not given,
+    an error raised for one export (``details["export"]``) is its own one unit and any
+    other error belongs to no unit: ``failures: []``.
+    """
+    if failures is None:
+        export = err.details.get("export")
+        failures = [{**_object(err), "export": export}] if isinstance(export, str) else []
+    return {**_object(err), "failures": failures}
+
+
+def warning_object(warning: StateWarning, failures: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The error object of a warning that ``check --strict`` failed: class refusal (5);
+    ``failures`` as in :func:`error_object` (``[]`` when not given)."""
+    return {**_warning(warning), "failures": failures or []}
 
 
 def internal_error(exc: BaseException) -> StateError:

@@ -34,20 +34,18 @@ def print_error(error: StateError) -> None:
     err.print(f"Try: {error.entry.action}")
 
 
-def print_failure_line(code: str, message: str, error: StateError | None = None) -> None:
+def print_failure_line(code: str, message: str, error: StateError | None = None,
+                       failures: list[dict[str, Any]] | None = None) -> None:
     """The ``--json-errors`` line of a failing row: the error object of ``error`` (or of a
-    registered ``code``), else the warning object of a warning ``code``."""
+    registered ``code``), else the warning object of a warning ``code``; ``failures`` are
+    the failed exports (:func:`statetool.errors.unit_failure`), ``[]`` when none is given."""
     from statetool.errors import REGISTRY, StateWarning, warning_object
 
     if error is not None or code in REGISTRY:
-        sys.stderr.write(json.dumps(error_object(error or StateError(code, message))) + "\n")
+        line = error_object(error or StateError(code, message), failures or [])
     else:
-        sys.stderr.write(json.dumps(warning_object(StateWarning(code, message))) + "\n")
-
-
-def print_check_failure(check: Any) -> None:
-    """The ``--json-errors`` line of the worst failing check (a warning failed by --strict too)."""
-    print_failure_line(check.code, check.message, check.error)
+        line = warning_object(StateWarning(code, message), failures)
+    sys.stderr.write(json.dumps(line) + "\n")
 
 
 def print_warnings(warnings: list[dict[str, str]]) -> None:

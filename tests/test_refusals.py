@@ -21,7 +21,7 @@ STATE = ".rivet_state.db"
 OTHER = "postgresql://reader@db-old.internal:5432/sales"
 OTHER_KEY = "postgresql://db-old.internal:5432/sales"
 UNKNOWN_REVISION = "0099_from_the_future"
-ERROR_KEYS = {"error", "exit_class", "code", "kind", "class", "exit_code", "retryable", "action", "message"}
+ERROR_KEYS = {"error", "exit_class", "code", "kind", "class", "exit_code", "retryable", "action", "message", "failures"}
 WRITES = (("migrate",), ("identity", "adopt"), ("exports", "reset", "orders"))
 
 

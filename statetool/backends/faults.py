@@ -12,6 +12,7 @@ import errno
 import os
 from pathlib import Path
 
+from statetool.access import denied
 from statetool.errors import StateError
 
 #: SQLite's own texts for these faults (https://www.sqlite.org/rescode.html).
@@ -51,3 +52,25 @@ def fault(path: Path, err: BaseException) -> StateError | None:
             return StateError("RIVET_STATE_PERMISSION_DENIED",
                               f"this user may not write {path} (or its directory): {text}; nothing was written", where)
     return None
+
+
+def os_fault(err: OSError) -> StateError | None:
+    """The registered error of an environment fault that reached a command's boundary
+    unnamed (an ``OSError`` with a file name), or None (then it is a bug: ``RIVET_INTERNAL``).
+
+    ``RIVET_STATE_PERMISSION_DENIED`` (EACCES/EPERM off a read-only mount),
+    ``RIVET_STATE_READ_ONLY`` (EROFS), ``RIVET_STATE_DISK_FULL`` (ENOSPC/EDQUOT),
+    ``RIVET_STATE_UNSAFE_FILE`` (ELOOP: a symlink met where ``O_NOFOLLOW`` forbids one),
+    ``RIVET_STATE_DIR_MISSING`` (ENOTDIR: a file where a directory is expected)."""
+    if err.filename is None:
+        return None
+    path = Path(os.fsdecode(err.filename))
+    if err.errno in (errno.EACCES, errno.EPERM) and not _read_only_fs(path):
+        return denied(path, "open")
+    if err.errno == errno.ELOOP:
+        return StateError("RIVET_STATE_UNSAFE_FILE", f"{path} is a symlink where statetool follows none; "
+                          "nothing was written", {"path": str(path)})
+    if err.errno == errno.ENOTDIR:
+        return StateError("RIVET_STATE_DIR_MISSING", f"a part of {path} is a file where a directory is expected",
+                          {"path": str(path)})
+    return fault(path, err)

@@ -40,6 +40,7 @@ from statetool.backends.base import Progress
 from statetool.backends.faults import fault
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.sqlite_file import read_header
+from statetool.access import denied
 from statetool.errors import StateError
 from statetool.location import Location
 
@@ -98,7 +99,39 @@ class SqliteBackend:
     # -- reading ---------------------------------------------------------------------
 
     def present(self) -> bool:
-        return os.path.lexists(self.path)
+        """True when something stands at the state's path; False when nothing does.
+
+        Raises ``RIVET_STATE_PERMISSION_DENIED`` when this user may not look (a directory
+        it may not enter is not a missing state, SPEC §8a), and ``RIVET_STATE_DIR_MISSING``
+        when the declared directory does not exist or is a file (with the spelling that
+        names a directory when the file named is the state itself)."""
+        try:
+            os.lstat(self.path)
+            return True
+        except FileNotFoundError:
+            pass
+        except PermissionError:
+            raise denied(self.path, "look at") from None
+        except NotADirectoryError:
+            raise self._not_a_directory() from None
+        if self.location.scope == "declared_dir" and not os.path.lexists(self.path.parent):
+            raise StateError("RIVET_STATE_DIR_MISSING",
+                             f"the declared state directory {self.path.parent} does not exist (a volume that did "
+                             f"not mount?){self._spelling_hint()}", {"path": str(self.path.parent)})
+        return False
+
+    def _spelling_hint(self) -> str:
+        directory = self.path.parent
+        if directory.name == self.path.name or directory.suffix == ".db":
+            return (f"; a sqlite: location names the directory that holds {self.path.name}: "
+                    f"sqlite:{directory.parent}")
+        return ""
+
+    def _not_a_directory(self) -> StateError:
+        directory = self.path.parent
+        hint = self._spelling_hint() or f"; a sqlite: location names the directory that holds {self.path.name}"
+        return StateError("RIVET_STATE_DIR_MISSING", f"{directory} is a file, not a directory{hint}",
+                          {"path": str(directory)})
 
     def _header(self) -> bytes:
         return read_header(self.path)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from statetool.errors import EXIT_CODES, REGISTRY, STOP_RANK
+from statetool.errors import EXIT_CODES, REGISTRY, STOP_RANK, unit_failure
 from statetool.operations.context import Context
 from statetool.operations.preflight import Check, Preflight, run_preflight
 
@@ -21,6 +22,13 @@ class CheckResult:
     def ok(self) -> bool:
         """True when no row failed."""
         return self.exit_code == 0
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        """The ``failures[]`` of ``--json-errors`` (ADR-0039 D2): each failing row of one
+        export (``doctor:<export>``) as :func:`~statetool.errors.unit_failure`."""
+        return [unit_failure(c.id.split(":", 1)[1], c.code, c.message, c.error) for c in self.checks
+                if c.status == "fail" and c.code and c.id.startswith("doctor:")]
 
     def as_dict(self) -> dict[str, object]:
         """``{"ok": bool, "checks": [{id, status, code, message, action}, ...]}``."""
@@ -40,7 +48,7 @@ def check(ctx: Context, *, strict: bool = False) -> CheckResult:
     config_read = not any(c.id == "config" and c.status == "fail" for c in pf.checks)
     rows = pf.checks + (_doctor_rows(ctx, pf) if pf.snapshot is not None and config_read else [])
     if strict:
-        rows = [Check(c.id, "fail", c.message, c.code) if c.status == "warn" else c for c in rows]
+        rows = [Check(c.id, "fail", c.message, c.code, c.error) if c.status == "warn" else c for c in rows]
     failed = [c for c in rows if c.status == "fail" and c.code]
     worst = max(reversed(failed), key=lambda c: STOP_RANK[_exit_class(c.code)], default=None)
     return CheckResult(rows, EXIT_CODES[_exit_class(worst.code)] if worst and worst.code else 0, worst)

@@ -24,7 +24,7 @@ from statetool.backends import open_leases
 from statetool.backends.mounts import mount_of
 from statetool.backends.tombstone import read_tombstone
 from statetool.config import Export
-from statetool.errors import REGISTRY, WARNINGS, StateError, worst
+from statetool.errors import REGISTRY, WARNINGS, StateError, unit_failure, worst
 from statetool.identity import identity_verdict
 from statetool.location import LEASE_DIR, STATE_FILE, Location, checkpoint_relative_message, resolve_checkpoint
 from statetool.operations.context import Context
@@ -98,6 +98,18 @@ class DoctorResult:
         reasons = [r for e in self.exports if e.verdict == "first_run" for r in e.reasons]
         code = worst([r.code for r in reasons if r.code in REGISTRY])
         return next((r for r in reasons if r.code == code), reasons[0] if reasons else None)
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        """The ``failures[]`` of ``--json-errors`` (ADR-0039 D2): each export that would
+        start as a first run, with the registered reason whose class ranks highest."""
+        out = []
+        for e in self.exports:
+            code = worst([r.code for r in e.reasons if r.code in REGISTRY]) if e.verdict == "first_run" else None
+            reason = next((r for r in e.reasons if r.code == code), None)
+            if reason is not None:
+                out.append(unit_failure(e.name, reason.code, reason.message))
+        return out
 
     def as_dict(self) -> dict[str, Any]:
         """``{"exports": [...], "state": {...}}``."""
@@ -409,10 +421,13 @@ def doctor(ctx: Context, export: str | None = None) -> DoctorResult:
                     progress = _progress(conn, snap.tables, [e.name for e in exports])
                     resets = _last_resets(conn, snap.tables)
     except StateError as err:
-        if err.code not in FIRST_RUN_CODES:
+        if err.code in {r.code for r in state_reasons}:
+            present = False  # a declared directory that is missing, already a reason
+        elif err.code not in FIRST_RUN_CODES:
             raise  # unreachable, locked, interrupted: no verdict can be given, say why
-        state_reasons.append(Reason(err.code, err.message, err.details))
-        present = True
+        else:
+            state_reasons.append(Reason(err.code, err.message, err.details))
+            present = True
     if not present and not any(r.code == "RIVET_STATE_MISSING" for r in state_reasons):
         state_reasons.append(Reason("RIVET_STATE_MISSING", f"no state at {location.display}: every export starts "
                                     "from nothing", {"path": str(location.path) if location.path else None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from statetool.backends.base import Backend
+from statetool.backends.faults import os_fault
 from statetool.errors import REGISTRY, WARNINGS, StateError, StateWarning
 from statetool.identity import Verdict, identity_verdict
 from statetool.operations.context import Context
@@ -22,7 +23,8 @@ CHECK_IDS = ("location", "config", "state", "format", "integrity", "revision", "
 
 #: The row a failure to read the state belongs to (anything else: ``integrity``).
 _READ_FAILURE_ROW = {"RIVET_STATE_NOT_A_STATE": "format", "RIVET_STATE_MISSING": "format",
-                     "RIVET_STATE_RELOCATED": "relocated"}
+                     "RIVET_STATE_RELOCATED": "relocated", "RIVET_STATE_PERMISSION_DENIED": "state",
+                     "RIVET_STATE_UNSAFE_FILE": "state"}
 
 
 @dataclass
@@ -138,7 +140,7 @@ def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = Fals
         return pf
     pf.add("state", "ok", f"found at {location.display}")
     try:
-        snap = _read(backend, recover, progress, integrity)
+        snap = _read_named(backend, recover, progress, integrity)
     except StateError as err:
         pf.fail(err, _READ_FAILURE_ROW.get(err.code, "integrity"))
         pf.skip_rest("the state cannot be read")
@@ -155,6 +157,15 @@ def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = Fals
     else:
         pf.skip_rest("revision unknown to this release")
     return pf
+
+
+def _read_named(backend: Backend, recover: bool, progress: bool, integrity: bool) -> Snapshot:
+    """:func:`_read`, with an environment fault met on the way (a state file this user may
+    not open, say) raised as its registered error, so it becomes a ``fail`` row."""
+    try:
+        return _read(backend, recover, progress, integrity)
+    except OSError as exc:
+        raise os_fault(exc) or exc from None
 
 
 def _check_leases(pf: Preflight, ctx: Context, for_write: bool) -> None:
