@@ -93,7 +93,9 @@ def _emit(g: Globals, doc: dict[str, Any], human: Any) -> None:
 
         sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
     else:
-        human(doc)
+        from statetool.render import human as show
+
+        show(human, doc)
 
 
 @app.command()

@@ -28,9 +28,32 @@ out = Console(highlight=False, soft_wrap=False, markup=False,
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+#: C0 and C1 control characters and DEL, each shown as an escape: text read from a state
+#: (cursors, holders, commands, run errors) must not move the cursor, retitle the terminal
+#: or overwrite a line (SPEC §8a). Newline and tab stay (``migrate --sql`` prints lines).
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (9, 10)} | {13: "\\r"}
+
+
+def visible(value: Any) -> Any:
+    """``value`` with every control character in its strings escaped (``\\x1b``), walking
+    dicts, lists and tuples; other values are returned as they are."""
+    if isinstance(value, str):
+        return value.translate(_ESCAPES)
+    if isinstance(value, dict):
+        return {k: visible(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [visible(v) for v in value]
+    return value
+
+
+def human(renderer: Callable[[dict[str, Any]], None], doc: dict[str, Any]) -> None:
+    """Render ``doc`` for people with :func:`visible` text (JSON output escapes by itself)."""
+    renderer(visible(doc))
+
+
 def print_error(error: StateError) -> None:
     """``Error: …`` and ``Try: …`` on stderr (the ``--json-errors`` line is cli.py's)."""
-    err.print(Text.assemble(("Error", "bold red"), f" [{error.code}]: {error.message}"))
+    err.print(Text.assemble(("Error", "bold red"), f" [{error.code}]: {visible(error.message)}"))
     err.print(f"Try: {error.entry.action}")
 
 
@@ -203,7 +226,7 @@ def relocate(doc: dict[str, Any]) -> None:
 
 
 def _annotation_escape(text: str) -> str:
-    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    return visible(text).replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
 
 
 def github_annotations(rows: list[dict[str, Any]], to_stderr: bool) -> None:

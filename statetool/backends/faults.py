@@ -74,3 +74,35 @@ def os_fault(err: OSError) -> StateError | None:
         return StateError("RIVET_STATE_DIR_MISSING", f"a part of {path} is a file where a directory is expected",
                           {"path": str(path)})
     return fault(path, err)
+
+
+#: Room a write needs beyond its backup: the rollback journal or WAL frames of a change,
+#: the lease records, SQLite's shared-memory file (bytes).
+WRITE_MARGIN = 1 << 20
+
+
+def refuse_unwritable(path: Path, *, directories: tuple[Path, ...], need: int) -> None:
+    """Refuse, before any file is opened for writing, a write at ``path`` (an existing file
+    or one to be created in ``directories[0]``) that this filesystem or this user cannot
+    complete (SPEC §8a): otherwise SQLite leaves a ``-wal``/``-shm`` pair behind, or a
+    lease record is written that the write then cannot use.
+
+    ``directories`` are the places the write creates files in (the state's directory,
+    its lease folder when it exists); ``need`` the free bytes it needs there.
+    Raises ``RIVET_STATE_READ_ONLY``, ``RIVET_STATE_PERMISSION_DENIED``,
+    ``RIVET_STATE_DISK_FULL``."""
+    exists = os.path.lexists(path)
+    if _read_only_fs(path if exists else directories[0]):
+        raise StateError("RIVET_STATE_READ_ONLY", f"{path if exists else directories[0]} is on a filesystem mounted "
+                         "read-only; nothing was written", {"path": str(path)})
+    wanted = [(d, os.W_OK | os.X_OK) for d in directories if os.path.isdir(d)] + ([(path, os.W_OK)] if exists else [])
+    for target, mode in wanted:
+        if not os.access(target, mode, effective_ids=os.access in os.supports_effective_ids):
+            raise denied(target, "write")
+    st = os.statvfs(directories[0])
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise StateError("RIVET_STATE_DISK_FULL", f"{free} bytes free on the filesystem of {directories[0]}; this "
+                         f"write needs at least {need} (a backup as large as the state, and room for the change); "
+                         "nothing was written", {"path": str(directories[0]), "free_bytes": free, "need_bytes": need})
+

@@ -102,6 +102,10 @@ class PostgresBackend:
                             {"s": self.schema}).all()
         return {r[0] for r in rows}
 
+    def check_writable(self, *, backup: bool) -> None:
+        """Nothing to look at before the server is asked: the server checks rights and
+        space in the write's own transaction, and nothing of it outlives a failed write."""
+
     def present(self) -> bool:
         with self._connect(read_only=True) as conn:
             return bool(self.table_names(conn))

@@ -36,13 +36,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.pool import NullPool
 
+from statetool.access import denied
 from statetool.backends.base import Progress
-from statetool.backends.faults import fault
+from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.sqlite_file import read_header
-from statetool.access import denied
 from statetool.errors import StateError
-from statetool.location import Location
+from statetool.location import LEASE_DIR, Location
 
 if TYPE_CHECKING:
     from statetool.backends.sqlite_leases import FlockLeases
@@ -119,6 +119,15 @@ class SqliteBackend:
                              f"the declared state directory {self.path.parent} does not exist (a volume that did "
                              f"not mount?){self._spelling_hint()}", {"path": str(self.path.parent)})
         return False
+
+    def check_writable(self, *, backup: bool) -> None:
+        """Refuse a write this user or this filesystem cannot complete before any file is
+        opened for writing (:func:`~statetool.backends.faults.refuse_unwritable`): the
+        state's directory, its lease folder and the file must be writable, and there must
+        be room for a backup as large as the state (with ``backup``) and the change."""
+        size = self.path.stat().st_size if os.path.isfile(self.path) else 0
+        refuse_unwritable(self.path, directories=(self.path.parent, self.path.parent / LEASE_DIR),
+                          need=(2 * size if backup else 0) + WRITE_MARGIN)
 
     def _spelling_hint(self) -> str:
         directory = self.path.parent

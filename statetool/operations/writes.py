@@ -178,6 +178,7 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
     snap = require(pf, allow=allow)
     if check is not None:
         check(snap)
+    ctx.backend().check_writable(backup=backup_label is not None)
     if scope.whole_state or scope.export is not None:
         # Wait for the state's write lock once before any lease is taken, holding nothing:
         # a write refused because another writer keeps the state busy leaves no lease file.
@@ -229,4 +230,6 @@ def create_state(ctx: Context, build: Callable[[Connection], None], key: str) ->
             _write_identity(conn, ctx, key, "stamp", None, "")
         _write_audit(conn, ctx, "init", {"revision": migrations.head(), "state_key": key or None})
 
-    ctx.backend().create(whole)
+    backend = ctx.backend()
+    backend.check_writable(backup=False)
+    backend.create(whole)

@@ -1,0 +1,358 @@
+"""The fault matrix of issue 10 (SPEC §8a): every write command against a state whose
+environment is broken in one of the ways operators meet, each made for real:
+
+- ``read-only``: the state's directory bind-mounted read-only (``mount --bind -o ro``);
+- ``full-disk``: the state on a small tmpfs filled to the last byte;
+- ``nobody``: a state of root's (directory 0755, files 0644) run by ``nobody``;
+- ``nobody-open-dir``: the same with a directory every user may create files in (1777),
+  so that nobody *can* leave files behind (lease records, backups) where it may not write
+  the state.
+
+Each command must fail with the fault's registered code and class (never ``RIVET_INTERNAL``),
+and leave the state and its directory as they were: the same files, the same bytes
+(lease sidecars are compared by name: their content is the lease's own bookkeeping), no
+temp file. Commands run as another user use ``/usr/bin/python3`` with a copy of this test
+environment's packages in a directory every user may read (the default interpreter of the
+session lives under ``/root``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import statetool
+from conftest import describe, run_cli, tree_digest, write_config
+from statetool.errors import REGISTRY
+from statetool.location import LEASE_DIR, STATE_FILE
+
+SOURCE = "postgresql://reader@db.internal:5432/sales"
+KEY = "postgresql://db.internal:5432/sales"
+Runner = Callable[..., subprocess.CompletedProcess[str]]
+
+EXPECTED = {"read-only": "RIVET_STATE_READ_ONLY", "full-disk": "RIVET_STATE_DISK_FULL",
+            "nobody": "RIVET_STATE_PERMISSION_DENIED", "nobody-open-dir": "RIVET_STATE_PERMISSION_DENIED"}
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:  # said loudly: without root there is no mount and no other user
+        message = "the fault matrix needs root (mounts, another user)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def as_nobody() -> Iterator[Runner]:
+    """``run(*args, cwd=, env=)``: the real CLI as user ``nobody``."""
+    _require_root()
+    root = Path(tempfile.mkdtemp(prefix="statetool-nobody-"))
+    site = root / "site"
+    shutil.copytree(sysconfig.get_paths()["purelib"], site, symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "pip", "pip-*", "_pytest", "pytest", "pytest-*"))
+    package = Path(statetool.__file__).parent
+    shutil.copytree(package, site / "statetool", dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    if not (site / "statetool" / "_alembic").is_dir():  # an editable install: the revisions are in the tree
+        shutil.copytree(package.parent / "alembic", site / "statetool" / "_alembic")
+    subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True)
+
+    def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        full = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1",
+                "COLUMNS": "200", "NO_COLOR": "1", "HOME": "/nonexistent", **(env or {})}
+        return subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/env", "-i",
+                               *[f"{k}={v}" for k, v in full.items()],
+                               "/usr/bin/python3", "-s", "-m", "statetool", *args],
+                              cwd=cwd or "/", text=True, capture_output=True, timeout=timeout)
+
+    yield run
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _ok(*args: str, env: dict[str, str] | None = None) -> None:
+    proc = run_cli(*args, env=env)
+    assert proc.returncode == 0, describe(proc)
+
+
+def _stale_lease(config: Path) -> None:
+    """Leave ``chunk-run:orders`` stale: its holder and the holder's command SIGKILLed."""
+    holder = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(config), "leases", "run", "--export",
+                               "orders", "--", "sleep", "300"], start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        listing = run_cli("-c", str(config), "--json", "leases", "list")
+        if any(r["key"] == "chunk-run:orders" and r["state"] == "live" for r in json.loads(listing.stdout)["leases"]):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the lease holder never showed as live")
+    os.killpg(holder.pid, signal.SIGKILL)
+    holder.wait()
+
+
+def _build(directory: Path, *, revision: str | None = None, identity: bool = True) -> Path:
+    """A state beside a config in ``directory`` with progress, a stale lease (so ``leases
+    release`` has something to write), the identity of :data:`SOURCE` recorded (without
+    ``identity``: none, so ``identity adopt`` has) and, with ``revision``, moved down to
+    that revision (so ``migrate`` has)."""
+    config = write_config(directory, source_url=SOURCE if identity else None)
+    _ok("-c", str(config), "init")
+    _ok("-c", str(config), "exports", "set-cursor", "orders", "2026-01-01")
+    if revision:
+        _ok("-c", str(config), "migrate", "--to", revision, "--allow-data-loss")
+    else:
+        _stale_lease(config)
+    write_config(directory, source_url=SOURCE)
+    for backup in directory.glob(f"{STATE_FILE}.backup-*"):
+        backup.unlink()
+    return config
+
+
+def _fill(directory: Path) -> None:
+    """Fill the filesystem holding ``directory`` to the last byte."""
+    with open(directory / "filler", "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 4096)
+        except OSError:
+            pass
+        try:
+            while True:
+                fh.write(b"\0")
+        except OSError:
+            pass
+
+
+def _mount(*args: str) -> None:
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if proc.returncode != 0:  # said loudly: this fault class is untested on this machine
+        pytest.fail(f"mount {' '.join(args)}: {proc.stderr.strip()}")
+
+
+class Place:
+    """A broken environment: the config of a state in it, a runner, and the directories
+    whose content must not change."""
+
+    def __init__(self, config: Path, run: Runner, empty: Path) -> None:
+        self.config, self.run, self.empty = config, run, empty
+
+    def snapshot(self) -> dict[str, Any]:
+        directory = self.config.parent
+        leases = directory / LEASE_DIR
+        files = {k: v for k, v in tree_digest(directory).items() if not k.startswith(LEASE_DIR + "/")}
+        return {"files": files, "leases": sorted(p.name for p in leases.iterdir()) if leases.is_dir() else None,
+                "empty": sorted(p.name for p in self.empty.iterdir())}
+
+
+@pytest.fixture
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., Place]]:
+    """``make(revision, identity=True)``: a state (:func:`_build`) in the broken environment ``request.param``; an empty
+    directory beside it in the same environment is ``Place.empty`` (for ``init``)."""
+    _require_root()
+    kind: str = request.param
+    cleanups: list[Callable[[], None]] = []
+
+    def make(revision: str | None, identity: bool = True) -> Place:
+        if kind == "read-only":
+            source = tmp_path / "rw"
+            config = _build(source / "pipeline", revision=revision, identity=identity)
+            (source / "empty").mkdir()
+            view = tmp_path / "ro"
+            view.mkdir()
+            _mount("--bind", "-o", "ro", str(source), str(view))
+            cleanups.append(lambda: subprocess.run(["umount", str(view)], check=True))
+            return Place(view / "pipeline" / config.name, run_cli, view / "empty")
+        if kind == "full-disk":
+            disk = tmp_path / "disk"
+            disk.mkdir()
+            _mount("-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk))
+            cleanups.append(lambda: subprocess.run(["umount", "-l", str(disk)], check=True))
+            config = _build(disk / "pipeline", revision=revision, identity=identity)
+            (disk / "empty").mkdir()
+            _fill(disk)
+            return Place(config, run_cli, disk / "empty")
+        runner = request.getfixturevalue("as_nobody")
+        shared = Path(tempfile.mkdtemp(prefix="statetool-matrix-"))
+        cleanups.append(lambda: shutil.rmtree(shared, ignore_errors=True))
+        shared.chmod(0o755)
+        config = _build(shared / "pipeline", revision=revision, identity=identity)
+        (shared / "empty").mkdir(mode=0o755)
+        subprocess.run(["chmod", "-R", "u+rwX,go+rX,go-w", str(shared)], check=True)
+        if kind == "nobody-open-dir":
+            for directory in (config.parent, config.parent / LEASE_DIR, shared / "empty"):
+                directory.chmod(0o1777)
+        return Place(config, runner, shared / "empty")
+
+    yield make
+    for cleanup in reversed(cleanups):
+        cleanup()
+
+
+def _assert_fault(proc: subprocess.CompletedProcess[str], kind: str, what: str) -> None:
+    assert proc.returncode != 0, f"{what} succeeded in a {kind} environment\n{describe(proc)}"
+    lines = proc.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("{"), f"{what}: no error object\n{describe(proc)}"
+    error = json.loads(lines[-1])
+    assert error["code"] == EXPECTED[kind], f"{what} in a {kind} environment\n{describe(proc)}"
+    assert error["code"] != "RIVET_INTERNAL" and "Traceback" not in proc.stderr, describe(proc)
+    entry = REGISTRY[error["code"]]
+    assert (proc.returncode, error["exit_code"], error["retryable"]) == (entry.exit_code, entry.exit_code,
+                                                                        entry.retryable), describe(proc)
+
+
+WRITES = {
+    "exports set-cursor": ("exports", "set-cursor", "orders", "2026-02-02"),
+    "exports reset": ("exports", "reset", "orders"),
+    "identity rekey": ("identity", "rekey", "--old", KEY, "--new", "postgresql://db.moved:5432/sales"),
+    "leases release": ("leases", "release", "chunk-run:orders", "--reason", "fault matrix"),
+    "leases run": ("leases", "run", "--export", "orders", "--", "true"),
+}
+KINDS = list(EXPECTED)
+
+
+@pytest.mark.parametrize("place", KINDS, indirect=True)
+def test_every_write_fails_with_the_faults_code_and_changes_nothing(place: Callable[..., Place],
+                                                                    request: pytest.FixtureRequest) -> None:
+    kind = request.node.callspec.params["place"]
+    where = place(None)
+    before = where.snapshot()
+    for what, args in WRITES.items():
+        proc = where.run("-c", str(where.config), "--json-errors", "--lock-wait", "0", *args)
+        if not (kind == "full-disk" and what == "leases run" and proc.returncode == 0):
+            _assert_fault(proc, kind, what)  # (a lease record rewrites the block its sidecar has: it may succeed)
+        assert where.snapshot() == before, f"{what} changed the state's directory in a {kind} environment"
+
+
+@pytest.mark.parametrize("place", KINDS, indirect=True)
+def test_identity_adopt_fails_with_the_faults_code_and_changes_nothing(place: Callable[..., Place],
+                                                                      request: pytest.FixtureRequest) -> None:
+    kind = request.node.callspec.params["place"]
+    where = place(None, identity=False)
+    before = where.snapshot()
+    proc = where.run("-c", str(where.config), "--json-errors", "--lock-wait", "0", "identity", "adopt")
+    _assert_fault(proc, kind, "identity adopt")
+    assert where.snapshot() == before
+
+
+@pytest.mark.parametrize("place", KINDS, indirect=True)
+def test_migrate_fails_with_the_faults_code_and_changes_nothing(place: Callable[..., Place],
+                                                               request: pytest.FixtureRequest) -> None:
+    kind = request.node.callspec.params["place"]
+    where = place("0002")
+    before = where.snapshot()
+    proc = where.run("-c", str(where.config), "--json-errors", "--lock-wait", "0", "migrate")
+    _assert_fault(proc, kind, "migrate")
+    assert where.snapshot() == before
+
+
+@pytest.mark.parametrize("place", ["read-only", "full-disk", "nobody"], indirect=True)
+def test_init_fails_with_the_faults_code_and_creates_nothing(place: Callable[..., Place],
+                                                            request: pytest.FixtureRequest) -> None:
+    kind = request.node.callspec.params["place"]
+    where = place(None)
+    before = where.snapshot()
+    proc = where.run("-c", str(where.config), "--json-errors", "init", env={"RIVET_STATE_URL": f"sqlite:{where.empty}"})
+    _assert_fault(proc, kind, "init")
+    assert where.snapshot() == before
+
+
+@pytest.mark.parametrize("place", KINDS, indirect=True)
+def test_relocate_fails_with_the_faults_code_and_leaves_no_copy(place: Callable[..., Place],
+                                                               request: pytest.FixtureRequest,
+                                                               tmp_path: Path) -> None:
+    kind = request.node.callspec.params["place"]
+    where = place(None)
+    target = Path(tempfile.mkdtemp(prefix="statetool-target-"))
+    try:
+        if kind.startswith("nobody"):
+            shutil.chown(target, "nobody")
+        before = where.snapshot()
+        proc = where.run("-c", str(where.config), "--json-errors", "--lock-wait", "0", "relocate", "--to", str(target))
+        _assert_fault(proc, kind, "relocate")
+        assert where.snapshot() == before
+        assert list(target.iterdir()) == [], f"relocate left {sorted(p.name for p in target.iterdir())} behind"
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("place", ["read-only", "full-disk"], indirect=True)
+def test_transfer_fails_with_the_faults_code_and_leaves_the_target_empty(place: Callable[..., Place],
+                                                                        request: pytest.FixtureRequest,
+                                                                        pg_url: str) -> None:
+    kind = request.node.callspec.params["place"]
+    where = place(None)
+    before = where.snapshot()
+    proc = where.run("-c", str(where.config), "--json-errors", "--lock-wait", "0", "transfer", "--to", pg_url)
+    _assert_fault(proc, kind, "transfer")
+    assert where.snapshot() == before
+    import psycopg
+
+    base, schema = pg_url.rsplit("schema=", 1)
+    with psycopg.connect(base.rstrip("?&"), autocommit=True) as conn:
+        tables = conn.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
+                              (schema,)).fetchall()
+    assert tables == [], f"transfer left {tables} in the target"
+
+
+def test_text_from_the_state_is_shown_with_its_control_characters_escaped(tmp_path: Path) -> None:
+    """A cursor and a run error holding terminal escapes (written by a pipeline, not by
+    statetool, which refuses them) reach the terminal escaped, in tables and in doctor."""
+    config = write_config(tmp_path / "pipeline")
+    _ok("-c", str(config), "init")
+    _ok("-c", str(config), "exports", "set-cursor", "orders", "2026-01-01")
+    with sqlite3.connect(config.parent / STATE_FILE) as conn:
+        updated = conn.execute("UPDATE rivet_exports SET cursor_value = ? WHERE export_name = 'orders'",
+                               ("2026\x1b]0;owned\x07\x1b[2J\r\x9b31m",)).rowcount
+    assert updated == 1
+    for args in (("exports", "list"), ("info",), ("doctor",), ("exports", "show", "orders")):
+        proc = run_cli("-c", str(config), *args)
+        assert proc.returncode in (0, 5), describe(proc)
+        for raw in ("\x1b", "\x07", "\r", "\x9b"):
+            assert raw not in proc.stdout + proc.stderr, f"{args}: a raw {raw!r} reached the terminal"
+        assert "\\x1b]0;owned\\x07" in proc.stdout, f"{args}: the cursor is not shown escaped\n{describe(proc)}"
+    proc = run_cli("-c", str(config), "--json", "exports", "list")
+    assert proc.returncode == 0 and "\x1b" not in proc.stdout and "\\u001b]0;owned" in proc.stdout, describe(proc)
+
+
+def test_json_errors_objects_carry_failures_with_each_failed_export(tmp_path: Path) -> None:
+    """ADR-0039 D2: ``failures[]`` lists each failed export (its error object plus
+    ``export``); ``[]`` for a failure of no export."""
+    config = write_config(tmp_path / "pipeline", exports="""\
+exports:
+  - name: a_events
+    mode: cdc
+    cdc: {engine: mysql, checkpoint: /nonexistent/a.json}
+  - name: b_events
+    mode: cdc
+    cdc: {engine: mysql, checkpoint: /nonexistent/b.json}
+  - name: orders
+    mode: incremental
+""")
+    _ok("-c", str(config), "init")
+    for name in ("a_events", "b_events", "orders"):
+        _ok("-c", str(config), "exports", "set-cursor", name, "2026-01-01")
+    for command in ("check", "doctor"):
+        proc = run_cli("-c", str(config), "--json-errors", command)
+        assert proc.returncode == 5, describe(proc)
+        error = json.loads(proc.stderr.strip().splitlines()[-1])
+        failed = sorted((f["export"], f["code"]) for f in error["failures"])
+        assert failed == [("a_events", "RIVET_STATE_CHECKPOINT_MISSING"), ("b_events", "RIVET_STATE_CHECKPOINT_MISSING")], \
+            f"{command}\n{describe(proc)}"
+        assert error["code"] == "RIVET_STATE_CHECKPOINT_MISSING" and all("failures" not in f for f in error["failures"])
+    proc = run_cli("-c", str(config), "--json-errors", "exports", "set-cursor", "nosuch", "x")
+    assert json.loads(proc.stderr.strip().splitlines()[-1])["failures"] == [], describe(proc)
