@@ -46,3 +46,13 @@ def denied(path: Path, doing: str) -> StateError:
     return StateError("RIVET_STATE_PERMISSION_DENIED",
                       f"this user, {_user()}, may not {doing} {path}: access stops at {_blocking_part(path)}",
                       {"path": str(path)})
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, for a message: ``a symlink``, ``a directory``,
+    ``a FIFO``, ``a socket``, ``a device`` or ``a regular file``."""
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "a regular file"

@@ -356,3 +356,32 @@ exports:
         assert error["code"] == "RIVET_STATE_CHECKPOINT_MISSING" and all("failures" not in f for f in error["failures"])
     proc = run_cli("-c", str(config), "--json-errors", "exports", "set-cursor", "nosuch", "x")
     assert json.loads(proc.stderr.strip().splitlines()[-1])["failures"] == [], describe(proc)
+
+
+OWN_FILES = (f"{STATE_FILE}-journal", f"{STATE_FILE}-wal", f"{STATE_FILE}-shm", f"{LEASE_DIR}/chunk-run%3Aorders",
+             LEASE_DIR)
+
+
+@pytest.mark.parametrize("own", OWN_FILES)
+def test_a_symlink_where_an_own_file_belongs_is_refused_by_every_write_and_its_target_never_touched(
+        tmp_path: Path, own: str) -> None:
+    """SPEC §8a: whoever may write the state's directory must not make statetool write,
+    truncate or merge a file elsewhere through a symlink at the name of one of its own
+    files (SQLite's journal, WAL and shared memory, a lease record, the lease folder)."""
+    config = _build(tmp_path / "pipeline")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious bytes\n")
+    link = config.parent / own
+    if link.is_dir():
+        shutil.rmtree(link)
+    elif link.exists():
+        link.unlink()
+    link.symlink_to(victim)
+    before = tree_digest(config.parent), os.readlink(link)
+    for what, args in {**WRITES, "migrate": ("migrate", "--to", "0002", "--allow-data-loss")}.items():
+        proc = run_cli("-c", str(config), "--json-errors", "--lock-wait", "0", *args)
+        assert proc.returncode == 5, f"{what} with a symlink at {own}\n{describe(proc)}"
+        error = json.loads(proc.stderr.strip().splitlines()[-1])
+        assert error["code"] == "RIVET_STATE_UNSAFE_FILE" and own.split("/")[-1] in error["message"], describe(proc)
+        assert victim.read_bytes() == b"precious bytes\n", f"{what} wrote through the symlink at {own}"
+        assert (tree_digest(config.parent), os.readlink(link)) == before, f"{what} changed the directory"

@@ -40,7 +40,7 @@ from statetool.access import denied
 from statetool.backends.base import Progress
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
-from statetool.backends.sqlite_file import read_header
+from statetool.backends.sqlite_file import read_header, refuse_unsafe_companions
 from statetool.errors import StateError
 from statetool.location import LEASE_DIR, Location
 
@@ -125,6 +125,7 @@ class SqliteBackend:
         opened for writing (:func:`~statetool.backends.faults.refuse_unwritable`): the
         state's directory, its lease folder and the file must be writable, and there must
         be room for a backup as large as the state (with ``backup``) and the change."""
+        refuse_unsafe_companions(self.path)
         size = self.path.stat().st_size if os.path.isfile(self.path) else 0
         refuse_unwritable(self.path, directories=(self.path.parent, self.path.parent / LEASE_DIR),
                           need=(2 * size if backup else 0) + WRITE_MARGIN)
@@ -181,6 +182,7 @@ class SqliteBackend:
     def reading(self) -> Iterator[Connection]:
         if not self.present():
             raise StateError("RIVET_STATE_MISSING", f"no state at {self.path}", {"path": str(self.path)})
+        refuse_unsafe_companions(self.path)
         header = self._header()
         wal_mode = header[18] == 2
         with contextlib.ExitStack() as stack:

@@ -9,8 +9,10 @@ state (SPEC §4, §9).
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
+from statetool.access import file_kind
 from statetool.backends.tombstone import MAGIC as TOMBSTONE_MAGIC
 from statetool.backends.tombstone import read_tombstone
 from statetool.errors import StateError
@@ -60,3 +62,17 @@ def read_header(path: Path) -> bytes:
                          f"{path} is truncated: {size} bytes on disk, its header says "
                          f"{pages} pages of {page_size} bytes ({pages * page_size} bytes)", {"path": str(path)})
     return header
+
+
+def refuse_unsafe_companions(path: Path) -> None:
+    """``RIVET_STATE_UNSAFE_FILE`` when the ``-journal``, ``-wal`` or ``-shm`` of the state at
+    ``path`` is a symlink or anything but a regular file: SQLite opens them by name, so a
+    symlink there would make it read, merge or truncate a file elsewhere (SPEC §8a)."""
+    for companion in (Path(f"{path}{suffix}") for suffix in ("-journal", "-wal", "-shm")):
+        try:
+            mode = os.lstat(companion).st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise StateError("RIVET_STATE_UNSAFE_FILE", f"{companion} is {file_kind(mode)}, where SQLite keeps the "
+                             "state's own journal; nothing was written", {"path": str(companion)})

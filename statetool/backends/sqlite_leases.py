@@ -42,7 +42,7 @@ from urllib.parse import unquote
 from statetool.backends.base import HeldLease, Holder, LeaseInfo
 from statetool.backends.faults import fault
 from statetool.backends.proclocks import lock_holders_of
-from statetool.backends.sqlite_file import read_header
+from statetool.backends.sqlite_file import read_header, refuse_unsafe_companions
 from statetool.errors import StateError
 from statetool.location import LEASE_DIR, MAX_LEASE_FILE_NAME, lease_file_name
 
@@ -188,8 +188,11 @@ class FlockLeases:
     def require_state(self) -> None:
         """Raise unless a state file is at its place (``RIVET_STATE_MISSING``,
         ``RIVET_STATE_RELOCATED``, ``RIVET_STATE_NOT_A_STATE``): a lease beside no state
-        guards nothing, and its folder would make an empty directory look used."""
+        guards nothing, and its folder would make an empty directory look used), or when
+        a companion of the state is unsafe (``RIVET_STATE_UNSAFE_FILE``): the command run
+        under the lease would open the state through it."""
         read_header(self.state_path)
+        refuse_unsafe_companions(self.state_path)
 
     def _dir_fd(self, create: bool) -> int | None:
         """The lease folder, opened without following a symlink; None when it does not
