@@ -544,9 +544,11 @@ def test_sql_on_a_legacy_postgres_state_stamps_then_upgrades(tmp_path: Path, pg_
     assert target.revision() == HEAD
 
 
-def test_sql_on_sqlite_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("revision", ["0001", "head"])
+def test_sql_on_sqlite_is_refused_and_changes_nothing(tmp_path: Path, revision: str) -> None:
+    """Refused whatever the state's revision: at head too (it said "nothing to do", exit 0)."""
     target = Target("sqlite", write_config(tmp_path / "pipeline", exports=EXPORTS_YAML))
-    build_state(target, "0001")
+    build_state(target, HEAD if revision == "head" else revision)
     digest = state_files(target)
     proc = cli(target, "migrate", "--sql", "--json-errors")
     assert proc.returncode == 1, describe(proc)

@@ -93,6 +93,8 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     ``RIVET_STATE_MIGRATION_LOCKED`` (another writer past ``--lock-wait``) and
     ``RIVET_STATE_VERIFY_FAILED`` (rolled back). ``dry_run`` and ``sql`` write nothing.
     """
+    if sql and ctx.location.backend == "sqlite":  # whatever the state holds: the answer is the same
+        raise StateError("RIVET_STATE_SQL_UNSUPPORTED", "--sql prints PostgreSQL DDL; this state is SQLite")
     pf = run_preflight(ctx, for_write=True, recover=not (dry_run or sql), progress=False)
     missing = next((c for c in pf.failures if c.code == "RIVET_STATE_MISSING"), None)
     if missing is not None and missing.id == "state":
@@ -116,8 +118,6 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
         result.message = f"already at {target}; nothing to do"
         return result
     if sql:
-        if backend.dialect_name != "postgresql":
-            raise StateError("RIVET_STATE_SQL_UNSUPPORTED", "--sql prints PostgreSQL DDL; this state is SQLite")
         text = ""
         if snap.legacy:
             text = migrations.offline_stamp_sql(backend.dialect_name, backend.schema, current)
