@@ -93,7 +93,7 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     ``RIVET_STATE_MIGRATION_LOCKED`` (another writer past ``--lock-wait``) and
     ``RIVET_STATE_VERIFY_FAILED`` (rolled back). ``dry_run`` and ``sql`` write nothing.
     """
-    pf = run_preflight(ctx, for_write=True, recover=not (dry_run or sql), progress=False)
+    pf = run_preflight(ctx, for_write=True, progress=False)
     missing = next((c for c in pf.failures if c.code == "RIVET_STATE_MISSING"), None)
     if missing is not None and missing.id == "state":
         raise StateError("RIVET_STATE_MISSING", f"{missing.message}; migrate never creates a state "
