@@ -65,8 +65,7 @@ def content_digest(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         header = bytearray(fh.read(100))
-        page_size = int.from_bytes(header[16:18], "big")
-        page_size = 65536 if page_size == 1 else page_size
+        page_size = page_size_of(header)
         remaining = int.from_bytes(header[28:32], "big") * page_size - len(header)
         header[24:28] = header[40:44] = header[92:96] = b"\0\0\0\0"
         digest.update(header)
@@ -123,6 +122,15 @@ class SqliteBackend:
                     if os.path.lexists(p)]
         why = wal_mismatch(header, wal)
         return [] if why is None else [f"{wal} ({why})"]
+
+    def _refuse_foreign(self, header: bytes) -> None:
+        """Raise ``RIVET_STATE_FOREIGN_WAL`` when :meth:`foreign_companions` finds any: the
+        state must not be opened for writing (nor checkpointed) with them there."""
+        foreign = self.foreign_companions(header)
+        if foreign:
+            raise StateError("RIVET_STATE_FOREIGN_WAL",
+                             f"{'; '.join(foreign)}: a write would merge it into {self.path}; nothing was written",
+                             {"path": str(self.path), "files": foreign})
 
     def _wal_has_frames(self) -> bool:
         wal = Path(f"{self.path}-wal")
@@ -306,12 +314,8 @@ class SqliteBackend:
         not belong (:meth:`foreign_companions`), ``lock_code`` when the lock stays taken, and
         the registered code of an error where the state is opened, begun or committed; the
         caller's own SQL errors are :meth:`_body_error`'s."""
-        header = self._header()
-        foreign = self.foreign_companions(header)
-        if foreign:
-            raise StateError("RIVET_STATE_FOREIGN_WAL",
-                             f"{'; '.join(foreign)}: a write would merge it into {self.path}; nothing was written",
-                             {"path": str(self.path), "files": foreign})
+        self._refuse_foreign(self._header())
+        self._stale_temps()  # refused here, before any lease or lock is taken
         engine = self._writer_engine(self.path)
         try:
             try:
@@ -397,24 +401,29 @@ class SqliteBackend:
         finally:
             shutil.rmtree(made, ignore_errors=True)
 
-    def _remove_stale_temps(self) -> None:
-        """Remove what a killed backup left beside the state: ``….backup-….tmp`` (a private
-        directory or, from older releases, a file) and ``….backup-….tmp-journal``. Runs under
-        the write lock, so no backup is running. A symlink or another kind of file at such
-        a name is refused (``RIVET_STATE_UNSAFE_FILE``): nothing is removed or followed."""
+    def _stale_temps(self) -> list[Path]:
+        """What a killed backup left beside the state: ``….backup-….tmp`` (a private directory
+        or, from older releases, a file) and ``….backup-….tmp-journal``. Raises
+        ``RIVET_STATE_UNSAFE_FILE`` when one of them is a symlink or another kind of file:
+        nothing is then removed or followed, and nothing is written."""
         directory = self.path.parent
-        stale = sorted(directory.glob(f"{self.path.name}.backup-*.tmp")) + sorted(
+        found = sorted(directory.glob(f"{self.path.name}.backup-*.tmp")) + sorted(
             directory.glob(f"{self.path.name}.backup-*.tmp-journal"))
-        for path in stale:
+        for path in found:
             kind = os.lstat(path).st_mode
-            if stat.S_ISDIR(kind):
-                shutil.rmtree(path)
-            elif stat.S_ISREG(kind):
-                path.unlink(missing_ok=True)
-            else:
+            if not (stat.S_ISDIR(kind) or stat.S_ISREG(kind)):
                 raise StateError("RIVET_STATE_UNSAFE_FILE", f"{path} is a symlink or not a regular file, where "
                                  "statetool keeps the temporary file of a backup; nothing was written",
                                  {"path": str(path)})
+        return found
+
+    def _remove_stale_temps(self) -> None:
+        """Remove :meth:`_stale_temps`. Runs under the write lock, so no backup is running."""
+        for path in self._stale_temps():
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
 
     def _copy(self, conn: Connection, tmp: Path, progress: Progress | None, *, self_contained: bool,
               full_verify: bool = False) -> dict[str, int]:
@@ -488,10 +497,13 @@ class SqliteBackend:
     def checkpoint_wal(self) -> None:
         """Move every committed WAL frame into the database file and truncate the ``-wal``
         (``PRAGMA wal_checkpoint(TRUNCATE)``), so the file alone holds the whole state.
-        A no-op for a rollback-journal state. Raises ``RIVET_STATE_RUN_IN_PROGRESS`` when
-        another connection keeps the WAL busy past ``--lock-wait``."""
-        if self._header()[18] != 2:
+        A no-op for a rollback-journal state. Raises ``RIVET_STATE_FOREIGN_WAL`` (a ``-wal``
+        that is not the state's) and ``RIVET_STATE_RUN_IN_PROGRESS`` when another connection
+        keeps the WAL busy past ``--lock-wait``."""
+        header = self._header()
+        if header[18] != 2:
             return
+        self._refuse_foreign(header)
         db = sqlite3.connect(self.path, timeout=self.lock_wait)
         try:
             busy, _log, _done = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()

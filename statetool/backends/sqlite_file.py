@@ -74,8 +74,7 @@ def read_header(path: Path) -> bytes:
     if len(header) < 100 or not header.startswith(MAGIC):
         what = "an empty file" if not header else "not a SQLite database"
         raise StateError("RIVET_STATE_NOT_A_STATE", f"{path} is {what}, not a rivet state", {"path": str(path)})
-    page_size = int.from_bytes(header[16:18], "big")
-    page_size = 65536 if page_size == 1 else page_size
+    page_size = page_size_of(header)
     pages = int.from_bytes(header[28:32], "big")
     header_count_valid = header[24:28] == header[92:96]
     if header_count_valid and pages and size < pages * page_size:
