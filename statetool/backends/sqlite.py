@@ -7,8 +7,10 @@ mode is not enough: a ``mode=ro`` connection to a WAL database creates ``-wal`` 
 https://www.sqlite.org/uri.html#uriimmutable). So the open is chosen from what is on disk:
 
 * rollback-journal database (header byte 18 = 1): ``mode=ro``, which creates no file; a
-  hot journal left by a killed writer makes SQLite answer SQLITE_READONLY_ROLLBACK, which
-  is reported as ``RIVET_STATE_INTERRUPTED_WRITE``;
+  hot journal left by a killed writer makes SQLite answer SQLITE_READONLY_ROLLBACK, and
+  the database and its journal are then copied into a private temporary directory and
+  rolled back there: the state is read as it was before the interrupted write, and the
+  connection says so (warning ``RIVET_STATE_HOT_JOURNAL``);
 * WAL database, no ``-wal`` (or an empty one): ``immutable=1``, as nothing lies outside
   the main file (a writer starting during the read writes to a new ``-wal``, which the
   main file does not see until a checkpoint);
@@ -16,8 +18,11 @@ https://www.sqlite.org/uri.html#uriimmutable). So the open is chosen from what i
   a ``-shm`` present: ``mode=ro`` beside the live writer (both files exist, so none is
   created; SQLite's readers share the writer's wal-index);
 * WAL database whose ``-wal`` holds frames and no live holder (a killed writer): the
-  database and its ``-wal`` are copied into a private temporary directory and read
-  there, so the committed frames are seen and nothing is written beside the state.
+  database and its ``-wal`` are copied into a private temporary directory (the same
+  mechanism) and read there, so the committed frames are seen and nothing is written
+  beside the state;
+* a ``-wal``/``-shm`` that is not the state's own (:meth:`SqliteBackend.foreign_companions`):
+  ``immutable=1``, the main file alone; every write refuses (``RIVET_STATE_FOREIGN_WAL``).
 """
 
 from __future__ import annotations
