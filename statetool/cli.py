@@ -263,10 +263,11 @@ def identity_rekey(
 def exports_list(ctx: typer.Context) -> None:
     """Progress of every export (config and state)."""
     from statetool import render
-    from statetool.operations.inspect import exports_list as op
+    from statetool.operations.inspect import info
 
     g = _g(ctx)
-    _emit(g, {"exports": op(g.context())}, lambda d: render.exports(d["exports"]))
+    described = info(g.context())
+    _emit(g, {"exports": described.exports, "warnings": described.warnings}, render.export_list)
 
 
 @exports_app.command("show")

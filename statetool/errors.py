@@ -251,6 +251,9 @@ WARNINGS: dict[str, str] = {
         "keep a SQLite state on a local disk, or move it to PostgreSQL (statetool transfer)",
     "RIVET_STATE_ORPHAN_WAL":
         "with every run stopped, move the -wal/-shm files that do not belong to this state out of the directory",
+    "RIVET_STATE_HOT_JOURNAL":
+        "nothing is lost: the state shown is the one before the interrupted write; leave the -journal where it "
+        "is, the next write (statetool migrate, or the pipeline) rolls it back in place",
     "RIVET_STATE_CREATED":
         "nothing to do for a new pipeline; otherwise stop it and find where its state went",
     "RIVET_STATE_LEASE_LIVE":

@@ -142,6 +142,12 @@ def exports(rows: list[dict[str, Any]]) -> None:
     out.print(table)
 
 
+def export_list(doc: dict[str, Any]) -> None:
+    """``statetool exports list`` for people: the progress table, then the warnings."""
+    exports(doc["exports"])
+    print_warnings(doc.get("warnings", []))
+
+
 def export_detail(doc: dict[str, Any]) -> None:
     """``statetool exports show`` for people."""
     exports([doc["export"]])
@@ -152,6 +158,7 @@ def export_detail(doc: dict[str, Any]) -> None:
         table.add_row(run["run_id"], run["status"], run["started_at"], _fmt(run["finished_at"]), _fmt(run["rows"]),
                       _fmt(run["files"]), _fmt(run["error"]))
     out.print(table)
+    print_warnings(doc.get("warnings", []))
 
 
 _STATUS_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}

@@ -178,7 +178,7 @@ class StateStore:
         backend = ctx.backend()
         if not backend.present():
             warnings += cls._create(ctx, create)
-        pf = run_preflight(ctx, for_write=True, recover=True)
+        pf = run_preflight(ctx, for_write=True)
         require(pf)
         if pf.verdict is not None and pf.verdict.writes:  # stamp or adopt: a write of the whole state
             with guarded_write(ctx, WHOLE_STATE, preflight=pf) as session:

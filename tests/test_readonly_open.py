@@ -188,25 +188,29 @@ def hot_journal_state(config: Path) -> tuple[Path, list[tuple[object, ...]]]:
     return db, rows
 
 
-def test_hot_journal_is_reported_as_interrupted_write_and_nothing_changes(tmp_path: Path) -> None:
+def test_hot_journal_is_read_as_before_the_interrupted_write_and_nothing_changes(tmp_path: Path) -> None:
     config = write_config(tmp_path / "pipeline")
-    hot_journal_state(config)
+    _db, committed_rows = hot_journal_state(config)
     before, files_before = tree_digest(config.parent), listing(config.parent)
 
     check = run_cli("-c", str(config), "check", "--json")
-    assert check.returncode == 4, describe(check)
-    failing = [c for c in json.loads(check.stdout)["checks"] if c["status"] == "fail"]
-    assert [c["code"] for c in failing] == ["RIVET_STATE_INTERRUPTED_WRITE"], describe(check)
-    assert "statetool migrate" in failing[0]["action"], describe(check)
+    # A legacy state has revisions pending (schema drift, 3): the journal itself is a warning.
+    assert check.returncode == 3, describe(check)
+    rows = {c["id"]: c for c in json.loads(check.stdout)["checks"]}
+    assert rows["integrity"]["status"] == "warn" and rows["integrity"]["code"] == "RIVET_STATE_HOT_JOURNAL", \
+        describe(check)
+    assert "next write" in rows["integrity"]["action"], describe(check)
     assert "Traceback" not in check.stderr, describe(check)
     assert listing(config.parent) == files_before, describe(check)
     assert tree_digest(config.parent) == before, describe(check)
 
-    info = run_cli("-c", str(config), "info", "--json-errors")
-    assert info.returncode == 4, describe(info)
-    error = json.loads(info.stderr.strip().splitlines()[-1])
-    assert error["code"] == "RIVET_STATE_INTERRUPTED_WRITE", describe(info)
-    assert f"{STATE}-journal" in error["message"], describe(info)
+    info = run_cli("-c", str(config), "info", "--json")
+    assert info.returncode == 0, describe(info)
+    doc = json.loads(info.stdout)
+    assert "RIVET_STATE_HOT_JOURNAL" in [w["code"] for w in doc["warnings"]], describe(info)
+    # the half-written update (every run 'failed') is not what is shown: the committed runs are
+    succeeded = sum(e["runs_succeeded"] for e in doc["exports"])
+    assert succeeded == sum(1 for r in committed_rows if r[1] == "succeeded") > 0, describe(info)
     assert tree_digest(config.parent) == before, describe(info)
     assert listing(config.parent) == files_before, describe(info)
 
@@ -229,13 +233,12 @@ def test_hot_journal_is_rolled_back_by_migrate_and_the_state_is_usable(tmp_path:
     assert rows == committed_rows
 
 
-def test_dry_run_migrate_leaves_a_hot_journal_alone(tmp_path: Path) -> None:
+def test_dry_run_migrate_plans_from_the_state_before_the_interrupted_write(tmp_path: Path) -> None:
     config = write_config(tmp_path / "pipeline")
     hot_journal_state(config)
     before, files_before = tree_digest(config.parent), listing(config.parent)
-    proc = run_cli("-c", str(config), "migrate", "--dry-run", "--json-errors")
-    assert proc.returncode == 4, describe(proc)
-    assert json.loads(proc.stderr.strip().splitlines()[-1])["code"] == "RIVET_STATE_INTERRUPTED_WRITE", describe(proc)
+    proc = run_cli("-c", str(config), "migrate", "--dry-run", "--json")
+    assert proc.returncode == 0, describe(proc)
     assert tree_digest(config.parent) == before, describe(proc)
     assert listing(config.parent) == files_before, describe(proc)
 

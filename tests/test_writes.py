@@ -227,7 +227,7 @@ def test_exports_list_and_show_json_shapes(target: Target) -> None:
     proc = cli(target, "exports", "list", "--json")
     assert proc.returncode == 0, describe(proc)
     doc = json.loads(proc.stdout)
-    assert set(doc) == {"exports"}
+    assert set(doc) == {"exports", "warnings"}
     rows = {r["name"]: r for r in doc["exports"]}
     assert [r["name"] for r in doc["exports"]] == ["orders", "order_lines", "customers", "refunds", "order_events"]
     for row in doc["exports"]:
@@ -243,7 +243,7 @@ def test_exports_list_and_show_json_shapes(target: Target) -> None:
     proc = cli(target, "exports", "show", "orders", "--json")
     assert proc.returncode == 0, describe(proc)
     doc = json.loads(proc.stdout)
-    assert set(doc) == {"export", "recent_runs"}
+    assert set(doc) == {"export", "recent_runs", "warnings"}
     assert doc["export"] == orders
     runs = doc["recent_runs"]
     assert [r["started_at"] for r in runs] == sorted((r["started_at"] for r in runs), reverse=True)

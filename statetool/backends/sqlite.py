@@ -7,8 +7,10 @@ mode is not enough: a ``mode=ro`` connection to a WAL database creates ``-wal`` 
 https://www.sqlite.org/uri.html#uriimmutable). So the open is chosen from what is on disk:
 
 * rollback-journal database (header byte 18 = 1): ``mode=ro``, which creates no file; a
-  hot journal left by a killed writer makes SQLite answer SQLITE_READONLY_ROLLBACK, which
-  is reported as ``RIVET_STATE_INTERRUPTED_WRITE``;
+  hot journal left by a killed writer makes SQLite answer SQLITE_READONLY_ROLLBACK, and
+  the database and its journal are then copied into a private temporary directory and
+  rolled back there: the state is read as it was before the interrupted write, and the
+  connection says so (warning ``RIVET_STATE_HOT_JOURNAL``);
 * WAL database, no ``-wal`` (or an empty one): ``immutable=1``, as nothing lies outside
   the main file (a writer starting during the read writes to a new ``-wal``, which the
   main file does not see until a checkpoint);
@@ -16,8 +18,11 @@ https://www.sqlite.org/uri.html#uriimmutable). So the open is chosen from what i
   a ``-shm`` present: ``mode=ro`` beside the live writer (both files exist, so none is
   created; SQLite's readers share the writer's wal-index);
 * WAL database whose ``-wal`` holds frames and no live holder (a killed writer): the
-  database and its ``-wal`` are copied into a private temporary directory and read
-  there, so the committed frames are seen and nothing is written beside the state.
+  database and its ``-wal`` are copied into a private temporary directory (the same
+  mechanism) and read there, so the committed frames are seen and nothing is written
+  beside the state;
+* a ``-wal``/``-shm`` that is not the state's own (:meth:`SqliteBackend.foreign_companions`):
+  ``immutable=1``, the main file alone; every write refuses (``RIVET_STATE_FOREIGN_WAL``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import contextlib
 import os
 import shutil
 import sqlite3
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -40,8 +46,8 @@ from statetool.access import denied
 from statetool.backends.base import Progress
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
-from statetool.backends.sqlite_file import read_header, refuse_unsafe_companions
-from statetool.errors import StateError
+from statetool.backends.sqlite_file import page_size_of, read_header, refuse_unsafe_companions, wal_mismatch
+from statetool.errors import StateError, internal_error
 from statetool.location import LEASE_DIR, Location
 
 if TYPE_CHECKING:
@@ -65,8 +71,7 @@ def content_digest(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         header = bytearray(fh.read(100))
-        page_size = int.from_bytes(header[16:18], "big")
-        page_size = 65536 if page_size == 1 else page_size
+        page_size = page_size_of(header)
         remaining = int.from_bytes(header[28:32], "big") * page_size - len(header)
         header[24:28] = header[40:44] = header[92:96] = b"\0\0\0\0"
         digest.update(header)
@@ -154,43 +159,79 @@ class SqliteBackend:
     def foreign_companions(self, header: bytes) -> list[str]:
         """The ``-wal``/``-shm`` beside the state that cannot be its own, one line each: any
         of them beside a rollback-journal state (header byte 18 = 1), which never makes one;
-        a ``-wal`` beside a WAL state whose header is not a WAL header or names another page
-        size (https://www.sqlite.org/fileformat2.html#walformat). A write must never open the
-        state with them there: SQLite would merge that ``-wal`` into the state."""
+        a ``-wal`` beside a WAL state whose header or first frame does not fit the database
+        (:func:`~statetool.backends.sqlite_file.wal_mismatch`: magic, version, page size,
+        checksums, salts). A write must never open the state with them there: SQLite would
+        merge that ``-wal`` into the state (issue 10; docs/decisions.md, "Interrupted writes
+        and companion files")."""
         wal, shm = Path(f"{self.path}-wal"), Path(f"{self.path}-shm")
         if header[18] != 2:
             return [f"{p} (beside a rollback-journal state, which never makes one)" for p in (wal, shm)
                     if os.path.lexists(p)]
-        if not wal.is_file() or wal.stat().st_size < 32:
-            return []
-        with open(wal, "rb") as fh:
-            wal_header = fh.read(32)
-        page_size = int.from_bytes(header[16:18], "big")
-        page_size = 65536 if page_size == 1 else page_size
-        if wal_header[:4] not in (b"\x37\x7f\x06\x82", b"\x37\x7f\x06\x83"):
-            return [f"{wal} (not a SQLite WAL file)"]
-        if int.from_bytes(wal_header[8:12], "big") != page_size:
-            return [f"{wal} (written for pages of {int.from_bytes(wal_header[8:12], 'big')} bytes; this state's "
-                    f"pages are {page_size} bytes)"]
-        return []
+        why = wal_mismatch(header, wal)
+        return [] if why is None else [f"{wal} ({why})"]
+
+    def _refuse_foreign(self, header: bytes) -> None:
+        """Raise ``RIVET_STATE_FOREIGN_WAL`` when :meth:`foreign_companions` finds any: the
+        state must not be opened for writing (nor checkpointed) with them there."""
+        foreign = self.foreign_companions(header)
+        if foreign:
+            raise StateError("RIVET_STATE_FOREIGN_WAL",
+                             f"{'; '.join(foreign)}: a write would merge it into {self.path}; nothing was written",
+                             {"path": str(self.path), "files": foreign})
 
     def _wal_has_frames(self) -> bool:
         wal = Path(f"{self.path}-wal")
         return wal.exists() and wal.stat().st_size > 32
 
+    def _private_copy(self, stack: contextlib.ExitStack, companion: str) -> Path:
+        """Copy the state and its ``companion`` (``-wal`` or ``-journal``) into a private
+        temporary directory (removed when ``stack`` closes) and return the copy's path: SQLite
+        may then apply the ``-wal`` or roll the journal back there, never beside the state.
+
+        The two files are copied again when either changed meanwhile (a writer that started
+        during the copy), so the pair is one moment's; after 5 tries ``RIVET_STATE_RUN_IN_PROGRESS``.
+        """
+        snapshot = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="statetool-snapshot-")))
+        copy = snapshot / self.path.name
+        sources = (self.path, Path(f"{self.path}{companion}"))
+
+        def marks() -> list[tuple[int, int, int]]:
+            return [(st.st_ino, st.st_size, st.st_mtime_ns) for st in map(os.stat, sources)]
+
+        for _attempt in range(5):
+            before = marks()
+            try:
+                shutil.copyfile(sources[0], copy)
+                shutil.copyfile(sources[1], f"{copy}{companion}")
+            except OSError as err:
+                raise fault(snapshot, err) or err from None
+            if marks() == before:
+                return copy
+        raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"{self.path} kept changing while it was read; re-run "
+                         "when its writer has finished", {"path": str(self.path)})
+
+    def _interrupted_message(self) -> str:
+        return (f"{self.path}-journal is the hot journal of a write that was killed before it committed: this "
+                "reads the state as it was before that write (rolled back in a private copy); nothing beside "
+                "the state was changed")
+
     @contextlib.contextmanager
     def reading(self) -> Iterator[Connection]:
-        if not self.present():
-            raise StateError("RIVET_STATE_MISSING", f"no state at {self.path}", {"path": str(self.path)})
-        refuse_unsafe_companions(self.path)
+        """A read-only connection (see the module docstring). A rollback-journal state with a
+        hot ``-journal`` is read from a private copy rolled back there, and the connection's
+        ``info["interrupted_write"]`` says so (warning ``RIVET_STATE_HOT_JOURNAL``). Errors are
+        translated where the database is opened; an error of the caller's own SQL is
+        :meth:`_body_error`'s."""
         header = self._header()
+        refuse_unsafe_companions(self.path)
         wal_mode = header[18] == 2
         with contextlib.ExitStack() as stack:
             if (not wal_mode and self._orphan_wal_beside() and lock_holders(self.path) == set()) or (
                     wal_mode and self.foreign_companions(header)):
                 # A -wal/-shm that is not the state's own (restored or copied apart; another page
-                # size): a mode=ro open adopts that -wal and rewrites the -shm, a private copy would
-                # merge it; immutable=1 reads the main file alone.
+                # size, another log's frames): a mode=ro open adopts that -wal and rewrites the -shm,
+                # a private copy would merge it; immutable=1 reads the main file alone.
                 uri = f"file:{self._quoted(self.path)}?immutable=1"
             elif not wal_mode:
                 uri = f"file:{self._quoted(self.path)}?mode=ro"
@@ -199,25 +240,38 @@ class SqliteBackend:
             elif Path(f"{self.path}-shm").exists() and lock_holders(self.path):
                 uri = f"file:{self._quoted(self.path)}?mode=ro"
             else:
-                snapshot = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="statetool-snapshot-")))
-                copy = snapshot / self.path.name
-                shutil.copyfile(self.path, copy)
-                shutil.copyfile(f"{self.path}-wal", f"{copy}-wal")
-                uri = f"file:{self._quoted(copy)}"
-            engine = self._engine(uri, timeout=min(self.lock_wait, 30.0))
-            stack.callback(engine.dispose)
-
-            @sa.event.listens_for(engine, "begin")
-            def begin_snapshot(conn: Connection) -> None:
-                # One read transaction: every query of the inspection sees one snapshot.
-                conn.exec_driver_sql("BEGIN")
-
+                uri = f"file:{self._quoted(self._private_copy(stack, '-wal'))}"
             try:
-                conn = stack.enter_context(engine.connect())
-                conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").all()
+                conn = self._open_read(stack, uri)
+            except StateError as err:
+                if err.code != "RIVET_STATE_INTERRUPTED_WRITE" or wal_mode:
+                    raise
+                # SQLite found a hot journal, which a read-only connection cannot roll back:
+                # roll it back in a private copy instead (the same mechanism as a killed WAL writer).
+                stack.close()
+                conn = self._open_read(stack, f"file:{self._quoted(self._private_copy(stack, '-journal'))}")
+                conn.info["interrupted_write"] = self._interrupted_message()
+            try:
                 yield conn
             except sa.exc.DBAPIError as err:
-                raise self._translate(err) from None
+                raise self._body_error(err, "RIVET_STATE_RUN_IN_PROGRESS") from None
+
+    def _open_read(self, stack: contextlib.ExitStack, uri: str) -> Connection:
+        """Open ``uri`` in one read transaction (every query sees one snapshot), its first
+        page read; SQLite's errors translated (:meth:`_translate`)."""
+        engine = self._engine(uri, timeout=min(self.lock_wait, 30.0))
+        stack.callback(engine.dispose)
+
+        @sa.event.listens_for(engine, "begin")
+        def begin_snapshot(conn: Connection) -> None:
+            conn.exec_driver_sql("BEGIN")
+
+        try:
+            conn = stack.enter_context(engine.connect())
+            conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").all()
+        except sa.exc.DBAPIError as err:
+            raise self._translate(err) from None
+        return conn
 
     @staticmethod
     def _quoted(path: Path) -> str:
@@ -232,6 +286,8 @@ class SqliteBackend:
         return sa.create_engine("sqlite://", creator=connect, poolclass=NullPool)
 
     def _translate(self, err: sa.exc.DBAPIError) -> StateError:
+        """The registered error for a driver error met where the database is opened, begun,
+        locked or committed (issue 10, "one error boundary")."""
         orig = err.orig
         name = getattr(orig, "sqlite_errorname", "")
         text = str(orig)
@@ -249,6 +305,24 @@ class SqliteBackend:
                               {"path": str(self.path)})
         return StateError("RIVET_STATE_UNREACHABLE", f"{self.path} cannot be opened: {text}",
                           {"path": str(self.path)})
+
+    def _body_error(self, err: sa.exc.DBAPIError, busy_code: str) -> StateError:
+        """The registered error for a driver error raised by an operation's own SQL: an
+        environment fault keeps its code (read-only, permission, disk full; busy as
+        ``busy_code``), damage is ``RIVET_STATE_CORRUPT``, a constraint is
+        ``RIVET_STATE_WRITE_REFUSED``, and anything else is a bug: ``RIVET_INTERNAL``."""
+        known = fault(self.path, err)
+        if known is not None:
+            return known
+        if isinstance(err, sa.exc.IntegrityError):  # a constraint or a trigger's RAISE: the database refuses
+            return StateError("RIVET_STATE_WRITE_REFUSED", f"{self.path} refused the write: {err.orig}",
+                              {"path": str(self.path)})
+        translated = self._translate(err)
+        if translated.code == "RIVET_STATE_RUN_IN_PROGRESS":
+            return StateError(busy_code, translated.message, translated.details)
+        if translated.code in ("RIVET_STATE_CORRUPT", "RIVET_STATE_NOT_A_STATE"):
+            return translated
+        return internal_error(err.orig if err.orig is not None else err)
 
     def table_names(self, conn: Connection) -> set[str]:
         try:
@@ -283,13 +357,14 @@ class SqliteBackend:
 
     @contextlib.contextmanager
     def writing(self, lock_code: str) -> Iterator[Connection]:
-        if not self.present():
-            raise StateError("RIVET_STATE_MISSING", f"no state at {self.path}", {"path": str(self.path)})
-        foreign = self.foreign_companions(self._header())
-        if foreign:
-            raise StateError("RIVET_STATE_FOREIGN_WAL",
-                             f"{'; '.join(foreign)}: a write would merge it into {self.path}; nothing was written",
-                             {"path": str(self.path), "files": foreign})
+        """One writing transaction (``BEGIN IMMEDIATE``) on the state itself; a hot journal is
+        rolled back in place here, after the caller's pre-flight passed on a private copy.
+        Raises ``RIVET_STATE_FOREIGN_WAL`` before opening anything when a companion file does
+        not belong (:meth:`foreign_companions`), ``lock_code`` when the lock stays taken, and
+        the registered code of an error where the state is opened, begun or committed; the
+        caller's own SQL errors are :meth:`_body_error`'s."""
+        self._refuse_foreign(self._header())
+        self._stale_temps()  # refused here, before any lease or lock is taken
         engine = self._writer_engine(self.path)
         try:
             try:
@@ -304,17 +379,20 @@ class SqliteBackend:
                         raise StateError(lock_code, f"{self.path} stayed locked by another writer for "
                                          f"{self.lock_wait:g} s (--lock-wait)", {"path": str(self.path)}) from None
                     raise fault(self.path, err) or self._translate(err) from None
-                with trans:
-                    try:
-                        yield conn
-                    except sa.exc.IntegrityError as err:  # a constraint or a trigger's RAISE: the database refuses
-                        raise StateError("RIVET_STATE_WRITE_REFUSED", f"{self.path} refused the write: {err.orig}",
-                                         {"path": str(self.path)}) from None
-                    except (sa.exc.OperationalError, OSError) as err:  # read-only, permission, full disk
-                        known = fault(self.path, err)
-                        if known is None:
-                            raise
-                        raise known from None
+                try:
+                    yield conn
+                except BaseException as raised:
+                    with contextlib.suppress(sa.exc.DBAPIError):
+                        trans.rollback()
+                    if isinstance(raised, sa.exc.DBAPIError):
+                        raise self._body_error(raised, lock_code) from None
+                    if isinstance(raised, (OSError, sqlite3.Error)):  # a backup, a sidecar: read-only, full disk
+                        raise fault(self.path, raised) or raised from None
+                    raise
+                try:
+                    trans.commit()
+                except sa.exc.DBAPIError as err:
+                    raise self._body_error(err, lock_code) from None
         finally:
             engine.dispose()
 
@@ -332,19 +410,23 @@ class SqliteBackend:
                              f"{', '.join(map(str, leftovers))} lie where the new state would be: files of a state "
                              "that was there before; nothing was created", {"path": str(self.path)})
         directory = self.path.parent
-        tmp = directory / f"{self.path.name}.init-{os.getpid()}.tmp"
-        engine = self._writer_engine(tmp)
+        with self._private_dir(f"{self.path.name}.init-") as private:
+            tmp = private / self.path.name
+            engine = self._writer_engine(tmp)
 
-        @sa.event.listens_for(engine, "connect")
-        def wal(dbapi: sqlite3.Connection, _record: object) -> None:
-            mode = dbapi.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if mode != "wal":
-                raise sqlite3.OperationalError(f"journal_mode stayed {mode}")
+            @sa.event.listens_for(engine, "connect")
+            def wal(dbapi: sqlite3.Connection, _record: object) -> None:
+                mode = dbapi.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+                if mode != "wal":
+                    raise sqlite3.OperationalError(f"journal_mode stayed {mode}")
 
-        try:
-            with engine.connect() as conn, conn.begin():
-                build(conn)
-            engine.dispose()
+            try:
+                with engine.connect() as conn, conn.begin():
+                    build(conn)
+            except (OSError, sqlite3.Error, sa.exc.OperationalError) as err:  # read-only, permission, full disk
+                raise fault(directory, err) or err from None
+            finally:
+                engine.dispose()
             _fsync_file(tmp)
             try:
                 os.link(tmp, self.path)  # unlike rename, never replaces what appeared meanwhile
@@ -352,10 +434,45 @@ class SqliteBackend:
                 raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{self.path} appeared while the new state "
                                  "was being built; nothing was replaced", {"path": str(self.path)}) from None
             fsync_dir(directory)
+
+    @contextlib.contextmanager
+    def _private_dir(self, prefix: str) -> Iterator[Path]:
+        """A new directory of this user's only (mode 0700, a name nobody can guess) beside
+        the state, for a file SQLite must create by path (a backup, a new state) and its
+        journal: a symlink planted at a predictable name is never followed (issue 10).
+        Its name ends in ``.tmp``; it is removed on the way out, whatever happened."""
+        try:
+            made = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=self.path.parent))
+        except OSError as err:
+            raise fault(self.path.parent, err) or err from None
+        try:
+            yield made
         finally:
-            engine.dispose()
-            for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
-                leftover.unlink(missing_ok=True)
+            shutil.rmtree(made, ignore_errors=True)
+
+    def _stale_temps(self) -> list[Path]:
+        """What a killed backup left beside the state: ``….backup-….tmp`` (a private directory
+        or, from older releases, a file) and ``….backup-….tmp-journal``. Raises
+        ``RIVET_STATE_UNSAFE_FILE`` when one of them is a symlink or another kind of file:
+        nothing is then removed or followed, and nothing is written."""
+        directory = self.path.parent
+        found = sorted(directory.glob(f"{self.path.name}.backup-*.tmp")) + sorted(
+            directory.glob(f"{self.path.name}.backup-*.tmp-journal"))
+        for path in found:
+            kind = os.lstat(path).st_mode
+            if not (stat.S_ISDIR(kind) or stat.S_ISREG(kind)):
+                raise StateError("RIVET_STATE_UNSAFE_FILE", f"{path} is a symlink or not a regular file, where "
+                                 "statetool keeps the temporary file of a backup; nothing was written",
+                                 {"path": str(path)})
+        return found
+
+    def _remove_stale_temps(self) -> None:
+        """Remove :meth:`_stale_temps`. Runs under the write lock, so no backup is running."""
+        for path in self._stale_temps():
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
 
     def _copy(self, conn: Connection, tmp: Path, progress: Progress | None, *, self_contained: bool,
               full_verify: bool = False) -> dict[str, int]:
@@ -409,13 +526,15 @@ class SqliteBackend:
             # A backup of the same label was taken within this second (two changes in a row):
             # never replace it, it holds the state before the earlier change. Wait for a free name.
             time.sleep(0.05)
-        tmp = final.with_name(final.name + ".tmp")
-        # A .tmp left by a backup that was killed: no other backup can be running, since
-        # every backup is taken under the write lock this connection holds.
-        for stale in self.path.parent.glob(f"{self.path.name}.backup-*.tmp"):
-            stale.unlink(missing_ok=True)
-        self._copy(conn, tmp, progress, self_contained=True)
-        os.replace(tmp, final)
+        self._remove_stale_temps()
+        with self._private_dir(f"{final.name}.") as private:
+            tmp = private / final.name
+            self._copy(conn, tmp, progress, self_contained=True)
+            try:
+                os.link(tmp, final)  # never replaces, never follows what stands at that name
+            except FileExistsError:
+                raise StateError("RIVET_STATE_UNSAFE_FILE", f"{final} appeared while the backup was taken; "
+                                 "nothing was written", {"path": str(final)}) from None
         fsync_dir(final.parent)
         return final
 
@@ -427,10 +546,13 @@ class SqliteBackend:
     def checkpoint_wal(self) -> None:
         """Move every committed WAL frame into the database file and truncate the ``-wal``
         (``PRAGMA wal_checkpoint(TRUNCATE)``), so the file alone holds the whole state.
-        A no-op for a rollback-journal state. Raises ``RIVET_STATE_RUN_IN_PROGRESS`` when
-        another connection keeps the WAL busy past ``--lock-wait``."""
-        if self._header()[18] != 2:
+        A no-op for a rollback-journal state. Raises ``RIVET_STATE_FOREIGN_WAL`` (a ``-wal``
+        that is not the state's) and ``RIVET_STATE_RUN_IN_PROGRESS`` when another connection
+        keeps the WAL busy past ``--lock-wait``."""
+        header = self._header()
+        if header[18] != 2:
             return
+        self._refuse_foreign(header)
         db = sqlite3.connect(self.path, timeout=self.lock_wait)
         try:
             busy, _log, _done = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()

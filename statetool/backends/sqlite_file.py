@@ -8,6 +8,7 @@ state (SPEC §4, §9).
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -34,29 +35,49 @@ def relocated_error(path: Path) -> StateError:
     )
 
 
+#: What a non-regular file at the state's path is, for the refusal's message.
+_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket"}
+
+
+def unsafe_state_file(path: Path, what: str) -> StateError:
+    """``RIVET_STATE_UNSAFE_FILE`` for a state path that is not a regular file (SPEC §4):
+    it is refused before anything reads from it (a FIFO would block every command)."""
+    return StateError("RIVET_STATE_UNSAFE_FILE", f"{path} is {what}, not a regular file, where the state file "
+                      "belongs; nothing was read or written", {"path": str(path)})
+
+
 def read_header(path: Path) -> bytes:
     """The 100-byte SQLite header of the state file at ``path``.
 
-    Raises ``RIVET_STATE_MISSING`` (nothing there), ``RIVET_STATE_RELOCATED`` (a
-    tombstone), ``RIVET_STATE_NOT_A_STATE`` (not a regular file, empty, not SQLite) and
+    Raises ``RIVET_STATE_MISSING`` (nothing there), ``RIVET_STATE_UNSAFE_FILE`` (a FIFO,
+    a device, a directory: never opened for reading), ``RIVET_STATE_RELOCATED`` (a
+    tombstone), ``RIVET_STATE_NOT_A_STATE`` (empty, not SQLite) and
     ``RIVET_STATE_CORRUPT`` (shorter than its header says: truncated).
     """
     if not os.path.lexists(path):
         raise StateError("RIVET_STATE_MISSING", f"no state at {path}", {"path": str(path)})
-    if not path.is_file():
-        raise StateError("RIVET_STATE_NOT_A_STATE", f"{path} is not a regular file", {"path": str(path)})
-    with open(path, "rb") as fh:
-        header = fh.read(100)
+    try:
+        # O_NONBLOCK: a FIFO is never waited on; it is refused by what fstat says below.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as err:
+        raise unsafe_state_file(path, os.strerror(err.errno or 0)) if err.errno == errno.ENXIO else err from None
+    try:
+        st = os.fstat(fd)
+        kind, size = st.st_mode, st.st_size
+        if not stat.S_ISREG(kind):
+            raise unsafe_state_file(path, _KINDS.get(stat.S_IFMT(kind), "not a regular file"))
+        header = os.pread(fd, 100, 0)
+    finally:
+        os.close(fd)
     if header.startswith(TOMBSTONE_MAGIC):
         raise relocated_error(path)
     if len(header) < 100 or not header.startswith(MAGIC):
         what = "an empty file" if not header else "not a SQLite database"
         raise StateError("RIVET_STATE_NOT_A_STATE", f"{path} is {what}, not a rivet state", {"path": str(path)})
-    page_size = int.from_bytes(header[16:18], "big")
-    page_size = 65536 if page_size == 1 else page_size
+    page_size = page_size_of(header)
     pages = int.from_bytes(header[28:32], "big")
     header_count_valid = header[24:28] == header[92:96]
-    size = path.stat().st_size
     if header_count_valid and pages and size < pages * page_size:
         raise StateError("RIVET_STATE_CORRUPT",
                          f"{path} is truncated: {size} bytes on disk, its header says "
@@ -76,3 +97,69 @@ def refuse_unsafe_companions(path: Path) -> None:
         if not stat.S_ISREG(mode):
             raise StateError("RIVET_STATE_UNSAFE_FILE", f"{companion} is {file_kind(mode)}, where SQLite keeps the "
                              "state's own journal; nothing was written", {"path": str(companion)})
+
+
+#: The two WAL magic numbers: checksums in little-endian (…82) or big-endian (…83) words.
+_WAL_MAGIC = {b"\x37\x7f\x06\x82": "<", b"\x37\x7f\x06\x83": ">"}
+_WAL_VERSION = 3007000
+_WAL_HEADER, _FRAME_HEADER = 32, 24
+
+
+def _wal_checksum(data: bytes, order: str, s0: int, s1: int) -> tuple[int, int]:
+    """SQLite's WAL checksum of ``data`` (a multiple of 8 bytes), continued from ``(s0, s1)``
+    (https://www.sqlite.org/fileformat2.html#walformat, "Checksum Algorithm")."""
+    import struct
+
+    for x0, x1 in struct.iter_unpack(f"{order}II", data):
+        s0 = (s0 + x0 + s1) & 0xFFFFFFFF
+        s1 = (s1 + x1 + s0) & 0xFFFFFFFF
+    return s0, s1
+
+
+def page_size_of(header: bytes) -> int:
+    """The page size in bytes that a database header (bytes 16-17) gives."""
+    size = int.from_bytes(header[16:18], "big")
+    return 65536 if size == 1 else size
+
+
+def wal_mismatch(db_header: bytes, wal: Path) -> str | None:
+    """Why the ``-wal`` at ``wal`` cannot be the log of the database whose 100-byte header
+    is ``db_header``, or None when it fits (or holds no header: SQLite ignores a log shorter
+    than 32 bytes). Checked: the magic, the format version, the page size, the header's
+    checksum, and the first frame's salts and checksum, which SQLite writes together with
+    the header. Reads the file by its open descriptor, never following a symlink
+    (a symlink is itself a reason)."""
+    try:
+        fd = os.open(wal, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return "a symlink" if err.errno == errno.ELOOP else os.strerror(err.errno or 0)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "not a regular file"
+        page_size = page_size_of(db_header)
+        head = os.pread(fd, _WAL_HEADER, 0)
+        if len(head) < _WAL_HEADER:
+            return None
+        order = _WAL_MAGIC.get(head[:4])
+        if order is None:
+            return "not a SQLite WAL file (bad magic number)"
+        if int.from_bytes(head[4:8], "big") != _WAL_VERSION:
+            return f"WAL format version {int.from_bytes(head[4:8], 'big')}, not {_WAL_VERSION}"
+        if int.from_bytes(head[8:12], "big") != page_size:
+            return f"written for pages of {int.from_bytes(head[8:12], 'big')} bytes; this state's pages are {page_size}"
+        s0, s1 = _wal_checksum(head[:24], order, 0, 0)
+        if (s0, s1) != (int.from_bytes(head[24:28], "big"), int.from_bytes(head[28:32], "big")):
+            return "its header checksum is wrong (a damaged or hand-edited file)"
+        frame = os.pread(fd, _FRAME_HEADER + page_size, _WAL_HEADER)
+        if len(frame) < _FRAME_HEADER + page_size:
+            return None  # no whole frame: SQLite applies nothing from it
+        if frame[8:16] != head[16:24]:
+            return "its first frame carries other salts than its header (frames of another log)"
+        f0, f1 = _wal_checksum(frame[:8] + frame[_FRAME_HEADER:], order, s0, s1)
+        if (f0, f1) != (int.from_bytes(frame[16:20], "big"), int.from_bytes(frame[20:24], "big")):
+            return "its first frame's checksum is wrong (a damaged or spliced file)"
+        return None
+    finally:
+        os.close(fd)

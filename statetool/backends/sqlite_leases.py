@@ -268,25 +268,40 @@ class FlockLeases:
         name = key_to_filename(key)
         dfd = self._dir_fd(create=True)
         assert dfd is not None
+        created = False
         try:
-            fd = self._open(dfd, name, os.O_RDWR | os.O_CREAT)
+            try:
+                fd = self._open(dfd, name, os.O_RDWR)
+            except FileNotFoundError:
+                try:
+                    fd, created = self._open(dfd, name, os.O_RDWR | os.O_CREAT | os.O_EXCL), True
+                except FileExistsError:  # another process created it meanwhile
+                    fd = self._open(dfd, name, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                info = LeaseInfo(key, "live", _holder(_read_doc(fd)))
+                os.close(fd)
+                return info
+            try:
+                previous = _read_doc(fd).get("fencing_token")
+                # The last token plus one; a new sidecar starts at the clock in microseconds, so one
+                # that was removed (and its count with it) never hands out a token used before: every
+                # acquisition takes far more than a microsecond. Only a wall clock set back breaks this
+                # (docs/decisions.md, "Fencing").
+                token = previous + 1 if isinstance(previous, int) and previous > 0 else time.time_ns() // 1000
+                lease = FlockLease(key, Holder(**{**holder.__dict__, "token": token}), fd, self.directory / name)
+                _write_doc(fd, lease._record())  # noqa: SLF001 - the record is the lease's own
+            except OSError:
+                # A full disk: a sidecar this call created holds no record; it is removed (still
+                # locked, so nobody has taken it meanwhile) rather than left empty.
+                if created:
+                    os.unlink(name, dir_fd=dfd)
+                os.close(fd)
+                raise
+            return lease
         finally:
             os.close(dfd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            info = LeaseInfo(key, "live", _holder(_read_doc(fd)))
-            os.close(fd)
-            return info
-        previous = _read_doc(fd).get("fencing_token")
-        # The last token plus one; a new sidecar starts at the clock in microseconds, so one
-        # that was removed (and its count with it) never hands out a token used before: every
-        # acquisition takes far more than a microsecond. Only a wall clock set back breaks this
-        # (docs/decisions.md, "Fencing").
-        token = previous + 1 if isinstance(previous, int) and previous > 0 else time.time_ns() // 1000
-        lease = FlockLease(key, Holder(**{**holder.__dict__, "token": token}), fd, self.directory / name)
-        _write_doc(fd, lease._record())  # noqa: SLF001 - the record is the lease's own
-        return lease
 
     def info(self, key: str) -> LeaseInfo:
         dfd = self._dir_fd(create=False)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,18 @@ def read_tombstone(path: Path) -> dict[str, Any] | None:
     """The tombstone at ``path`` as a dict (``to``, ``state_url``, ``at``, ``by``,
     ``kept_as``, ...), or None when the file is not a tombstone."""
     try:
-        with open(path, "rb") as fh:
-            head = fh.read(len(MAGIC))
-            if head != MAGIC:
-                return None
-            body = fh.read(1 << 20)
+        # O_NONBLOCK and the fstat: a FIFO or a device at the state's path is never read from.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.pread(fd, len(MAGIC), 0) != MAGIC:
+            return None
+        body = os.pread(fd, 1 << 20, len(MAGIC))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     try:
         doc = json.loads(body)
     except ValueError:

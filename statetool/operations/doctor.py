@@ -417,6 +417,9 @@ def doctor(ctx: Context, export: str | None = None) -> DoctorResult:
         if present:
             with backend.reading() as conn:
                 snap = read_snapshot(backend, conn, integrity=False, progress=False)
+                if snap.interrupted_write:
+                    state_reasons.append(Reason("RIVET_STATE_HOT_JOURNAL", snap.interrupted_write,
+                                                {"journal": f"{location.path}-journal"}))
                 if snap.known:
                     progress = _progress(conn, snap.tables, [e.name for e in exports])
                     resets = _last_resets(conn, snap.tables)

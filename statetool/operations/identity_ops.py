@@ -48,7 +48,8 @@ def show(ctx: Context) -> IdentityResult:
     where = str(ctx.location.directory or ctx.location.display)
     by_scope = {s: identity_verdict(snap.recorded_key, computed, s, progress).action for s in _SCOPES}
     return IdentityResult(snap.recorded_key, computed, ctx.location.scope, verdict.action, verdict.code,
-                          identity_message(verdict, where, for_write=False), by_scope)
+                          identity_message(verdict, where, for_write=False), by_scope,
+                          warnings=[w for w in pf.warnings if w.code == "RIVET_STATE_HOT_JOURNAL"])
 
 
 def adopt(ctx: Context) -> IdentityResult:
@@ -67,7 +68,7 @@ def adopt(ctx: Context) -> IdentityResult:
                              f"the state already records {recorded}; to change it on purpose run "
                              f"statetool identity rekey --old {recorded} --new {ctx.computed_key}")
 
-    pf = run_preflight(ctx, for_write=True, recover=True)
+    pf = run_preflight(ctx, for_write=True)
     snap = require(pf)
     unclaimed(snap.recorded_key)
     if snap.recorded_key == ctx.computed_key:

@@ -113,20 +113,17 @@ class ExportDetail:
 
     export: dict[str, object]
     recent_runs: list[dict[str, object]]
+    warnings: list[dict[str, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
-        """``{"export": {...}, "recent_runs": [...]}``."""
-        return {"export": self.export, "recent_runs": self.recent_runs}
-
-
-def exports_list(ctx: Context) -> list[dict[str, object]]:
-    """Progress of every export of the config and of the state. Raises as :func:`info`."""
-    return info(ctx).exports
+        """``{"export": {...}, "recent_runs": [...], "warnings": [...]}``."""
+        return {"export": self.export, "recent_runs": self.recent_runs, "warnings": self.warnings}
 
 
 def export_show(ctx: Context, name: str, limit: int = 10) -> ExportDetail:
     """One export's progress and last ``limit`` runs. Raises ``RIVET_EXPORT_UNKNOWN``."""
-    rows = {row["name"]: row for row in exports_list(ctx)}
+    described = info(ctx)
+    rows = {row["name"]: row for row in described.exports}
     if name not in rows:
         raise StateError("RIVET_EXPORT_UNKNOWN", f"export '{name}' is in neither {ctx.config.path} nor the state")
     recent: list[dict[str, object]] = []
@@ -138,4 +135,4 @@ def export_show(ctx: Context, name: str, limit: int = 10) -> ExportDetail:
                                r.c.files, r.c.error)
                      .where(r.c.export_name == name).order_by(r.c.started_at.desc()).limit(limit))
             recent = [dict(row._mapping) for row in conn.execute(query)]
-    return ExportDetail(rows[name], recent)
+    return ExportDetail(rows[name], recent, described.warnings)

@@ -95,7 +95,7 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     """
     if sql and ctx.location.backend == "sqlite":  # whatever the state holds: the answer is the same
         raise StateError("RIVET_STATE_SQL_UNSUPPORTED", "--sql prints PostgreSQL DDL; this state is SQLite")
-    pf = run_preflight(ctx, for_write=True, recover=not (dry_run or sql), progress=False)
+    pf = run_preflight(ctx, for_write=True, progress=False)
     missing = next((c for c in pf.failures if c.code == "RIVET_STATE_MISSING"), None)
     if missing is not None and missing.id == "state":
         raise StateError("RIVET_STATE_MISSING", f"{missing.message}; migrate never creates a state "

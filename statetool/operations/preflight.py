@@ -23,8 +23,8 @@ CHECK_IDS = ("location", "config", "state", "format", "integrity", "revision", "
 
 #: The row a failure to read the state belongs to (anything else: ``integrity``).
 _READ_FAILURE_ROW = {"RIVET_STATE_NOT_A_STATE": "format", "RIVET_STATE_MISSING": "format",
-                     "RIVET_STATE_RELOCATED": "relocated", "RIVET_STATE_PERMISSION_DENIED": "state",
-                     "RIVET_STATE_UNSAFE_FILE": "state"}
+                     "RIVET_STATE_UNSAFE_FILE": "format", "RIVET_STATE_RELOCATED": "relocated",
+                     "RIVET_STATE_PERMISSION_DENIED": "state"}
 
 
 @dataclass
@@ -99,7 +99,7 @@ def identity_message(verdict: Verdict, where: str, for_write: bool) -> str:
     }[verdict.action]
 
 
-def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = False,
+def run_preflight(ctx: Context, *, for_write: bool = False,
                   progress: bool = True, integrity: bool = True) -> Preflight:
     """Run every check in order on a read-only open. Never raises a :class:`StateError`:
     failures become ``fail`` rows carrying their error.
@@ -109,9 +109,10 @@ def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = Fals
     ``progress=False`` reads only whether any progress exists, not each export's (a
     migration needs no more, and on a large legacy state the full read costs seconds).
     ``integrity=False`` skips ``quick_check`` (relocate proves it on its copy instead).
-    ``recover`` (a command that is about to write) lets SQLite roll back the hot journal
-    of a killed writer (``RIVET_STATE_INTERRUPTED_WRITE``) and reads again: the action
-    of that code tells the operator to run a writing command for exactly this.
+    A SQLite state with the hot journal of a killed writer is read as it was before that
+    write (the backend rolls it back in a private copy): the ``integrity`` row warns
+    ``RIVET_STATE_HOT_JOURNAL``, and nothing beside the state changes, for a write too; only
+    a write whose pre-flight passed opens the state itself, which rolls the journal back.
     """
     pf = Preflight()
     try:
@@ -140,15 +141,18 @@ def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = Fals
         return pf
     pf.add("state", "ok", f"found at {location.display}")
     try:
-        snap = _read_named(backend, recover, progress, integrity)
+        snap = _read_named(backend, progress, integrity)
     except StateError as err:
         pf.fail(err, _READ_FAILURE_ROW.get(err.code, "integrity"))
         pf.skip_rest("the state cannot be read")
         return pf
     pf.snapshot = snap
     pf.add("format", "ok", "legacy rivet state (no version table)" if snap.legacy else "rivet state")
-    pf.add("integrity", "ok", "server-managed" if location.backend != "sqlite"
-           else "quick_check ok" if integrity else "not checked here (proven on the copy)")
+    if snap.interrupted_write:
+        pf.add("integrity", "warn", snap.interrupted_write, "RIVET_STATE_HOT_JOURNAL")
+    else:
+        pf.add("integrity", "ok", "server-managed" if location.backend != "sqlite"
+               else "quick_check ok" if integrity else "not checked here (proven on the copy)")
     _check_revision(pf, snap)
     pf.add("relocated", "ok", "in use at this place (no relocation or transfer recorded)")
     if snap.known:
@@ -159,11 +163,13 @@ def run_preflight(ctx: Context, *, for_write: bool = False, recover: bool = Fals
     return pf
 
 
-def _read_named(backend: Backend, recover: bool, progress: bool, integrity: bool) -> Snapshot:
-    """:func:`_read`, with an environment fault met on the way (a state file this user may
-    not open, say) raised as its registered error, so it becomes a ``fail`` row."""
+def _read_named(backend: Backend, progress: bool, integrity: bool) -> Snapshot:
+    """The snapshot of one read-only open, with an environment fault met on the way (a
+    state file this user may not open, say) raised as its registered error, so it becomes
+    a ``fail`` row."""
     try:
-        return _read(backend, recover, progress, integrity)
+        with backend.reading() as conn:
+            return read_snapshot(backend, conn, progress=progress, integrity=integrity)
     except OSError as exc:
         raise os_fault(exc) or exc from None
 
@@ -190,21 +196,6 @@ def _check_leases(pf: Preflight, ctx: Context, for_write: bool) -> None:
                "whole state would wait for them; a write of one of these exports too)", "RIVET_STATE_LEASE_LIVE")
     else:
         pf.add("leases", "ok", "no live lease")
-
-
-def _read(backend: Backend, recover: bool, progress: bool, integrity: bool) -> Snapshot:
-    try:
-        with backend.reading() as conn:
-            return read_snapshot(backend, conn, progress=progress, integrity=integrity)
-    except StateError as err:
-        if not (recover and err.code == "RIVET_STATE_INTERRUPTED_WRITE"):
-            raise
-    # Opening a write transaction is what makes SQLite roll a hot journal back
-    # (https://www.sqlite.org/lockingv3.html#hot_journals); nothing else is written.
-    with backend.writing("RIVET_STATE_LOCK_TIMEOUT"):
-        pass
-    with backend.reading() as conn:
-        return read_snapshot(backend, conn, progress=progress, integrity=integrity)
 
 
 def _check_revision(pf: Preflight, snap: Snapshot) -> None:

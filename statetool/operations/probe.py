@@ -56,6 +56,9 @@ class Snapshot:
     integrity: list[str] = field(default_factory=list)
     #: Whether any export has progress, when per-export progress was not read.
     any_progress: bool | None = None
+    #: Set when the state was read as it was before a write that was killed mid-transaction
+    #: (a SQLite hot journal rolled back in a private copy): the sentence that says so.
+    interrupted_write: str | None = None
 
     @property
     def effective_revision(self) -> str | None:
@@ -113,7 +116,7 @@ def read_snapshot(backend: Backend, conn: Connection, *, integrity: bool = True,
         known = revision is not None or legacy
     except KeyError:
         known = False
-    snap = Snapshot(tables, legacy, revision, known)
+    snap = Snapshot(tables, legacy, revision, known, interrupted_write=conn.info.get("interrupted_write"))
     if known:
         if progress:
             snap.exports = _read_exports(conn, tables)

@@ -234,7 +234,7 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
                               f"already relocated to {target_dir}; every task must run with RIVET_STATE_URL={state_url}")
     # The source's own integrity is proven by the copy instead: page digests equal, and
     # the copy passes quick_check. Per-export progress is not needed, only export names.
-    pf = run_preflight(ctx, for_write=True, recover=not dry_run, progress=False, integrity=False)
+    pf = run_preflight(ctx, for_write=True, progress=False, integrity=False)
     snap = require(pf)
     if not dry_run:  # now: create it (--create-dir) or check it is writable (a refusal creates nothing)
         _target_dir(to, create_dir, dry_run=False)

@@ -264,7 +264,7 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     source_path = location.path
     # per-export progress is not needed (only which exports the state knows, read below):
     # on a large state that read costs seconds
-    pf = run_preflight(ctx, for_write=True, recover=not dry_run, progress=False)
+    pf = run_preflight(ctx, for_write=True, progress=False)
     snap = require(pf)
     source_key = snap.recorded_key or ctx.computed_key or None
     backend = SqliteBackend(location, ctx.lock_wait)

@@ -174,7 +174,7 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
     backend's write lock, then raises ``lock_code``. Every held lease is fenced at the
     start and right before the commit (``RIVET_STATE_LEASE_LOST``).
     """
-    pf = preflight if preflight is not None else run_preflight(ctx, for_write=True, recover=True)
+    pf = preflight if preflight is not None else run_preflight(ctx, for_write=True)
     snap = require(pf, allow=allow)
     if check is not None:
         check(snap)
