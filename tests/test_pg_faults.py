@@ -282,6 +282,36 @@ def test_a_sql_error_in_an_operation_body_is_internal_in_one_line_not_retryable(
     assert after == before
 
 
+BODY_FAULTS = {
+    # what the trigger on the write's audit row does: (exit code, error code)
+    "RAISE EXCEPTION 'no' USING ERRCODE = 'insufficient_privilege'": (1, "RIVET_STATE_PERMISSION_DENIED"),
+    "RAISE EXCEPTION 'no' USING ERRCODE = 'disk_full'": (1, "RIVET_STATE_DISK_FULL"),
+    "RAISE EXCEPTION 'no' USING ERRCODE = 'read_only_sql_transaction'": (1, "RIVET_STATE_READ_ONLY"),
+    "PERFORM pg_terminate_backend(pg_backend_pid())": (2, "RIVET_STATE_UNREACHABLE"),
+    "RAISE EXCEPTION 'no' USING ERRCODE = 'undefined_column'": (6, "RIVET_INTERNAL"),
+}
+
+
+@pytest.mark.parametrize("action", list(BODY_FAULTS))
+def test_a_fault_met_inside_an_operation_body_keeps_its_code(
+        cfg: Path, admin: str, schema: str, state: str, action: str) -> None:
+    """One classifier wherever the error happens: a trigger on rivet_audit makes the write's
+    own INSERT fail, after every check passed, inside the transaction."""
+    exit_code, code = BODY_FAULTS[action]
+    _sql(admin, f'CREATE FUNCTION "{schema}".refuse() RETURNS trigger LANGUAGE plpgsql AS '
+                f"$$ BEGIN {action}; RETURN NEW; END $$",
+         f'CREATE TRIGGER refuse BEFORE INSERT ON "{schema}".rivet_audit FOR EACH ROW EXECUTE FUNCTION '
+         f'"{schema}".refuse()')
+    before = _contents(admin, schema)
+    proc = _cli(cfg, state, "exports", "set-cursor", "orders", "2026-05-05")
+    assert "Traceback" not in proc.stderr, describe(proc)
+    err = _error(proc)
+    assert (proc.returncode, err["code"], err["retryable"]) == (exit_code, code, exit_code == 2), describe(proc)
+    after = _contents(admin, schema)
+    after.pop("rivet_lease_tokens"), before.pop("rivet_lease_tokens")  # the run lease was taken and given back
+    assert after == before
+
+
 def _driver_failure(url: str, statement: str, *, setup: str | None = None) -> sa.exc.DBAPIError:
     engine = sa.create_engine("postgresql+psycopg://" + _plain(url).split("://", 1)[1].split("&schema=")[0]
                               .split("?schema=")[0], poolclass=sa.pool.NullPool)
@@ -310,6 +340,16 @@ CLASSIFIED = {
     "statement timeout (57014)": ("SELECT pg_sleep(5)", "SET statement_timeout = 50", "RIVET_STATE_UNREACHABLE"),
     "connection lost": ("SELECT pg_terminate_backend(pg_backend_pid())", None, "RIVET_STATE_UNREACHABLE"),
 }
+#: SQLSTATEs the server itself raises (RAISE ... USING ERRCODE), for the faults a test cannot
+#: provoke for real (a full disk, a deadlock at a given instant): the code each one gets.
+RAISED = {"53100": "RIVET_STATE_DISK_FULL", "53300": "RIVET_STATE_UNREACHABLE", "53200": "RIVET_STATE_UNREACHABLE",
+          "40001": "RIVET_STATE_UNREACHABLE", "40P01": "RIVET_STATE_UNREACHABLE", "55P03": "RIVET_STATE_UNREACHABLE",
+          "57P01": "RIVET_STATE_UNREACHABLE", "08006": "RIVET_STATE_UNREACHABLE", "42501": "RIVET_STATE_PERMISSION_DENIED",
+          "25006": "RIVET_STATE_READ_ONLY", "28P01": "RIVET_STATE_AUTH_FAILED", "3D000": "RIVET_STATE_URL_INVALID",
+          "23503": "RIVET_STATE_WRITE_REFUSED", "42703": "RIVET_INTERNAL", "0A000": "RIVET_INTERNAL",
+          "XX000": "RIVET_INTERNAL"}
+CLASSIFIED.update({f"raised {state}": (f"DO $$ BEGIN RAISE EXCEPTION 'raised' USING ERRCODE = '{state}'; END $$",
+                                       None, code) for state, code in RAISED.items()})
 
 
 @pytest.mark.parametrize("case", list(CLASSIFIED))
@@ -319,6 +359,7 @@ def test_driver_errors_are_classified_by_sqlstate_wherever_they_happen(admin: st
     assert error.code == code, (case, error.code, error.message)
     assert "\n" not in error.message
     assert error.entry.retryable is (code == "RIVET_STATE_UNREACHABLE")
+    assert error.code != "RIVET_INTERNAL" or "SQLSTATE" in error.message
 
 
 def test_insufficient_privilege_is_permission_denied_with_the_grant(admin: str, role: Role) -> None:
