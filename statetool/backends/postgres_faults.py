@@ -66,7 +66,7 @@ def driver_error(err: sa.exc.DBAPIError, where: str) -> StateError:
     if sqlstate == _PRIVILEGE:
         return StateError("RIVET_STATE_PERMISSION_DENIED",
                           f"the state database at {where} denied the role a right it needs (SQLSTATE 42501): "
-                          f"{text}; nothing was written. {_grant_hint(text)}", details)
+                          f"{text}; nothing was written. {_grant_hint(str(orig))}", details)
     if sqlstate == _READ_ONLY:
         return StateError("RIVET_STATE_READ_ONLY",
                           f"the state database at {where} accepts only reads in this session (SQLSTATE 25006, a hot "
@@ -91,8 +91,8 @@ def _grant_hint(text: str) -> str:
     match = re.search(r"permission denied for (table|schema|database|sequence) (\S+)", text)
     if match:
         kind, name = match.groups()
-        right = {"table": "SELECT, INSERT, UPDATE, DELETE", "schema": "USAGE, CREATE", "database": "CREATE",
-                 "sequence": "USAGE"}[kind]
+        right = {"table": "SELECT, INSERT, UPDATE, DELETE", "schema": "USAGE, CREATE",
+                 "database": "CONNECT" if "CONNECT privilege" in text else "CREATE", "sequence": "USAGE"}[kind]
         return f"As its owner or a superuser: GRANT {right} ON {kind.upper()} {name} TO <this role>."
     if "must be owner" in text:
         return "Run it as the role that owns those tables (or a member of it)."
@@ -131,8 +131,9 @@ def rights_problem(conn: Connection, schema_name: str, purpose: str, where: str)
     Reads only catalogs every role may read (``pg_namespace``, ``pg_class``), so a role
     without USAGE still learns that the state exists (SPEC §8a)."""
     need = NEEDS[purpose]
-    role, database, db_create, owner, usage, create = conn.execute(sa.text(
-        "SELECT current_user, current_database(), has_database_privilege(current_database(), 'CREATE'), "
+    role, database, db_owner, db_create, owner, usage, create = conn.execute(sa.text(
+        "SELECT current_user, current_database(), (SELECT pg_get_userbyid(datdba) FROM pg_database "
+        "WHERE datname = current_database()), has_database_privilege(current_database(), 'CREATE'), "
         "pg_get_userbyid(n.nspowner), has_schema_privilege(n.oid, 'USAGE'), has_schema_privilege(n.oid, 'CREATE') "
         "FROM (SELECT 1) AS one LEFT JOIN pg_namespace n ON n.nspname = :s"), {"s": schema_name}).one()
     schema_q = ident(schema_name)
@@ -157,12 +158,11 @@ def rights_problem(conn: Connection, schema_name: str, purpose: str, where: str)
         grants += grants_tables
     if not lacks:
         return None
-    fix = "; ".join(grants) if grants else ""
-    as_whom = f"as {owner_text if owner else 'a role with CREATE on the database'} or a superuser"
+    as_whom = f"role {owner}" if owner else f"role {db_owner} (the owner of database {database})"
     return StateError("RIVET_STATE_PERMISSION_DENIED",
                       f"role {role} may not {need.verb} the state at {where}: it lacks {'; '.join(lacks)} (schema "
-                      f"{schema_name} is owned by {owner_text}); nothing was changed. Fix it {as_whom}"
-                      + (f": {fix}" if fix else "") + ", or use a role that has these rights",
+                      f"{schema_name} is owned by {owner_text}); nothing was changed. Fix it as {as_whom} or a "
+                      f"superuser: {'; '.join(grants)}, or use a role that has these rights",
                       {"role": role, "schema": schema_name, "owner": owner, "grants": grants})
 
 
