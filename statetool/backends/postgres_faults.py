@@ -143,9 +143,7 @@ def rights_problem(conn: Connection, schema_name: str, purpose: str, where: str)
         if need.create and not db_create:
             lacks.append(f"CREATE on database {database} (the schema {schema_name} does not exist yet)")
             grants.append(f"GRANT CREATE ON DATABASE {ident(database)} TO {ident(role)}")
-        owner_text = "nobody yet"
     else:
-        owner_text = f"role {owner}"
         lacks_tables, grants_tables, has_state = _table_rights(conn, schema_name, need, role)
         # CREATE on the schema: a migration adds tables; a new state (init, a transfer into
         # an empty schema) creates all of them
@@ -158,11 +156,12 @@ def rights_problem(conn: Connection, schema_name: str, purpose: str, where: str)
         grants += grants_tables
     if not lacks:
         return None
+    owned = f" (schema {schema_name} is owned by role {owner})" if owner else ""
     as_whom = f"role {owner}" if owner else f"role {db_owner} (the owner of database {database})"
     return StateError("RIVET_STATE_PERMISSION_DENIED",
-                      f"role {role} may not {need.verb} the state at {where}: it lacks {'; '.join(lacks)} (schema "
-                      f"{schema_name} is owned by {owner_text}); nothing was changed. Fix it as {as_whom} or a "
-                      f"superuser: {'; '.join(grants)}, or use a role that has these rights",
+                      f"role {role} may not {need.verb} the state at {where}: it lacks {'; '.join(lacks)}{owned}; "
+                      f"nothing was changed. Fix it as {as_whom} or a superuser: {'; '.join(grants)}, or use a role "
+                      "that has these rights",
                       {"role": role, "schema": schema_name, "owner": owner, "grants": grants})
 
 
