@@ -79,8 +79,8 @@ class PostgresBackend:
 
     def check_rights(self, purpose: str, conn: Connection | None = None) -> None:
         """Raise ``RIVET_STATE_PERMISSION_DENIED`` (see :func:`rights_problem`) unless this
-        URL's role has every right ``purpose`` (``read``, ``write``, ``migrate``, ``create``)
-        needs; on ``conn``, or on a read-only session of its own. Changes nothing: a write's
+        URL's role has every right ``purpose`` (a key of
+        :data:`~statetool.backends.postgres_faults.NEEDS`) needs; on ``conn``, or on a read-only session of its own. Changes nothing: a write's
         pre-flight and ``transfer --dry-run`` refuse what the real run would (SPEC §8a)."""
         if conn is None:
             with self._connect(read_only=True) as own:
@@ -141,8 +141,9 @@ class PostgresBackend:
     @contextlib.contextmanager
     def _transaction(self, purpose: str, lock_code: str) -> Iterator[Connection]:
         """One writing transaction: a state must be there (unless ``purpose`` is ``create``),
-        and the session's rights for ``purpose`` and its read-only setting are checked first (before any wait or change), then the writers' advisory
-        lock is taken. Committed on a clean exit; every driver error is :func:`driver_error`'s."""
+        and the session's read-only setting and its rights for ``purpose`` are checked before
+        any wait or change; then the writers' advisory lock is taken. Committed on a clean
+        exit; every driver error is :func:`driver_error`'s."""
         with self._connect(read_only=False) as conn:
             with conn.begin():
                 if purpose != "create" and not self.table_names(conn):
