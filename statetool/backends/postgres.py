@@ -77,15 +77,12 @@ class PostgresBackend:
         finally:
             engine.dispose()
 
-    def check_rights(self, purpose: str, conn: Connection | None = None) -> None:
-        """Raise ``RIVET_STATE_PERMISSION_DENIED`` (see :func:`rights_problem`) unless this
-        URL's role has every right ``purpose`` (a key of
-        :data:`~statetool.backends.postgres_faults.NEEDS`) needs; on ``conn``, or on a read-only session of its own. Changes nothing: a write's
-        pre-flight and ``transfer --dry-run`` refuse what the real run would (SPEC §8a)."""
-        if conn is None:
-            with self._connect(read_only=True) as own:
-                self.check_rights(purpose, own)
-            return
+    def check_rights(self, purpose: str, conn: Connection) -> None:
+        """Raise ``RIVET_STATE_PERMISSION_DENIED`` (see :func:`rights_problem`) unless the
+        role of ``conn`` has every right ``purpose`` (a key of
+        :data:`~statetool.backends.postgres_faults.NEEDS`) needs. Reads catalogs only, so it
+        runs on a read-only session too: a write's pre-flight and ``transfer --dry-run``
+        refuse what the real run would, before anything changes (SPEC §8a)."""
         problem = rights_problem(conn, self.schema, purpose, self.location.display)
         if problem is not None:
             raise problem
