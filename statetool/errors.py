@@ -116,17 +116,20 @@ REGISTRY: dict[str, Entry] = {
     # generic, not retryable: the database itself refuses, the same way on every re-run.
     "RIVET_STATE_WRITE_REFUSED": _e(
         "environment", "generic",
-        "the state database refused the write (a constraint, a trigger, or the rights of the role, named in the "
-        "message): fix that on the database side, then re-run; nothing was written",
+        "the state database refused the write (a constraint or a trigger, named in the message): fix that on the "
+        "database side, then re-run; nothing was written",
     ),
     "RIVET_STATE_READ_ONLY": _e(
         "environment", "generic",
-        "the state's filesystem is mounted read-only: mount it read-write (or run only read commands), then re-run",
+        "the state's filesystem is mounted read-only: mount it read-write (or run only read commands), then re-run; "
+        "on PostgreSQL, point the state URL at the primary server, or turn default_transaction_read_only off for "
+        "the role or database (the message says which)",
     ),
     "RIVET_STATE_PERMISSION_DENIED": _e(
         "environment", "generic",
         "run as the user that owns the file named in the message (or grant this user access to it and to each "
-        "directory above it), then re-run",
+        "directory above it), then re-run; on PostgreSQL, run the GRANT statements the message prints (as the "
+        "owner it names, or a superuser), or use a role that has those rights",
     ),
     # generic, not retryable: a re-run fails the same way until someone frees space.
     "RIVET_STATE_DISK_FULL": _e(

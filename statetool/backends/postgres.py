@@ -19,25 +19,18 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.pool import NullPool
 
 from statetool.backends.base import Progress
+from statetool.backends.postgres_faults import driver_error, ident, rights_problem
 from statetool.errors import StateError
 from statetool.location import Location
 
 if TYPE_CHECKING:
     from statetool.backends.postgres_leases import RowLeases
 
-#: SQLSTATEs of a refused login (invalid_password, invalid_authorization_specification).
-_AUTH_STATES = {"28P01", "28000"}
 _POLL_SECONDS = 0.2
-#: SQLSTATE classes and codes a re-run may get past (https://www.postgresql.org/docs/15/errcodes-appendix.html):
-#: connection exceptions, insufficient resources, operator intervention; serialization failure, deadlock.
-_TRANSIENT_CLASSES = {"08", "53", "57"}
-_TRANSIENT_STATES = {"40001", "40P01", "55P03"}
-#: The database refuses on purpose, the same way every time: integrity constraints, a trigger's
-#: RAISE, a missing privilege, a read-only transaction or server.
-_REFUSING_CLASSES = {"23", "P0"}
-_REFUSING_STATES = {"42501", "25006"}
 #: Milliseconds a lease statement waits for a row lock before it counts as busy.
 LEASE_LOCK_TIMEOUT_MS = 200
+#: The lock code a migration waits with: a writer that changes the shape of the tables.
+_MIGRATION_LOCK = "RIVET_STATE_MIGRATION_LOCKED"
 
 
 class PostgresBackend:
@@ -62,32 +55,19 @@ class PostgresBackend:
             options += f" -c lock_timeout={LEASE_LOCK_TIMEOUT_MS}"
         url = "postgresql+psycopg://" + self.location.url.split("://", 1)[1]
         # Autocommit engines serve leases: polling, heartbeats and the release reuse one
-        # pooled connection instead of opening a server connection per statement.
-        extra: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_size": 1, "max_overflow": 2} \
-            if autocommit else {"poolclass": NullPool}
+        # pooled connection instead of opening a server connection per statement; a pooled
+        # connection the server dropped (a restart) is replaced, not used (pre-ping).
+        extra: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_size": 1, "max_overflow": 2,
+                                 "pool_pre_ping": True} if autocommit else {"poolclass": NullPool}
         return sa.create_engine(url, connect_args={"options": options, "connect_timeout": 10}, **extra)
 
     def _translate(self, err: sa.exc.DBAPIError) -> StateError:
-        orig: Any = err.orig
-        sqlstate = getattr(orig, "sqlstate", None)
-        text = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
-        where = self.location.display
-        if sqlstate in _AUTH_STATES or "password authentication failed" in text:
-            return StateError("RIVET_STATE_AUTH_FAILED", f"the state database at {where} refused the login: {text}")
-        if sqlstate == "3D000" or "does not exist" in text and "database" in text:
-            return StateError("RIVET_STATE_URL_INVALID", f"the state database named in {where} does not exist "
-                              f"on that server: {text}")
-        if sqlstate is None or sqlstate[:2] in _TRANSIENT_CLASSES or sqlstate in _TRANSIENT_STATES:
-            return StateError("RIVET_STATE_UNREACHABLE", f"the state database at {where} is unreachable or busy: "
-                              f"{text}")
-        if sqlstate[:2] in _REFUSING_CLASSES or sqlstate in _REFUSING_STATES:
-            return StateError("RIVET_STATE_WRITE_REFUSED", f"the state database at {where} refused the write "
-                              f"(SQLSTATE {sqlstate}): {text}", {"sqlstate": sqlstate})
-        return StateError("RIVET_INTERNAL", f"{type(orig).__name__} (SQLSTATE {sqlstate}) from the state database "
-                          f"at {where}: {text}")
+        return driver_error(err, self.location.display)
 
     @contextlib.contextmanager
     def _connect(self, read_only: bool) -> Iterator[Connection]:
+        """A connection (no transaction of its own). Every driver error leaving it, from the
+        connect or from the caller's SQL, is translated by :func:`driver_error`."""
         engine = self._engine(read_only)
         try:
             with engine.connect() as conn:
@@ -97,9 +77,35 @@ class PostgresBackend:
         finally:
             engine.dispose()
 
+    def check_rights(self, purpose: str, conn: Connection) -> None:
+        """Raise ``RIVET_STATE_PERMISSION_DENIED`` (see :func:`rights_problem`) unless the
+        role of ``conn`` has every right ``purpose`` (a key of
+        :data:`~statetool.backends.postgres_faults.NEEDS`) needs. Reads catalogs only, so it
+        runs on a read-only session too: a write's pre-flight and ``transfer --dry-run``
+        refuse what the real run would, before anything changes (SPEC §8a)."""
+        problem = rights_problem(conn, self.schema, purpose, self.location.display)
+        if problem is not None:
+            raise problem
+
+    def _refuse_read_only(self, conn: Connection) -> None:
+        """``RIVET_STATE_READ_ONLY`` when this writing session may not write (a hot standby,
+        or ``default_transaction_read_only`` set for the role or the database)."""
+        if conn.execute(sa.text("SELECT current_setting('transaction_read_only')")).scalar() == "on":
+            standby = conn.execute(sa.text("SELECT pg_is_in_recovery()")).scalar()
+            why = "the server is a hot standby: point the URL at the primary" if standby else (
+                "default_transaction_read_only is on for this role or database: ALTER ROLE "
+                f"{ident(str(conn.execute(sa.text('SELECT current_user')).scalar()))} SET "
+                "default_transaction_read_only = off (or use a role that may write)")
+            raise StateError("RIVET_STATE_READ_ONLY", f"the state database at {self.location.display} accepts only "
+                             f"reads in this session ({why}); nothing was written")
+
     def table_names(self, conn: Connection) -> set[str]:
-        rows = conn.execute(sa.text("SELECT table_name FROM information_schema.tables WHERE table_schema = :s"),
-                            {"s": self.schema}).all()
+        """The tables of the schema, from ``pg_class``: every role sees them, with or without
+        rights on them (``information_schema`` hides what the role may not touch, which made
+        a role without rights read a state as missing)."""
+        rows = conn.execute(sa.text(
+            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = :s AND c.relkind IN ('r', 'p', 'v', 'f')"), {"s": self.schema}).all()
         return {r[0] for r in rows}
 
     def check_writable(self, *, backup: bool) -> None:
@@ -112,10 +118,13 @@ class PostgresBackend:
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[Connection]:
+        """A read-only session; ``RIVET_STATE_MISSING`` when the schema holds no table,
+        ``RIVET_STATE_PERMISSION_DENIED`` when the role may not read every state table."""
         with self._connect(read_only=True) as conn:
             if not self.table_names(conn):
                 raise StateError("RIVET_STATE_MISSING", f"no state at {self.location.display}: schema "
                                  f"{self.schema} holds no table")
+            self.check_rights("read", conn)
             yield conn
 
     def integrity_problems(self, conn: Connection) -> list[str]:
@@ -131,34 +140,47 @@ class PostgresBackend:
             time.sleep(_POLL_SECONDS)
 
     @contextlib.contextmanager
-    def writing(self, lock_code: str) -> Iterator[Connection]:
+    def _transaction(self, purpose: str, lock_code: str) -> Iterator[Connection]:
+        """One writing transaction: a state must be there (unless ``purpose`` is ``create``),
+        and the session's read-only setting and its rights for ``purpose`` are checked before
+        any wait or change; then the writers' advisory lock is taken. Committed on a clean
+        exit; every driver error is :func:`driver_error`'s."""
         with self._connect(read_only=False) as conn:
             with conn.begin():
-                self._lock(conn, lock_code)
-                if not self.table_names(conn):
+                if purpose != "create" and not self.table_names(conn):
                     raise StateError("RIVET_STATE_MISSING", f"no state at {self.location.display}")
+                self._refuse_read_only(conn)
+                self.check_rights(purpose, conn)
+                self._lock(conn, lock_code)
                 yield conn
 
+    @contextlib.contextmanager
+    def writing(self, lock_code: str) -> Iterator[Connection]:
+        """See :class:`~statetool.backends.base.Backend`. Refused before the lock and before
+        any change: ``RIVET_STATE_MISSING``, ``RIVET_STATE_READ_ONLY``, and
+        ``RIVET_STATE_PERMISSION_DENIED`` for a role without the write rights (a writer
+        waiting with ``RIVET_STATE_MIGRATION_LOCKED``, a migration, also needs CREATE on the
+        schema and ownership of the tables it alters)."""
+        with self._transaction("migrate" if lock_code == _MIGRATION_LOCK else "write", lock_code) as conn:
+            yield conn
+
     def create(self, build: Callable[[Connection], None]) -> None:
-        with self._connect(read_only=False) as conn:
-            with conn.begin():
-                self._lock(conn, "RIVET_STATE_MIGRATION_LOCKED")
-                conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
-                if self.table_names(conn):
-                    raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
-                                     f"schema {self.schema} at {self.location.display} already holds tables")
-                build(conn)
+        with self._transaction("create", _MIGRATION_LOCK) as conn:
+            conn.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {ident(self.schema)}")
+            if self.table_names(conn):
+                raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
+                                 f"schema {self.schema} at {self.location.display} already holds tables")
+            build(conn)
 
     @contextlib.contextmanager
     def receiving(self) -> Iterator[Connection]:
         """One writing transaction on the schema, created if absent, under the writers'
         advisory lock; it may hold no table yet (a transfer builds and fills it). Committed
-        on a clean exit; nothing of it is visible before."""
-        with self._connect(read_only=False) as conn:
-            with conn.begin():
-                self._lock(conn, "RIVET_STATE_MIGRATION_LOCKED")
-                conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
-                yield conn
+        on a clean exit; nothing of it is visible before. Refuses as :meth:`check_rights`
+        ``("create")`` and ``RIVET_STATE_READ_ONLY`` before any change."""
+        with self._transaction("create", _MIGRATION_LOCK) as conn:
+            conn.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {ident(self.schema)}")
+            yield conn
 
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> None:
         return None
@@ -170,4 +192,5 @@ class PostgresBackend:
     def leases(self, ttl: int = 30) -> RowLeases:
         from statetool.backends.postgres_leases import RowLeases
 
-        return RowLeases(self._engine(read_only=False, autocommit=True), ttl)
+        return RowLeases(self._engine(read_only=False, autocommit=True), ttl, where=self.location.display,
+                         schema=self.schema)

@@ -28,6 +28,7 @@ import contextlib
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -37,6 +38,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from statetool.backends.base import HeldLease, Holder, LeaseInfo
+from statetool.backends.postgres_faults import driver_error, rights_problem
 from statetool.backends.processes import alive
 from statetool.errors import StateError
 
@@ -85,6 +87,8 @@ class RowLease:
     acquired: datetime
     lost_event: threading.Event = field(default_factory=threading.Event)
     released: bool = False
+    #: When the server last confirmed this holding (``time.monotonic()``): taken, or heartbeat.
+    confirmed: float = field(default_factory=time.monotonic)
 
     @property
     def token(self) -> int | None:
@@ -126,8 +130,12 @@ class RowLease:
             with self.store.connect() as conn:
                 conn.execute(sa.text(f"DELETE FROM rivet_leases WHERE {_MINE}"), self.mine())
         except StateError as err:
-            if err.code != "RIVET_STATE_MIGRATION_PENDING":
-                raise  # else: a downgrade this lease guarded dropped the lease table, and the lease with it
+            # a downgrade this lease guarded dropped the lease table, and the lease with it;
+            # or the lease was lost already (the error that says so is the one to report)
+            if err.code == "RIVET_STATE_MIGRATION_PENDING" or self.lost:
+                return
+            raise StateError(err.code, f"{err.message}; lease {self.key} was not given back: its record goes stale "
+                             f"{self.holder.ttl_seconds} s after its last heartbeat", err.details) from None
 
     def inheritable_fds(self) -> tuple[int, ...]:
         return ()
@@ -149,9 +157,12 @@ class RowStaleClaim:
 class RowLeases:
     """The lease store of a PostgreSQL state schema. ``engine`` runs in autocommit."""
 
-    def __init__(self, engine: sa.Engine, ttl: int = DEFAULT_TTL) -> None:
+    def __init__(self, engine: sa.Engine, ttl: int = DEFAULT_TTL, *, where: str = "the state database",
+                 schema: str | None = None) -> None:
         self.engine = engine
         self.ttl = ttl
+        self.where = where
+        self.schema = schema
         self.here = socket.gethostname()
         self._fenced: bool | None = None
         self._held: dict[str, RowLease] = {}
@@ -164,7 +175,9 @@ class RowLeases:
         """A pooled autocommit connection; a missing lease table (a state below revision
         0002) is ``RIVET_STATE_MIGRATION_PENDING``, found by the query itself, not a probe;
         a lease table locked past the lock timeout (a migration altering it) is
-        ``RIVET_STATE_MIGRATION_LOCKED``."""
+        ``RIVET_STATE_MIGRATION_LOCKED``; every other driver error is translated as the
+        backend translates it (:func:`~statetool.backends.postgres.driver_error`: a server
+        that went away is ``RIVET_STATE_UNREACHABLE``, never a traceback)."""
         try:
             with self.engine.connect() as conn:
                 yield conn
@@ -176,19 +189,26 @@ class RowLeases:
             if sqlstate == _LOCK_NOT_AVAILABLE:
                 raise StateError("RIVET_STATE_MIGRATION_LOCKED",
                                  "the lease table is locked by a migration or another write under way") from None
-            raise
+            raise driver_error(err, self.where) from None
 
     def require_state(self) -> None:
-        """Raise ``RIVET_STATE_MISSING`` when the schema holds no table, and
-        ``RIVET_STATE_MIGRATION_PENDING`` when it has no lease table yet."""
+        """Raise ``RIVET_STATE_MISSING`` when the schema holds no table,
+        ``RIVET_STATE_MIGRATION_PENDING`` when it has no lease table yet, and
+        ``RIVET_STATE_PERMISSION_DENIED`` when the role may not write the lease tables
+        (so a lease is refused before anything is written, SPEC §8a)."""
         with self.connect() as conn:
-            tables = set(conn.execute(sa.text("SELECT table_name FROM information_schema.tables "
-                                              "WHERE table_schema = current_schema()")).scalars())
-        if not tables:
-            raise StateError("RIVET_STATE_MISSING", "no state here: the state schema holds no table")
-        if "rivet_leases" not in tables:
-            raise StateError("RIVET_STATE_MIGRATION_PENDING",
-                             "this state has no lease table (revision 0002); run statetool migrate")
+            schema = self.schema or conn.execute(sa.text("SELECT current_schema()")).scalar()
+            tables = set(conn.execute(sa.text(
+                "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = :s AND c.relkind IN ('r', 'p')"), {"s": schema}).scalars())
+            if not tables:
+                raise StateError("RIVET_STATE_MISSING", "no state here: the state schema holds no table")
+            if "rivet_leases" not in tables:
+                raise StateError("RIVET_STATE_MIGRATION_PENDING",
+                                 "this state has no lease table (revision 0002); run statetool migrate")
+            problem = rights_problem(conn, str(schema), "lease", self.where)
+        if problem is not None:
+            raise problem
 
     def fenced_layout(self) -> bool:
         """True when the lease table has revision 0004's columns (read once per store)."""
@@ -310,16 +330,30 @@ class RowLeases:
                         "AND holder_host = :host RETURNING key, acquired_at"),
                         {"keys": [lease.key for lease in held], "pid": held[0].holder.pid,
                          "host": held[0].holder.host})}
-            except (sa.exc.DBAPIError, StateError) as err:
-                reason = type(getattr(err, "orig", err)).__name__
-                sys.stderr.write(f"statetool: lease heartbeat failed ({reason}); retrying\n")
+            except StateError as err:
+                self._unconfirmed(held, err)
                 continue
+            now = time.monotonic()
             for lease in held:
+                lease.confirmed = now
                 if (lease.key, lease.acquired) not in kept and not lease.released:
                     lease.lost_event.set()
                     self.forget(lease)
                     sys.stderr.write(f"statetool: lease {lease.key} was taken over by another holder "
                                      "(this holder stalled past its TTL, or the lease was released)\n")
+
+    def _unconfirmed(self, held: list[RowLease], err: StateError) -> None:
+        """A heartbeat that failed: retried at the next beat, unless the server has not
+        confirmed a lease for its whole TTL. Then another holder may take it over as soon as
+        the server is back, so the lease counts as lost (its holder stops, as on a takeover)."""
+        sys.stderr.write(f"statetool: lease heartbeat failed ({err.code}); retrying\n")
+        now = time.monotonic()
+        for lease in held:
+            if now - lease.confirmed >= self.ttl and not lease.released:
+                lease.lost_event.set()
+                self.forget(lease)
+                sys.stderr.write(f"statetool: lease {lease.key} is lost: the state database at {self.where} did "
+                                 f"not confirm it for {self.ttl} s (its TTL), so another holder may take it over\n")
 
     # -- reading and releasing ----------------------------------------------------------
 
@@ -330,6 +364,8 @@ class RowLeases:
         except StateError as err:
             if err.code == "RIVET_STATE_MIGRATION_LOCKED":
                 return LeaseInfo(key, "live", _LOCKED_BY_A_WRITER)
+            if err.code != "RIVET_STATE_MIGRATION_PENDING":
+                raise
             return LeaseInfo(key, "free", None)  # no lease table yet: no lease has ever been taken
         return _info(row, self.here) if row is not None else LeaseInfo(key, "free", None)
 
@@ -338,7 +374,7 @@ class RowLeases:
             with self.connect() as conn:
                 rows = conn.execute(sa.text(f"{self._select()} ORDER BY key")).all()
         except StateError as err:
-            if err.code == "RIVET_STATE_MIGRATION_LOCKED":
+            if err.code != "RIVET_STATE_MIGRATION_PENDING":
                 raise
             return []  # no lease table yet: no lease has ever been taken
         return [_info(row, self.here) for row in rows]

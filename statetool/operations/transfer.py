@@ -272,6 +272,7 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
         counts = {t.name: int(conn.execute(sa.select(sa.func.count()).select_from(t)).scalar() or 0) for t in COPIED}
         in_state = set(conn.execute(sa.text(_EXPORT_NAMES)).scalars())
     with dest._connect(read_only=True) as conn:  # noqa: SLF001 - the destination's read-only session
+        dest.check_rights("create", conn)  # the dry run refuses what the real run would, before any lease
         earlier = _check_destination(ctx, dest, conn, source_key, str(source_path))
     checkpoints, warnings = _checkpoint_plan(ctx, dest.location)
     result = TransferResult(str(source_path), dest.location.display, dest.location.state_url,
