@@ -104,6 +104,11 @@ REGISTRY: dict[str, Entry] = {
         "usage", "generic",
         "set the source URL (source.url, or the variable source.url_env names) so the state key can be computed",
     ),
+    "RIVET_SOURCE_URL_INVALID": _e(
+        "config", "generic",
+        "percent-encode the password of the source URL (source.url, the variable source.url_env names, or "
+        "identity rekey --new): '/' %2F, '?' %3F, '#' %23, '@' %40, a space %20",
+    ),
     "RIVET_STATE_LEASE_KEY_INVALID": _e(
         "usage", "generic",
         "name a lease as statetool leases lists it: chunk-run:<export>, load-table:<table>, staging:<prefix> "
@@ -254,6 +259,9 @@ WARNINGS: dict[str, str] = {
         "nothing to do for a new pipeline; otherwise stop it and find where its state went",
     "RIVET_STATE_LEASE_LIVE":
         "nothing to do before a run; a migration or another whole-state write waits for the holders named",
+    "RIVET_STATE_PASSWORD_IN_ARGV":
+        "pass the URL in an environment variable instead (RIVET_STATE_URL, transfer --to-env NAME), or leave the "
+        "password out of the URL and let libpq read PGPASSFILE (~/.pgpass) or PGPASSWORD",
     "RIVET_EXPORT_NO_PROGRESS":
         "nothing to do for a new export; otherwise point the pipeline at the state that holds its progress",
 }

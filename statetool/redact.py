@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Iterable
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 MASK = "***"
@@ -162,6 +163,19 @@ def redact_argv(argv: Iterable[str]) -> list[str]:
             arg = mask_userinfo(arg)
         out.append(redact_text(arg))
     return out
+
+
+def redact_values(value: Any) -> Any:
+    """``value`` (JSON-like: dicts, lists, strings, numbers) with every string redacted,
+    keys too: for documents written into the state (audit detail, tombstones). Redacting
+    the values rather than the serialised text keeps the JSON valid."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, dict):
+        return {redact_values(k): redact_values(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_values(v) for v in value]
+    return value
 
 
 def command_line(argv: Iterable[str]) -> str:
