@@ -35,6 +35,8 @@ _LOOSE_USERINFO = re.compile(r"[^\s:/@]*:(?P<pw>[^\s@/][^\s@]*)@")
 _RESERVED = {"/": "%2F", "?": "%3F", "#": "%23", "@": "%40"}
 _PIECE_SPLIT = re.compile(r"[/#?@:&=+%\s]+")
 _MIN_PIECE = 4
+_PASSWORD_OPTION = re.compile(r"(?i)-{1,2}(?:password|passwd|pwd|pass)")
+_PASSWORD_OPTION_VALUE = re.compile(r"(?i)(-{0,2}(?:password|passwd|pwd|pass)=)")
 
 _secrets: set[str] = set()
 
@@ -154,11 +156,19 @@ def redact_url(url: str) -> str:
 
 def redact_argv(argv: Iterable[str]) -> list[str]:
     """Each argument redacted on its own (a URL's userinfo masked up to its last ``@``,
-    ``--opt=URL`` too), its secrets remembered for later messages. For command lines
+    ``--opt=URL`` too; the whole value of ``--password=…`` and of the argument after
+    ``--password``), its secrets remembered for later messages. For command lines
     recorded in audit rows and lease holders (SPEC §7)."""
     out: list[str] = []
+    secret_next = False
     for arg in argv:
-        if "://" in arg and "@" in arg:
+        if secret_next:  # the value of a separate --password option
+            arg, secret_next = MASK, False
+        elif _PASSWORD_OPTION.fullmatch(arg):
+            secret_next = True
+        elif (option := _PASSWORD_OPTION_VALUE.match(arg)) is not None:
+            arg = option[1] + MASK  # --password=a b: the whole value, spaces and all
+        elif "://" in arg and "@" in arg:
             remember_secrets(arg)
             arg = mask_userinfo(arg)
         out.append(redact_text(arg))

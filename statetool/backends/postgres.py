@@ -72,7 +72,7 @@ class PostgresBackend:
         sqlstate = getattr(orig, "sqlstate", None)
         text = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
         where = self.location.display
-        if sqlstate in _AUTH_STATES or "password authentication failed" in text:
+        if sqlstate in _AUTH_STATES or "password authentication failed" in text or "no password supplied" in text:
             return StateError("RIVET_STATE_AUTH_FAILED", f"the state database at {where} refused the login: {text}")
         if sqlstate == "3D000" or "does not exist" in text and "database" in text:
             return StateError("RIVET_STATE_URL_INVALID", f"the state database named in {where} does not exist "
