@@ -35,6 +35,8 @@ _LOOSE_USERINFO = re.compile(r"[^\s:/@]*:(?P<pw>[^\s@/][^\s@]*)@")
 _RESERVED = {"/": "%2F", "?": "%3F", "#": "%23", "@": "%40"}
 _PIECE_SPLIT = re.compile(r"[/#?@:&=+%\s]+")
 _MIN_PIECE = 4
+#: An argument that is (or whose ``--opt=`` value is) a URL, also misspelt ``scheme:/x`` or ``scheme//x``.
+_URL_LIKE = re.compile(r"(?:-{1,2}[\w-]+=)?[A-Za-z][A-Za-z0-9+.\-]*(?::/*|//)|.*://")
 _PASSWORD_OPTION = re.compile(r"(?i)-{1,2}(?:password|passwd|pwd|pass)")
 _PASSWORD_OPTION_VALUE = re.compile(r"(?i)(-{0,2}(?:password|passwd|pwd|pass)=)")
 
@@ -168,7 +170,7 @@ def redact_argv(argv: Iterable[str]) -> list[str]:
             secret_next = True
         elif (option := _PASSWORD_OPTION_VALUE.match(arg)) is not None:
             arg = option[1] + MASK  # --password=a b: the whole value, spaces and all
-        elif "://" in arg and "@" in arg:
+        elif "@" in arg and _URL_LIKE.match(arg):
             remember_secrets(arg)
             arg = mask_userinfo(arg)
         out.append(redact_text(arg))
