@@ -504,6 +504,7 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
     sample = set(rng.sample(range(FUZZ_URLS), SUBPROCESS_SAMPLE))
     transfers = set(rng.sample(sorted(set(range(FUZZ_URLS)) - sample), 12)) | set(sorted(sample)[:3])
     kinds: dict[str, int] = {}
+    succeeded: dict[str, int] = {}  # channel -> runs that exit 0: the fuzz reached the writes, not only refusals
     for i in range(FUZZ_URLS):
         password = fuzz_password(rng)
         passwords.append(password)
@@ -528,7 +529,11 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
                 args, env["RIVET_STATE_URL"] = ["-c", str(config), *form], url
             else:
                 args = ["-c", str(config), "--state-url", url, *form]
-            outputs.extend(run(args, env)[1:])
+            if form[0] == "exports":  # a state to write into, made with the same URL
+                outputs.extend(run(["-c", str(config), "init"], {"RIVET_STATE_URL": url})[1:])
+            code, *streams = run(args, env)
+            outputs.extend(streams)
+            succeeded[f"state {form[0]}"] = succeeded.get(f"state {form[0]}", 0) + (code == 0)
             if form[0] == "exports":
                 outputs.extend(run(["-c", str(config), "--state-url", url, "--json", "info"], {})[1:])
         elif channel == "source":
@@ -537,14 +542,18 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
             (directory / "rivet.yaml").write_text(f"source:\n  url: {json.dumps(url)}\nexports:\n"
                                                   "  - name: orders\n    mode: full\n")
             for form in (["init", "--json"], ["check", "--json"], ["identity", "show", "--json"]):
-                outputs.extend(run(["-c", str(directory / "rivet.yaml"), *form], {"GITHUB_ACTIONS": "true"})[1:])
+                code, *streams = run(["-c", str(directory / "rivet.yaml"), *form], {"GITHUB_ACTIONS": "true"})
+                outputs.extend(streams)
+                succeeded[f"source {form[0]}"] = succeeded.get(f"source {form[0]}", 0) + (code == 0)
             if (directory / ".rivet_state.db").exists():
                 dumps.append(sqlite_dump(directory / ".rivet_state.db"))
         elif channel == "rekey":
             with sqlite3.connect(config.parent / ".rivet_state.db") as db:
                 old = db.execute("SELECT state_key FROM rivet_identity").fetchone()[0]
-            outputs.extend(run(["-c", str(config), "--debug", "identity", "rekey", "--old", old, "--new", url,
-                                "--reason", f"moved from {url}"], {})[1:])
+            code, *streams = run(["-c", str(config), "--debug", "identity", "rekey", "--old", old, "--new", url,
+                                  "--reason", f"moved from {url}"], {})
+            outputs.extend(streams)
+            succeeded["rekey"] = succeeded.get("rekey", 0) + (code == 0)
         elif channel in ("lease", "lease_pg"):
             copy = tmp_path / f"lease-{i}"
             if channel == "lease":
@@ -571,7 +580,9 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
             to = f"postgresql://postgres:{quote(password, safe='')}@/postgres?host={socket_dir}&schema={schema}"
             if kind == "raw":
                 to = f"postgresql://postgres:{password}@/postgres?host={socket_dir}&schema={schema}"
-            outputs.extend(run(["-c", str(source_config), "--json", "transfer", "--to", to], {})[1:])
+            code, *streams = run(["-c", str(source_config), "--json", "transfer", "--to", to], {})
+            outputs.extend(streams)
+            succeeded["transfer"] = succeeded.get("transfer", 0) + (code == 0)
             dumps.append(sqlite_dump(directory / ".rivet_state.db"))
         how = "subprocess" if i in sample else "in-process"
         assert_clean("\n".join(outputs), *secrets, what=f"(#{i}, {channel}, {kind}, {how}: {url!r})")
@@ -585,3 +596,8 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
         grams = {seen[j:j + FRAGMENT] for j in range(len(seen) - FRAGMENT + 1)}
         assert not grams & everything, f"password fragments in the state: {sorted(grams & everything)[:10]}"
     assert len(set(passwords)) >= 1000 and min(kinds.values()) >= 150, kinds
+    floors = {"state init": 10, "state exports": 5, "source init": 40, "rekey": 40, "transfer": 5}
+    print(f"fuzz: kinds {kinds}, runs that succeeded {succeeded}")
+    assert all(succeeded.get(k, 0) >= n for k, n in floors.items()), succeeded
+    assert leaked(f"x{passwords[0]}x", passwords[0]) and leaked(quote(passwords[1]), passwords[1]), \
+        "the leak detector itself must see a password"
