@@ -82,7 +82,8 @@ def main_options(
     from statetool.redact import command_line
 
     argv = ctx.obj if isinstance(ctx.obj, list) else sys.argv[1:]  # main() hands over the argv it was given
-    ctx.obj = Globals(config, state_url, json_out, json_errors, lock_wait, debug, command_line(["statetool", *argv]))
+    ctx.obj = Globals(config, state_url, json_out, json_errors, lock_wait, debug,
+                      command_line(["statetool", *argv]))
     if state_url:
         _warn_password_in_argv("--state-url", state_url)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from statetool.redact import redact_text
+from statetool.redact import redact_text, redact_values
 
 #: Exit classes: name -> exit code (SPEC §7).
 EXIT_CODES: dict[str, int] = {
@@ -271,7 +271,8 @@ WARNINGS: dict[str, str] = {
 class StateError(Exception):
     """The one error type of statetool: a registered ``code`` and a message.
 
-    ``message`` is redacted when the error is built, so no password reaches any output.
+    ``message`` and every string of ``details`` are redacted when the error is built, so
+    no password reaches any output.
     ``details`` carries machine-readable context (paths, keys, holders) for JSON output.
     Raises ``KeyError`` at construction for an unregistered code: a typo is a bug that
     must show in tests, not a silent exit 1.
@@ -285,6 +286,7 @@ class StateError(Exception):
         if self.code not in REGISTRY:
             raise KeyError(f"unregistered error code {self.code}")
         self.message = redact_text(self.message)
+        self.details = redact_values(self.details)
         super().__init__(self.message)
 
     @property

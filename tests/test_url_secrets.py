@@ -601,3 +601,28 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
     assert all(succeeded.get(k, 0) >= n for k, n in floors.items()), succeeded
     assert leaked(f"x{passwords[0]}x", passwords[0]) and leaked(quote(passwords[1]), passwords[1]), \
         "the leak detector itself must see a password"
+
+
+# -- the redaction helpers the records go through -------------------------------------------
+
+
+def test_command_lines_are_redacted_one_argument_at_a_time() -> None:
+    line = redact.command_line(["statetool", "identity", "rekey", "--new", "postgresql://u:p4ss w0rd@newhost/db",
+                                "--state-url=postgresql//u:Zq9 x@h/db", "--password", "Kx z7", "--pwd=Vq w3",
+                                "root@host"])
+    assert_absent(line, "p4ss", "w0rd", "Zq9", "Kx z7", "Vq w3")
+    assert "newhost/db" in line and "root@host" in line, line
+
+
+def test_documents_written_into_the_state_stay_valid_json_when_redacted() -> None:
+    doc = {"to": "postgresql://h/db?password=Qz9x&sslmode=require", "url": "postgresql://u:Wk3q@h/db",
+           "n": 3, "nested": [{"k": "password=Jx7v"}]}
+    text = json.dumps(redact.redact_values(doc))
+    assert json.loads(text)["n"] == 3
+    assert_absent(text, "Qz9x", "Wk3q", "Jx7v")
+
+
+def test_error_details_are_redacted_like_the_message() -> None:
+    redact.remember_secrets("mysql://u:Pq 7x@h/x")
+    err = StateError("RIVET_STATE_URL_INVALID", "bad mysql://u:Pq 7x@h/x", {"value": "mysql://u:Pq 7x@h/x"})
+    assert_absent(err.message + json.dumps(err.details), "Pq 7x", "7x@")

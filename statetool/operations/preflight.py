@@ -217,11 +217,8 @@ def _check_revision(pf: Preflight, snap: Snapshot) -> None:
 def _check_identity(pf: Preflight, ctx: Context, snap: Snapshot, for_write: bool) -> None:
     try:
         computed = ctx.computed_key
-    except StateError as err:
-        if err.code == "RIVET_SOURCE_URL_INVALID":  # an ambiguous source URL: refused, never keyed
-            pf.fail(err, "identity")
-        else:
-            pf.add("identity", "skip", "config unreadable: no identity compared")
+    except StateError:
+        pf.add("identity", "skip", "config unreadable: no identity compared")
         return
     verdict = identity_verdict(snap.recorded_key, computed, ctx.location.scope, snap.has_progress)
     pf.verdict = verdict
