@@ -79,8 +79,26 @@ def main_options(
                                           help="Print the version and exit.")] = False,
 ) -> None:
     """Inspect, guard and migrate the state of rivet pipelines (SQLite or PostgreSQL)."""
+    from statetool.redact import command_line
+
+    argv = ctx.obj if isinstance(ctx.obj, list) else sys.argv[1:]  # main() hands over the argv it was given
     ctx.obj = Globals(config, state_url, json_out, json_errors, lock_wait, debug,
-                      " ".join(["statetool", *sys.argv[1:]]))
+                      command_line(["statetool", *argv]))
+    if state_url:
+        _warn_password_in_argv("--state-url", state_url)
+
+
+def _warn_password_in_argv(option: str, url: str) -> None:
+    """Warn ``RIVET_STATE_PASSWORD_IN_ARGV`` on stderr when ``url``, given on the command
+    line, carries a password (SPEC §7): the URL still works."""
+    from statetool.errors import StateWarning
+    from statetool.redact import has_password
+
+    if has_password(url):
+        warning = StateWarning("RIVET_STATE_PASSWORD_IN_ARGV",
+                               f"the password in {option} is visible to every user of this host in the process list "
+                               "(ps, /proc/<pid>/cmdline)")
+        sys.stderr.write(f"Warning [{warning.code}]: {warning.message}\n  Try: {warning.action}\n")
 
 
 def _g(ctx: typer.Context) -> Globals:
@@ -203,7 +221,11 @@ def relocate(
 @app.command()
 def transfer(
     ctx: typer.Context,
-    to: Annotated[str, typer.Option("--to", help="PostgreSQL URL of the destination (?schema=NAME allowed).")],
+    to: Annotated[str | None, typer.Option("--to", help="PostgreSQL URL of the destination (?schema=NAME allowed).",
+                                           show_default=False)] = None,
+    to_env: Annotated[str | None, typer.Option("--to-env", metavar="NAME", show_default=False,
+                                               help="Read the destination URL from environment variable NAME "
+                                                    "(keeps a password out of the process list).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
 ) -> None:
     """Move a SQLite state into PostgreSQL: one transaction, verified, the old place retired."""
@@ -211,7 +233,18 @@ def transfer(
     from statetool.operations.transfer import transfer as op
 
     g = _g(ctx)
-    _emit(g, op(g.context(), to, dry_run=dry_run).as_dict(), render.transfer)
+    context = g.context()
+    if (to is None) == (to_env is None):
+        raise StateError("RIVET_CLI_USAGE", "give exactly one of --to URL and --to-env NAME")
+    if to_env is not None:
+        to = context.env.get(to_env, "").strip()
+        if not to:
+            raise StateError("RIVET_CLI_USAGE", f"--to-env {to_env}: the environment variable {to_env} is not set "
+                             "or empty; export it with the destination URL (postgresql://user@host/db)")
+    else:
+        _warn_password_in_argv("--to", to or "")
+    assert to is not None
+    _emit(g, op(context, to, dry_run=dry_run).as_dict(), render.transfer)
 
 
 @app.command()
@@ -412,10 +445,11 @@ def _fail(error: StateError, json_errors: bool) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI; every failure leaves through one handler (SPEC §7)."""
-    args = hoist_globals(list(sys.argv[1:] if argv is None else argv))
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = hoist_globals(given)
     json_errors, debug = "--json-errors" in args, "--debug" in args
     try:
-        code = app(args=args, prog_name="statetool", standalone_mode=False)
+        code = app(args=args, prog_name="statetool", standalone_mode=False, obj=given)
     except StateError as error:
         if debug:
             _print_traceback()

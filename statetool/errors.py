@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from statetool.redact import redact_text
+from statetool.redact import redact_text, redact_values
 
 #: Exit classes: name -> exit code (SPEC §7).
 EXIT_CODES: dict[str, int] = {
@@ -104,6 +104,11 @@ REGISTRY: dict[str, Entry] = {
     "RIVET_STATE_KEY_UNCOMPUTABLE": _e(
         "usage", "generic",
         "set the source URL (source.url, or the variable source.url_env names) so the state key can be computed",
+    ),
+    "RIVET_SOURCE_URL_INVALID": _e(
+        "config", "generic",
+        "percent-encode the password of the source URL (source.url, the variable source.url_env names, or "
+        "identity rekey --new): '/' %2F, '?' %3F, '#' %23, '@' %40, a space %20",
     ),
     "RIVET_STATE_LEASE_KEY_INVALID": _e(
         "usage", "generic",
@@ -261,6 +266,9 @@ WARNINGS: dict[str, str] = {
         "nothing to do for a new pipeline; otherwise stop it and find where its state went",
     "RIVET_STATE_LEASE_LIVE":
         "nothing to do before a run; a migration or another whole-state write waits for the holders named",
+    "RIVET_STATE_PASSWORD_IN_ARGV":
+        "pass the URL in an environment variable instead (RIVET_STATE_URL, transfer --to-env NAME), or leave the "
+        "password out of the URL and let libpq read PGPASSFILE (~/.pgpass) or PGPASSWORD",
     "RIVET_EXPORT_NO_PROGRESS":
         "nothing to do for a new export; otherwise point the pipeline at the state that holds its progress",
 }
@@ -270,7 +278,8 @@ WARNINGS: dict[str, str] = {
 class StateError(Exception):
     """The one error type of statetool: a registered ``code`` and a message.
 
-    ``message`` is redacted when the error is built, so no password reaches any output.
+    ``message`` and every string of ``details`` are redacted when the error is built, so
+    no password reaches any output.
     ``details`` carries machine-readable context (paths, keys, holders) for JSON output.
     Raises ``KeyError`` at construction for an unregistered code: a typo is a bug that
     must show in tests, not a silent exit 1.
@@ -284,6 +293,7 @@ class StateError(Exception):
         if self.code not in REGISTRY:
             raise KeyError(f"unregistered error code {self.code}")
         self.message = redact_text(self.message)
+        self.details = redact_values(self.details)
         super().__init__(self.message)
 
     @property

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from statetool.errors import StateError
+from statetool.redact import mask_userinfo, userinfo_problem
+
 #: Default ports filled into the key when the URL names none.
 DEFAULT_PORTS: dict[str, int] = {
     "postgresql": 5432,
@@ -31,9 +34,18 @@ def state_key(source_url: str | None) -> str:
     user, password or query. ``""`` when the URL is empty, unparseable or names no host
     (a Unix-socket URL counts its ``?host=`` directory as the host).
     Example: ``postgres://u:p@DB.internal/sales`` -> ``postgresql://db.internal:5432/sales``.
+
+    Raises ``RIVET_SOURCE_URL_INVALID`` for an ambiguous userinfo (a raw ``/ ? # @`` or
+    whitespace before the last ``@``, :func:`statetool.redact.userinfo_problem`): no key
+    is derived from a URL whose host might be a piece of its password (docs/decisions.md,
+    "URLs and secrets").
     """
     if not source_url or "://" not in source_url:
         return ""
+    problem = userinfo_problem(source_url.strip())
+    if problem:
+        raise StateError("RIVET_SOURCE_URL_INVALID",
+                         f"the source URL {mask_userinfo(source_url.strip())} cannot give a state key: {problem}")
     try:
         parts = urlsplit(source_url.strip())
         port = parts.port

@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from statetool.errors import StateError
-from statetool.redact import redact_url, remember_secrets
+from statetool.redact import mask_userinfo, redact_text, redact_url, remember_secrets, userinfo_problem
 
 STATE_FILE = ".rivet_state.db"
 #: The folder of SQLite lease sidecars beside the state file (SPEC §5, §10).
@@ -152,31 +152,91 @@ def _sqlite_dir(raw: str, origin: str) -> Location:
     return Location("sqlite", "declared_dir", origin, directory=directory, path=directory / STATE_FILE)
 
 
+#: libpq's sslmode values (a typo would otherwise surface only at connect time, as a retry).
+SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+
+def _url_invalid(raw: str, why: str) -> StateError:
+    """``RIVET_STATE_URL_INVALID`` for a PostgreSQL URL, naming it with its userinfo masked
+    up to the last ``@`` and never quoting a parser's message (which may hold a piece of
+    the password)."""
+    shown = mask_userinfo(raw)
+    return StateError("RIVET_STATE_URL_INVALID", f"PostgreSQL state URL '{shown}' {why}; the accepted form is "
+                      "postgresql://user@host:port/db[?schema=NAME] (a password percent-encoded)",
+                      {"value": redact_text(shown)})
+
+
 def _postgres(raw: str, origin: str) -> Location:
+    """The PostgreSQL location of ``raw``, checked before any use (no connection, no DNS).
+
+    Refused with ``RIVET_STATE_URL_INVALID``: an ambiguous userinfo (a raw ``/ ? # @`` or
+    whitespace before the last ``@``), whitespace or a ``#`` anywhere, an ``@`` or ``?``
+    after the host part, a port that is not a number, no database named, ``schema``
+    repeated or not an identifier, an ``sslmode`` libpq does not know, a parameter libpq
+    does not know, a bad percent-encoding (docs/decisions.md, "URLs and secrets").
+    """
+    problem = userinfo_problem(raw)
+    if problem:
+        raise _url_invalid(raw, f"is refused before any connection: {problem}")
+    if any(ch.isspace() for ch in raw) or "#" in raw:
+        raise _url_invalid(raw, "holds whitespace or a '#'; percent-encode them (%20, %23)")
     try:
         parts = urlsplit(raw)
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        _ = parts.port  # raises ValueError on a non-numeric port
-    except ValueError as err:
-        raise StateError("RIVET_STATE_URL_INVALID", f"'{raw}' does not parse as a URL ({err}); "
-                         f"accepted forms: {ACCEPTED_FORMS}", {"value": raw}) from None
-    if parts.netloc.count("@") > 1 or "@" in parts.path:
-        # user:p@ss/word@host: the password's own '/' ended the host part, so the "host"
-        # is a piece of the password. Connecting there would send (and echo) it.
-        raise StateError("RIVET_STATE_URL_INVALID",
-                         f"'{raw}' has an '@' after its host: a password containing '@', '/', '?' or '#' "
-                         "must be percent-encoded (%40, %2F, %3F, %23)", {"value": raw})
+        port = parts.port
+    except ValueError:
+        raise _url_invalid(raw, "has a port that is not a number from 1 to 65535 (or an unbalanced '[' ']' host)") \
+            from None
+    if port == 0:
+        raise _url_invalid(raw, "has port 0; name the server's port (default 5432)")
+    if "?" in parts.query:
+        raise _url_invalid(raw, "has a second '?' in its query; separate parameters with '&'")
+    database = parts.path.lstrip("/")
+    if not database or "/" in database:
+        raise _url_invalid(raw, "names no database (one path segment: postgresql://host/db)")
+    query = parse_qsl(parts.query, keep_blank_values=True)
     schemas = [v for k, v in query if k == "schema"]
-    schema = schemas[-1] if schemas else DEFAULT_SCHEMA
+    if len(schemas) > 1:
+        raise _url_invalid(raw, f"names the schema {len(schemas)} times ({', '.join(repr(s) for s in schemas)}); "
+                                "give ?schema= once")
+    schema = schemas[0] if schemas else DEFAULT_SCHEMA
     if not _IDENTIFIER.match(schema):
-        raise StateError("RIVET_STATE_URL_INVALID",
-                         f"schema '{schema}' in {raw} is not a plain SQL identifier (letters, digits, _)",
-                         {"value": raw})
-    rest = urlencode([(k, v) for k, v in query if k != "schema"])
+        raise _url_invalid(raw, f"has schema '{schema}', not a plain SQL identifier (letters, digits, _)")
+    rest = [(k, v) for k, v in query if k != "schema"]
+    _check_libpq_parameters(raw, rest)
+    query_text = urlencode(rest)
     # Spelled out rather than urlunsplit, which drops the "//" of a URL with no host
     # (postgresql:///db?host=/run/postgresql): libpq needs it.
-    url = f"postgresql://{parts.netloc}{parts.path}" + (f"?{rest}" if rest else "")
+    url = f"postgresql://{parts.netloc}{parts.path}" + (f"?{query_text}" if query_text else "")
+    _check_conninfo(raw, url)
     return Location("postgres", "shared", origin, url=url, schema=schema)
+
+
+def _check_libpq_parameters(raw: str, query: list[tuple[str, str]]) -> None:
+    from psycopg import pq  # only for PostgreSQL URLs: the SQLite path never loads the driver
+
+    known = {opt.keyword.decode() for opt in pq.Conninfo.get_defaults()}
+    unknown = sorted({k for k, _ in query if k not in known})
+    if unknown:
+        raise _url_invalid(raw, f"has parameter(s) {', '.join(unknown)} that libpq does not know")
+    repeated = sorted({k for k, _ in query if sum(1 for other, _ in query if other == k) > 1})
+    if repeated:
+        raise _url_invalid(raw, f"gives parameter(s) {', '.join(repeated)} more than once")
+    for key, value in query:
+        if key == "sslmode" and value not in SSLMODES:
+            raise _url_invalid(raw, f"has sslmode '{value}'; libpq knows {', '.join(SSLMODES)}")
+
+
+def _check_conninfo(raw: str, url: str) -> None:
+    """Let libpq parse ``url`` offline (no connection); its message is never shown: it may
+    quote a piece of the password (a bad percent-encoding)."""
+    from psycopg import ProgrammingError
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        conninfo_to_dict(url)
+    except ProgrammingError:
+        raise _url_invalid(raw, "does not parse for libpq (a '%' must start %XX with two hex digits, "
+                                "and %00 is never allowed)") from None
 
 
 @dataclass(frozen=True)

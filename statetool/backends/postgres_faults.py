@@ -58,7 +58,7 @@ def driver_error(err: sa.exc.DBAPIError, where: str) -> StateError:
     sqlstate = getattr(orig, "sqlstate", None)
     text = _first_line(orig)
     details = {"sqlstate": sqlstate} if sqlstate else {}
-    if sqlstate in _AUTH_STATES or "password authentication failed" in text:
+    if sqlstate in _AUTH_STATES or "password authentication failed" in text or "no password supplied" in text:
         return StateError("RIVET_STATE_AUTH_FAILED", f"the state database at {where} refused the login: {text}")
     if sqlstate == "3D000" or sqlstate is None and "does not exist" in text and "database" in text:
         return StateError("RIVET_STATE_URL_INVALID", f"the state database named in {where} does not exist "

@@ -30,6 +30,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from statetool.redact import redact_values
+
 MAGIC = b"RIVET-STATE-RELOCATED\n"
 
 
@@ -58,10 +60,10 @@ def read_tombstone(path: Path) -> dict[str, Any] | None:
 
 def write_tombstone_tmp(directory: Path, doc: dict[str, Any]) -> Path:
     """Write a tombstone to a temporary file in ``directory``, fsynced; the caller renames
-    it over the state file (one atomic step)."""
+    it over the state file (one atomic step). Every string of ``doc`` is redacted (SPEC §7)."""
     tmp = directory / f".rivet_state.db.tombstone-{os.getpid()}.tmp"
     with open(tmp, "wb") as fh:
-        fh.write(MAGIC + json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n")
+        fh.write(MAGIC + json.dumps(redact_values(doc), indent=2, sort_keys=True).encode() + b"\n")
         fh.flush()
         os.fsync(fh.fileno())
     return tmp

@@ -10,6 +10,7 @@ from statetool.operations.context import Context
 from statetool.operations.preflight import DESCRIBABLE, identity_message, raise_failures, require, run_preflight
 from statetool.operations.probe import recorded_key
 from statetool.operations.writes import WHOLE_STATE, guarded_write
+from statetool.redact import mask_userinfo
 
 _SCOPES = ("declared_dir", "beside_config", "shared")
 
@@ -97,7 +98,7 @@ def rekey(ctx: Context, old: str, new: str | None = None, reason: str = "") -> I
     # --new may be a key or a source URL: record its canonical key, never a user or password.
     target = state_key(new) if new else ctx.computed_key
     if new and not target:
-        raise StateError("RIVET_STATE_KEY_UNCOMPUTABLE", f"--new '{new}' is neither a state key nor a source URL "
+        raise StateError("RIVET_STATE_KEY_UNCOMPUTABLE", f"--new '{mask_userinfo(new)}' is neither a state key nor a source URL "
                          "(scheme://host[:port]/database)")
     if not target:
         raise StateError("RIVET_STATE_KEY_UNCOMPUTABLE", "give --new, or set the config's source URL")

@@ -28,7 +28,7 @@ from statetool.operations.leasing import (
     run_lease_key,
     valid_key,
 )
-from statetool.redact import redact_text
+from statetool.redact import command_line, redact_text
 
 __all__ = ["LeasesResult", "list_leases", "release", "run_under_lease"]
 
@@ -110,7 +110,7 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
     """
     if not argv:
         raise StateError("RIVET_CLI_USAGE", "give the command to run after --")
-    command = " ".join(argv)
+    command = command_line(argv)  # shell-quoted, each argument redacted: the holder record is readable by all
     key = run_lease_key(export)
     lease_store(ctx).require_state()
     with holding(ctx, key, command) as lease:

@@ -124,6 +124,7 @@ def run_preflight(ctx: Context, *, for_write: bool = False,
     pf.add("location", "ok", f"{location.display} ({location.scope}, from {location.origin})")
     try:
         config = ctx.config
+        _ = ctx.computed_key  # an ambiguous source URL is a config fault: RIVET_SOURCE_URL_INVALID
         pf.add("config", "ok", f"{config.path}: {len(config.exports)} exports")
     except StateError as err:
         pf.fail(err, "config")

@@ -37,7 +37,7 @@ from statetool.operations.context import Context, now_iso
 from statetool.operations.leasing import acquire, hold_whole_state, run_lease_key
 from statetool.operations.preflight import Preflight, identity_message, require, run_preflight
 from statetool.operations.probe import Snapshot
-from statetool.redact import redact_text
+from statetool.redact import redact_text, redact_values
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def _audit_values(ctx: Context, action: str, detail: dict[str, object]) -> dict[
     # The command line and the detail are redacted: a --state-url or --new given with a
     # password must not land in the audit trail (SPEC §7).
     return {"at": now_iso(), "actor": ctx.actor, "command": redact_text(ctx.command), "action": action,
-            "detail": redact_text(json.dumps(detail, sort_keys=True, default=str))}
+            "detail": json.dumps(redact_values(detail), sort_keys=True, default=lambda v: redact_text(str(v)))}
 
 
 def _write_audit(into: Connection | sqlite3.Connection, ctx: Context, action: str, detail: dict[str, object]) -> None:
