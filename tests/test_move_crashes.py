@@ -134,6 +134,22 @@ def _tombstoned(path: Path) -> Trigger:
     return check
 
 
+def _marked(url: str) -> Trigger:
+    """The in-flight mark committed in the destination ``url`` (read on the test's own connection)."""
+    import psycopg
+
+    libpq, schema = url.rsplit("schema=", 1)
+    conn = psycopg.connect(libpq.rstrip("?&"), autocommit=True)
+
+    def check() -> bool:
+        try:
+            row = conn.execute(f'SELECT version_num FROM "{schema}".rivet_state_version').fetchone()
+        except psycopg.errors.UndefinedTable:
+            return False
+        return row is not None and row[0] == IN_FLIGHT_REVISION
+    return check
+
+
 def _sweep(total: float, events: list[tuple[Callable[[Path], Trigger], tuple[float, ...]]]
            ) -> list[tuple[Callable[[Path], Trigger], float]]:
     """Blind delays evenly over the measured run time, and one at three times it (a run
@@ -270,23 +286,8 @@ def test_transfer_killed_at_any_instant_never_has_two_live_places_and_a_rerun_co
 
     urls: list[str] = []
 
-    def marked(_base: Path) -> Trigger:
-        """The destination's in-flight mark committed (read on a connection of the test's own)."""
-        import psycopg
-
-        libpq, schema = urls[-1].split("&schema=") if "&schema=" in urls[-1] else urls[-1].split("?schema=")
-        conn = psycopg.connect(libpq.replace("postgresql+psycopg://", "postgresql://"), autocommit=True)
-
-        def check() -> bool:
-            try:
-                row = conn.execute(f'SELECT version_num FROM "{schema}".rivet_state_version').fetchone()
-            except psycopg.errors.UndefinedTable:
-                return False
-            return row is not None and row[0] == IN_FLIGHT_REVISION
-        return check
-
     events: list[tuple[Callable[[Path], Trigger], tuple[float, ...]]] = [
-        (marked, (0.0, 0.0005, 0.002)),  # committed, in flight
+        (lambda _b: _marked(urls[-1]), (0.0, 0.0005, 0.002)),  # committed, in flight
         (lambda b: _any(b / "pipeline", f"{STATE}.relocated-*"), (0.0,)),  # kept
         (lambda b: _tombstoned(b / "pipeline" / STATE), (0.0, 0.0005, 0.002)),  # swapped, not yet live
     ]
@@ -466,3 +467,83 @@ def test_relocate_dry_run_refuses_a_checkpoint_conflict_as_the_real_run_does_and
         assert {d: tree_digest(d) for d in before} == before, f"{extra}: a file changed or appeared"
     assert codes[0] == codes[1] and codes[0][0] == "RIVET_STATE_TARGET_NOT_EMPTY", codes
     assert str(target / CHECKPOINT) in codes[0][1]
+
+
+# --------------------------------------------------------------------------------------
+# Killed in flight, then the source is written: the re-run makes the copy again
+# --------------------------------------------------------------------------------------
+
+def _kill_in_flight(args: tuple[str, ...], trigger: Callable[[], Trigger], places: Callable[[], dict[str, str]],
+                    fresh: Callable[[], None]) -> None:
+    """Kill the move right after ``trigger`` fires until a kill leaves the target in flight
+    and the source live (a kill may land after the switch: then a fresh copy again)."""
+    for _attempt in range(5):
+        _kill_when(args, trigger(), 0.0)
+        if sorted(places().values()) == ["RIVET_STATE_MOVE_IN_FLIGHT", "live"]:
+            return
+        fresh()
+    pytest.fail(f"no kill left the target in flight: {places()}")
+
+
+def _write_source(config: Path) -> None:
+    store = StateStore.open(config, env={}, lock_wait=0)
+    with store.transaction() as tx:
+        tx.commit_cursor("orders", "incremental", "2026-12-01-after-the-kill")
+
+
+def test_relocate_killed_in_flight_then_the_source_written_makes_the_copy_again(
+        tmp_path: Path, template: Path) -> None:
+    base = tmp_path / "m"
+    config, target = base / "pipeline" / "rivet.yaml", base / "volume"
+
+    def fresh() -> None:
+        shutil.rmtree(base, ignore_errors=True)
+        _copy(template, base)
+        target.mkdir()
+
+    def places() -> dict[str, str]:
+        return {"source": _open(config, None), "target": _open(config, f"sqlite:{target}")}
+
+    fresh()
+    args = ("-c", str(config), "relocate", "--to", str(target))
+    _kill_in_flight(args, lambda: _exists(target / STATE), places, fresh)
+    _write_source(config)
+    proc = run_cli(*args, "--json", timeout=300)
+    assert proc.returncode == 0, describe(proc)
+    assert places() == {"source": "RIVET_STATE_RELOCATED", "target": "live"}
+    db = sqlite3.connect(f"file:{target / STATE}?mode=ro", uri=True)
+    try:
+        assert db.execute("SELECT cursor_value FROM rivet_exports WHERE export_name = 'orders'").fetchone() == (
+            "2026-12-01-after-the-kill",)
+        assert db.execute("SELECT count(*) FROM rivet_audit WHERE action = 'relocate'").fetchone() == (1,)
+    finally:
+        db.close()
+    assert _leftovers(config.parent, target) == []
+
+
+def test_transfer_killed_in_flight_then_the_source_written_makes_the_copy_again(
+        tmp_path: Path, template: Path, schemas: Callable[[], str]) -> None:
+    base = tmp_path / "m"
+    config = base / "pipeline" / "rivet.yaml"
+    urls: list[str] = []
+
+    def fresh() -> None:
+        shutil.rmtree(base, ignore_errors=True)
+        _copy(template, base)
+        urls.append(schemas())
+
+    def places() -> dict[str, str]:
+        return {"source": _open(config, None), "destination": _open(config, urls[-1])}
+
+    fresh()
+    _kill_in_flight(("-c", str(config), "transfer", "--to", urls[-1]), lambda: _marked(urls[-1]), places, fresh)
+    _write_source(config)
+    proc = run_cli("-c", str(config), "transfer", "--to", urls[-1], timeout=300)
+    assert proc.returncode == 0, describe(proc)
+    assert places() == {"source": "RIVET_STATE_RELOCATED", "destination": "live"}
+    store = StateStore.open(config, state_url=urls[-1], env={}, lock_wait=0)
+    with store.ctx.backend().reading() as conn:
+        assert conn.exec_driver_sql("SELECT cursor_value FROM rivet_exports WHERE export_name = 'orders'"
+                                    ).scalar() == "2026-12-01-after-the-kill"
+        assert conn.exec_driver_sql("SELECT count(*) FROM rivet_audit WHERE action = 'transfer'").scalar() == 1
+    assert _leftovers(config.parent) == []

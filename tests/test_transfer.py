@@ -39,7 +39,7 @@ SOURCE_KEY = "postgresql://db.internal:5432/sales"
 #: Tables whose ``id`` the destination assigns itself (not compared).
 FRESH_IDS = {"rivet_audit", "rivet_load_ledger"}
 #: The crash points of transfer.py and of relocate.py's retire_source, in order.
-CRASH_POINTS = ("digested", "copied", "committed", "kept", "tombstoned", "swapped")
+CRASH_POINTS = ("digested", "copied", "committed", "kept", "tombstoned", "swapped", "finished")
 #: A text that needs every escape of COPY's text format, and one that looks like its NULL.
 NASTY = "tab\there\nnew line\r\\back\\slash \\N ünïcødé 🚀 'quote' \"dq\" ,;|"
 LITERAL_NULL_MARK = "\\N"
@@ -427,9 +427,9 @@ def test_sigkill_at_each_point_leaves_all_or_nothing_and_the_source_untouched_un
     assert killed.returncode == -signal.SIGKILL, describe(killed)
 
     seen = _nothing_or_everything(admin, schema, expected)
-    assert seen == ("nothing" if point in ("digested", "copied") else "in flight"), seen
+    assert seen == {"digested": "nothing", "copied": "nothing", "finished": "everything"}.get(point, "in flight"), seen
     switched = tombstone(cfg) is not None
-    assert switched == (point == "swapped")
+    assert switched == (point in ("swapped", "finished"))
     if not switched:
         assert db.read_bytes() == original, f"the source changed before the switch (killed at {point})"
     assert {n: (work / p).read_bytes() for n, p in RELATIVE_CHECKPOINTS.items()} == checkpoints_before

@@ -288,10 +288,10 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
         return _already_transferred(dest, source_path, tomb, dry_run)
     # per-export progress is not needed (only which exports the state knows, read below):
     # on a large state that read costs seconds
+    require_retirable(location)  # before the pre-flight, whose recovery of a hot journal writes
+    refuse_unsafe(*stale_tombstones(source_path))
     pf = run_preflight(ctx, for_write=True, recover=not dry_run, progress=False)
     snap = require(pf)
-    require_retirable(location)
-    refuse_unsafe(*stale_tombstones(source_path))
     source_key = snap.recorded_key or ctx.computed_key or None
     backend = SqliteBackend(location, ctx.lock_wait)
     with backend.reading() as conn:
@@ -343,10 +343,10 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
             if earlier is None:
                 created = not dest.table_names(conn)
                 _copy(ctx, raw, dest, conn, result)
+                finish = finish_command(ctx, f"transfer --to {shlex.quote(result.state_url)}")
                 session.audit("transfer", {"from": str(source_path), "to": result.destination,
                                            "source_digest": digest, "rows": counts, "created_schema": created,
-                                           "finish": finish_command(ctx, f"transfer --to {shlex.quote(result.state_url)}")},
-                              into=conn)
+                                           "finish": finish}, into=conn)
                 # in flight: every open of the destination refuses until the source is retired
                 conn.execute(sa.text(f"UPDATE {schema.VERSION_TABLE} SET version_num = :v"),
                              {"v": IN_FLIGHT_REVISION})
