@@ -547,3 +547,21 @@ def test_transfer_killed_in_flight_then_the_source_written_makes_the_copy_again(
                                     ).scalar() == "2026-12-01-after-the-kill"
         assert conn.exec_driver_sql("SELECT count(*) FROM rivet_audit WHERE action = 'transfer'").scalar() == 1
     assert _leftovers(config.parent) == []
+
+
+def test_a_symlinked_state_is_transferred_by_retiring_its_real_file(
+        tmp_path: Path, template: Path, schemas: Callable[[], str]) -> None:
+    config = _copy(template, tmp_path)
+    real_dir = tmp_path / "disk"
+    real_dir.mkdir()
+    shutil.move(config.parent / STATE, real_dir / STATE)
+    (config.parent / STATE).symlink_to(real_dir / STATE)
+    url = schemas()
+    proc = run_cli("-c", str(config), "transfer", "--to", url, timeout=300)
+    assert proc.returncode == 0, describe(proc)
+    assert (config.parent / STATE).is_symlink()
+    assert read_tombstone(real_dir / STATE) is not None, "the real file was not tombstoned"
+    assert len(list(real_dir.glob(f"{STATE}.relocated-*"))) == 1
+    assert _open(config, None) == "RIVET_STATE_RELOCATED" and _open(config, url) == "live"
+    again = run_cli("-c", str(config), "transfer", "--to", url)
+    assert again.returncode == 0 and "already transferred" in again.stdout, describe(again)
