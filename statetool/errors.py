@@ -206,6 +206,11 @@ REGISTRY: dict[str, Entry] = {
     "RIVET_STATE_RELOCATED": _e(
         "refusal", "refusal", "set RIVET_STATE_URL to the new place named in the message",
     ),
+    "RIVET_STATE_MOVE_IN_FLIGHT": _e(
+        "refusal", "refusal",
+        "a relocate or transfer into this place has not finished; the old place is still the live state: "
+        "run the command the message names (the same move again) to finish it, then use this place",
+    ),
     "RIVET_STATE_TARGET_NOT_EMPTY": _e(
         "refusal", "refusal", "choose an empty target, or move what is there out of the way first",
     ),

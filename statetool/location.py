@@ -64,6 +64,9 @@ class Location:
     path: Path | None = None
     url: str | None = None
     schema: str | None = None
+    #: The state file itself when ``path`` is a symlink (resolved once, by the resolver);
+    #: else equal to ``path``. Relocate and transfer retire this file (SPEC §9, issue 10).
+    real_path: Path | None = None
 
     @property
     def display(self) -> str:
@@ -104,7 +107,8 @@ def resolve_location(env_value: str | None, flag_value: str | None, config_path:
     ``config_path`` is the pipeline config; the default state lives in its directory.
     Raises ``RIVET_STATE_URL_INVALID`` for an unknown form or ``sqlite:///x`` (with the
     right spelling as a hint) and ``RIVET_STATE_DIR_RELATIVE`` for ``sqlite:`` with a
-    relative directory. Pure: touches no file.
+    relative directory. Touches no file; for SQLite it reads one link: a state file that
+    is a symlink is resolved here, once, into :attr:`Location.real_path`.
     """
     if flag_value is not None:
         raw, origin = flag_value, "flag"
@@ -115,7 +119,7 @@ def resolve_location(env_value: str | None, flag_value: str | None, config_path:
     if not raw:
         directory = Path(os.path.abspath(os.fspath(config_path))).parent
         return Location("sqlite", "beside_config", "default" if origin == "env" else origin,
-                        directory=directory, path=directory / STATE_FILE)
+                        directory=directory, path=directory / STATE_FILE, real_path=_real_file(directory / STATE_FILE))
     scheme = raw.split(":", 1)[0].lower() if ":" in raw else ""
     if scheme == "sqlite":
         return _sqlite_dir(raw, origin)
@@ -149,7 +153,14 @@ def _sqlite_dir(raw: str, origin: str) -> Location:
             {"value": raw},
         )
     directory = Path(os.path.normpath(rest))
-    return Location("sqlite", "declared_dir", origin, directory=directory, path=directory / STATE_FILE)
+    return Location("sqlite", "declared_dir", origin, directory=directory, path=directory / STATE_FILE,
+                    real_path=_real_file(directory / STATE_FILE))
+
+
+def _real_file(path: Path) -> Path:
+    """``path`` itself, or, when it is a symlink, the file it finally points at (absolute,
+    every link of the chain followed; the file need not exist)."""
+    return Path(os.path.realpath(path)) if os.path.islink(path) else path
 
 
 #: libpq's sslmode values (a typo would otherwise surface only at connect time, as a retry).

@@ -113,7 +113,8 @@ def _kv(title: str, rows: list[tuple[str, Any]]) -> Table:
 def info(doc: dict[str, Any]) -> None:
     """``statetool info`` for people."""
     loc, rev, ident = doc["location"], doc["revision"], doc["identity"]
-    out.print(_kv("State", [("location", loc["display"]), ("backend", loc["backend"]),
+    real = [("real file", loc["real_path"])] if loc.get("real_path") not in (None, loc["path"]) else []
+    out.print(_kv("State", [("location", loc["display"]), *real, ("backend", loc["backend"]),
                             ("scope", loc["scope"]), ("set by", loc["origin"])]))
     pending = ", ".join(rev["pending"]) or "none"
     current = "legacy (no version table)" if rev["legacy"] else rev["current"]

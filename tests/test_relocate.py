@@ -36,7 +36,7 @@ from urllib.parse import quote
 import pytest
 
 from conftest import describe, run_cli, tree_digest, write_config
-from statetool.backends.tombstone import read_tombstone
+from statetool.backends.tombstone import IN_FLIGHT_REVISION, read_tombstone
 from statetool.errors import StateError
 from statetool.example import build_legacy_state
 from statetool.example import main as build_example
@@ -52,7 +52,7 @@ CHECKPOINT = Path("checkpoints") / "order_events.json"
 LEASES_DIR = ".rivet_state.leases"
 #: Every named crash point of relocate.py, in the order a relocation passes them.
 NAMED_POINTS = ("leases", "checkpointed", "locked", "digested", "copied", "checkpoint-copied", "audited",
-                "linked", "kept", "tombstoned", "swapped")
+                "linked", "kept", "tombstoned", "swapped", "finished")
 #: Pages the backup API copies per step (relocate.py): copy-page-<n> fires at multiples of it.
 PAGES_PER_STEP = 4096
 
@@ -345,21 +345,48 @@ def assert_relocated(config: Path, target: Path, template: Template) -> None:
     assert preflight_failures(config, f"sqlite:{target}") == []
 
 
+def _version(path: Path) -> str:
+    db = sqlite3.connect(f"file:{quote(str(path))}?immutable=1", uri=True)
+    try:
+        return str(db.execute("SELECT version_num FROM rivet_state_version").fetchone()[0])
+    finally:
+        db.close()
+
+
+def same_rows_in_flight(path: Path, template: Template) -> bool:
+    """:func:`same_rows` (``relocated``) for a target that may still be in flight: its
+    version table holds the in-flight mark instead of head, every other row compared."""
+    if _version(path) != IN_FLIGHT_REVISION:
+        return same_rows(path, template, relocated=True)
+    with tempfile.TemporaryDirectory(prefix="relocate-in-flight-") as tmp:
+        copy = Path(tmp) / STATE
+        shutil.copyfile(path, copy)
+        db = sqlite3.connect(copy)
+        with db:
+            db.execute("UPDATE rivet_state_version SET version_num = ?", (_version(template.directory / STATE),))
+        db.close()
+        return same_rows(copy, template, relocated=True)
+
+
 def assert_source_intact_or_relocated(config: Path, target: Path, template: Template, when: str) -> None:
     """After an interruption: either the source is still the state (at head, every row,
-    pre-flight clean), or the relocation is complete (the tombstone only ever replaces the
-    source once the target is linked in place, verified)."""
+    pre-flight clean) and a target linked before the kill is in flight (no one opens it),
+    or the source is retired (the tombstone only ever replaces the source once the target
+    is linked in place, verified)."""
     source = config.parent / STATE
     tomb = read_tombstone(source)
     if tomb is not None:
-        assert same_rows(target / STATE, template, relocated=True), f"{when}: tombstone, but the target misses rows"
+        assert same_rows_in_flight(target / STATE, template), f"{when}: tombstone, but the target misses rows"
         assert (target / CHECKPOINT).read_bytes() == template.checkpoint, f"{when}: checkpoint"
         return
     assert same_rows(source, template), f"{when}: the source lost or changed rows"
     assert preflight_failures(config) == [], f"{when}: the source does not pass its pre-flight"
     assert (config.parent / CHECKPOINT).read_bytes() == template.checkpoint, f"{when}: source checkpoint"
-    if (target / STATE).exists():  # linked before the kill: complete, verified, this source's
-        assert same_rows(target / STATE, template, relocated=True), f"{when}: a linked target misses rows"
+    if (target / STATE).exists():  # linked before the kill: complete, verified, this source's, in flight
+        assert _version(target / STATE) == IN_FLIGHT_REVISION, f"{when}: a linked target is live beside its source"
+        assert same_rows_in_flight(target / STATE, template), f"{when}: a linked target misses rows"
+        assert [f.split(": ")[1] for f in preflight_failures(config, f"sqlite:{target}")] == [
+            "RIVET_STATE_MOVE_IN_FLIGHT"], f"{when}: the target in flight opens"
 
 
 # --------------------------------------------------------------------------------------

@@ -20,6 +20,18 @@ mode SQLite notices the move on its next write (SQLITE_READONLY_DBMOVED), but in
 it does not, and an idle connection would go on committing into the old inode. So
 relocate and transfer wait (``--lock-wait``) until no other process holds the file open
 (read from ``/proc/locks``), and refuse otherwise, before and again just before the switch.
+
+The other end of a move, while it is in flight (decisions.md, "Moves: one live place"):
+the new place receives its copy with :data:`IN_FLIGHT_REVISION` in its version table, so
+every opener refuses it (this release with ``RIVET_STATE_MOVE_IN_FLIGHT``, naming the
+command that finishes the move; an older release sees a revision it does not know) until
+the source is retired; only then is the version set back to head. At no instant are two
+places live.
+
+Every file of a move that statetool creates (the tombstone's temporary file, the kept
+link, the ``.relocating`` copies) is created with ``O_EXCL | O_NOFOLLOW`` (a link never
+replaces anything); a symlink or a non-regular file standing where one of them belongs is
+refused by :func:`refuse_unsafe` before anything is written.
 """
 
 from __future__ import annotations
@@ -30,9 +42,18 @@ import stat
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from statetool.errors import StateError
 from statetool.redact import redact_values
 
 MAGIC = b"RIVET-STATE-RELOCATED\n"
+#: The version-table value of a move's target until the source is retired (at most 32
+#: characters: alembic's column); never a revision id of any release.
+IN_FLIGHT_REVISION = "move-in-flight"
+#: Exclusive creation that never follows a symlink (the file must not exist at all).
+CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 def read_tombstone(path: Path) -> dict[str, Any] | None:
@@ -62,8 +83,51 @@ def write_tombstone_tmp(directory: Path, doc: dict[str, Any]) -> Path:
     """Write a tombstone to a temporary file in ``directory``, fsynced; the caller renames
     it over the state file (one atomic step). Every string of ``doc`` is redacted (SPEC §7)."""
     tmp = directory / f".rivet_state.db.tombstone-{os.getpid()}.tmp"
-    with open(tmp, "wb") as fh:
+    refuse_unsafe(tmp)
+    tmp.unlink(missing_ok=True)  # a regular file an earlier process of this pid left
+    try:
+        fd = os.open(tmp, CREATE_FLAGS, 0o644)
+    except FileExistsError:
+        raise unsafe_error(tmp, "appeared while it was being created") from None
+    with os.fdopen(fd, "wb") as fh:
         fh.write(MAGIC + json.dumps(redact_values(doc), indent=2, sort_keys=True).encode() + b"\n")
         fh.flush()
         os.fsync(fh.fileno())
     return tmp
+
+
+def unsafe_error(path: Path, what: str) -> StateError:
+    """``RIVET_STATE_UNSAFE_FILE`` naming ``path`` (one of a move's own files) and ``what`` stands there."""
+    return StateError("RIVET_STATE_UNSAFE_FILE",
+                      f"{path} {what}, where statetool keeps a file of its own; it is never followed and nothing "
+                      "was written: move it away and re-run", {"path": str(path)})
+
+
+def refuse_unsafe(*paths: Path) -> None:
+    """Raise ``RIVET_STATE_UNSAFE_FILE`` (SPEC §8a) for the first of ``paths`` that is a
+    symlink or not a regular file; a path that does not exist, or is a regular file, passes."""
+    for path in paths:
+        if path.is_symlink():
+            raise unsafe_error(path, f"is a symlink (to {os.readlink(path)})")
+        if os.path.lexists(path) and not path.is_file():
+            raise unsafe_error(path, "is not a regular file")
+
+
+def in_flight_error(where: str, conn: Connection) -> StateError:
+    """``RIVET_STATE_MOVE_IN_FLIGHT`` for the target ``where`` of an unfinished move, read
+    on ``conn`` (its last ``relocate``/``transfer`` audit row names the source and the
+    command that finishes the move)."""
+    row = conn.execute(sa.text("SELECT detail FROM rivet_audit WHERE action IN ('relocate', 'transfer') "
+                               "ORDER BY id DESC LIMIT 1")).first()
+    detail: dict[str, Any] = {}
+    if row is not None:
+        try:
+            loaded = json.loads(row[0])
+        except ValueError:
+            loaded = {}
+        detail = loaded if isinstance(loaded, dict) else {}
+    source, finish = detail.get("from", "?"), detail.get("finish", "the same relocate or transfer again")
+    return StateError("RIVET_STATE_MOVE_IN_FLIGHT",
+                      f"{where} is the target of a move from {source} that has not finished: it is not live until "
+                      f"the source is retired, and the source stays the live state until then. Finish the move with: "
+                      f"{finish}", {"place": where, "from": source, "finish": finish})

@@ -79,7 +79,10 @@ def info(ctx: Context) -> InfoResult:
 
     warnings = [w.as_dict() for w in pf.warnings + checkpoints(ctx).warnings]
     leases = list_leases(ctx).leases if snap is not None and snap.known else []
-    return InfoResult(ctx.location.as_dict(), _revision_doc(snap), identity, _export_rows(ctx, snap), warnings,
+    location = ctx.location
+    # A symlinked state file: the configured path and the file it resolves to, both shown.
+    where = {**location.as_dict(), "real_path": str(location.real_path) if location.real_path else None}
+    return InfoResult(where, _revision_doc(snap), identity, _export_rows(ctx, snap), warnings,
                       leases)
 
 

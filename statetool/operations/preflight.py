@@ -24,7 +24,7 @@ CHECK_IDS = ("location", "config", "state", "format", "integrity", "revision", "
 #: The row a failure to read the state belongs to (anything else: ``integrity``).
 _READ_FAILURE_ROW = {"RIVET_STATE_NOT_A_STATE": "format", "RIVET_STATE_MISSING": "format",
                      "RIVET_STATE_UNSAFE_FILE": "format", "RIVET_STATE_RELOCATED": "relocated",
-                     "RIVET_STATE_PERMISSION_DENIED": "state"}
+                     "RIVET_STATE_PERMISSION_DENIED": "state", "RIVET_STATE_MOVE_IN_FLIGHT": "relocated"}
 
 
 @dataclass

@@ -13,6 +13,7 @@ from sqlalchemy.engine import Connection
 
 from statetool import migrations, schema
 from statetool.backends.base import Backend
+from statetool.backends.tombstone import IN_FLIGHT_REVISION, in_flight_error
 from statetool.errors import StateError
 
 
@@ -84,7 +85,8 @@ def read_snapshot(backend: Backend, conn: Connection, *, integrity: bool = True,
     """Read the state on a read-only ``conn``.
 
     Raises ``RIVET_STATE_NOT_A_STATE`` (no table of the state, or a shape of no release)
-    and ``RIVET_STATE_CORRUPT`` (``quick_check`` fails). A revision this release does not
+    and ``RIVET_STATE_CORRUPT`` (``quick_check`` fails), ``RIVET_STATE_MOVE_IN_FLIGHT``
+    (the target of a relocate or transfer that has not retired its source). A revision this release does not
     know is returned with ``known=False`` and no progress read (its tables may differ).
     ``integrity=False`` skips ``quick_check`` and ``progress=False`` the per-export
     progress (both read every page of a large state; ``doctor`` reads only what it needs).
@@ -105,6 +107,8 @@ def read_snapshot(backend: Backend, conn: Connection, *, integrity: bool = True,
         versions = [r[0] for r in conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).all()]
         revision = versions[0] if len(versions) == 1 else ",".join(versions) or None
         legacy = False
+        if revision == IN_FLIGHT_REVISION:  # the target of an unfinished move (backends/tombstone.py)
+            raise in_flight_error(where, conn)
     elif schema.LEGACY_TABLES <= tables:
         revision, legacy = None, True
     else:

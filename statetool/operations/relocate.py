@@ -12,15 +12,24 @@ The order, each step safe to interrupt at any instant:
    and a digest of every page compared with the source's); fsync.
 4. Copy each CDC checkpoint with a relative path to where it resolves under the target
    (temporary file, fsync, rename; sha256 compared).
-5. Write an audit row into the copy (from, to, source digest), link it into place as
+5. Write an audit row into the copy (from, to, source digest, the command that finishes
+   the move) and mark it in flight (its version reads ``move-in-flight``: every opener
+   refuses it, ``RIVET_STATE_MOVE_IN_FLIGHT``), link it into place as
    ``<target>/.rivet_state.db`` (a link never replaces anything), fsync the directory.
 6. Switch: hard-link the source to ``.rivet_state.db.relocated-<UTC>`` (its bytes are
    kept), then atomically rename a tombstone over ``.rivet_state.db``
    (statetool/backends/tombstone.py): from then on every release refuses the old place.
+7. Make the target live: its version goes back to head.
 
-A re-run finds the leftovers: a ``.relocating`` file is removed and copied again; a
-target carrying this source's relocation row and the source's unchanged digest goes
-straight to the switch; a tombstone that already names the target means done.
+So at no instant are two places live: the target opens only after the source is retired
+(between 6 and 7 neither opens, and a re-run finishes the move). A symlinked state file is
+retired where it really is (:attr:`Location.real_path`), never as the link.
+
+A re-run finds the leftovers: a ``.relocating`` file is removed and copied again; an
+in-flight target carrying this source's relocation row goes straight to the switch if the
+source's digest is unchanged, and is made again otherwise (it was never live); a
+tombstone that already names the target means done (the target is made live if a kill
+came between 6 and 7).
 
 Fault injection for the crash tests: with ``STATETOOL_CRASH_AT=<point>`` in the
 environment the process SIGKILLs itself at that point (the points are listed in
@@ -35,6 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -44,9 +54,13 @@ from pathlib import Path
 
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.sqlite import SqliteBackend, content_digest, fsync_dir
-from statetool.backends.tombstone import read_tombstone, write_tombstone_tmp
+from statetool import migrations
+from statetool.backends.faults import fault
+from statetool.backends.tombstone import (CREATE_FLAGS, IN_FLIGHT_REVISION, read_tombstone, refuse_unsafe,
+                                          unsafe_error, write_tombstone_tmp)
 from statetool.errors import StateError
 from statetool.location import STATE_FILE, Location, resolve_checkpoint
+from statetool.schema import VERSION_TABLE
 from statetool.operations.context import Context, now_iso
 from statetool.operations.preflight import require, run_preflight
 from statetool.operations.probe import export_names, row_counts
@@ -54,7 +68,7 @@ from statetool.operations.writes import WHOLE_STATE, WriteSession, guarded_write
 
 COPY_NAME = f"{STATE_FILE}.relocating"
 CRASH_POINTS = ("leases", "checkpointed", "locked", "digested", "copied", "checkpoint-copied", "audited",
-                "linked", "kept", "tombstoned", "swapped")
+                "linked", "kept", "tombstoned", "swapped", "finished")
 
 
 def crash_point(name: str) -> None:
@@ -99,6 +113,8 @@ class RelocateResult:
 
 
 def _target_dir(to: str, create: bool, dry_run: bool) -> Path:
+    """The target directory, checked the same way by a dry run and a real run (which
+    creates it with ``--create-dir``); a dry run or a refusal creates nothing."""
     if not os.path.isabs(to):
         raise StateError("RIVET_STATE_DIR_RELATIVE",
                          f"target directory '{to}' is relative; every task must see the same absolute path")
@@ -109,15 +125,57 @@ def _target_dir(to: str, create: bool, dry_run: bool) -> Path:
         if not create:
             raise StateError("RIVET_STATE_DIR_MISSING",
                              f"target directory {target} does not exist; mount it (or pass --create-dir)")
+        parent = target.parent
+        while not parent.is_dir() and parent != parent.parent:
+            parent = parent.parent
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise StateError("RIVET_STATE_DIR_MISSING", f"target directory {target} cannot be created: "
+                             f"{parent} is not writable by this user")
         if not dry_run:
             try:
                 target.mkdir(parents=True)
             except OSError as err:
                 raise StateError("RIVET_STATE_DIR_MISSING",
                                  f"target directory {target} cannot be created: {err.strerror}") from None
-    elif not dry_run and not os.access(target, os.W_OK | os.X_OK):
+    elif not os.access(target, os.W_OK | os.X_OK):
         raise StateError("RIVET_STATE_DIR_MISSING", f"target directory {target} is not writable by this user")
     return target
+
+
+def require_retirable(location: Location) -> Path:
+    """The file a move retires: the state file, or, when the configured path is a symlink,
+    the file it resolves to (:attr:`Location.real_path`; retiring the link would leave the
+    real file writable: a second live place). Its directory must be writable, as the
+    keep-link and the tombstone are made there: else ``RIVET_STATE_READ_ONLY`` or
+    ``RIVET_STATE_PERMISSION_DENIED`` naming it, before anything is written (SPEC §8a, §9)."""
+    assert location.path is not None
+    source = location.real_path or location.path
+    if not os.access(source.parent, os.W_OK | os.X_OK):
+        via = f" (the real file of the symlink {location.path})" if source != location.path else ""
+        err = fault(source.parent, PermissionError(errno.EACCES, f"{source.parent}{via} is not writable"))
+        assert err is not None
+        raise StateError(err.code, f"{err.message}; the move must retire {source}{via} there and cannot", err.details)
+    return source
+
+
+def move_files(directory: Path) -> list[Path]:
+    """The names a move creates in ``directory`` besides the state itself: what must not
+    be a symlink or a non-regular file (checked before anything is written)."""
+    return [Path(f"{directory / COPY_NAME}{suffix}") for suffix in ("", "-journal", "-wal", "-shm")]
+
+
+def stale_tombstones(source: Path) -> list[Path]:
+    """Temporary tombstones a killed move left beside ``source`` (removed by the next run;
+    each must be a regular file: :func:`refuse_unsafe` first)."""
+    return sorted(source.parent.glob(f"{STATE_FILE}.tombstone-*.tmp"))
+
+
+def finish_command(ctx: Context, verb: str) -> str:
+    """The command line that finishes (or re-runs) this move: recorded in the target, shown
+    by ``RIVET_STATE_MOVE_IN_FLIGHT``."""
+    location = ctx.location
+    url = f" --state-url {shlex.quote(location.state_url)}" if location.state_url else ""
+    return f"statetool -c {shlex.quote(os.path.abspath(ctx.config_path))}{url} {verb}"
 
 
 def _checkpoints(ctx: Context, target: Location) -> list[CheckpointMove]:
@@ -144,19 +202,39 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _copy_checkpoint(move: CheckpointMove, resuming: bool) -> None:
-    source, target = Path(move.source), Path(move.target)
-    if target.exists():
-        if _sha256(target) == _sha256(source):
-            return
-        if not resuming:
+def _checkpoint_tmp(move: CheckpointMove) -> Path:
+    return Path(move.target).with_name(f".{Path(move.target).name}.relocating")
+
+
+def check_checkpoints(moves: list[CheckpointMove], resuming: bool) -> None:
+    """Refuse, before anything is written (a dry run the same), a checkpoint target that
+    already holds other bytes (``RIVET_STATE_TARGET_NOT_EMPTY``; an interrupted relocation
+    of this source may overwrite its own), or a symlink / non-regular file where a
+    checkpoint or its temporary copy goes (``RIVET_STATE_UNSAFE_FILE``)."""
+    for move in moves:
+        if not move.present:
+            continue
+        target = Path(move.target)
+        refuse_unsafe(target, _checkpoint_tmp(move))
+        if target.exists() and not resuming and _sha256(target) != _sha256(Path(move.source)):
             raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
-                             f"{target} already exists with other content (checkpoint of export {move.export})")
+                             f"{target} already exists with other content (checkpoint of export {move.export}); "
+                             "move it aside (or remove it if it is stale) and re-run", {"path": str(target)})
+
+
+def _copy_checkpoint(move: CheckpointMove) -> None:
+    """Copy one checkpoint into place (temporary file, fsync, sha256 compared, rename);
+    :func:`check_checkpoints` has refused every conflict before."""
+    source, target = Path(move.source), Path(move.target)
+    if target.exists() and _sha256(target) == _sha256(source):
+        return
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.relocating")
-    shutil.copyfile(source, tmp)
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
+    tmp = _checkpoint_tmp(move)
+    tmp.unlink(missing_ok=True)  # a regular file (checked): what a killed run left
+    with open(source, "rb") as src, os.fdopen(os.open(tmp, CREATE_FLAGS, 0o644), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+        dst.flush()
+        os.fsync(dst.fileno())
     if _sha256(tmp) != _sha256(source):
         tmp.unlink()
         raise StateError("RIVET_STATE_VERIFY_FAILED", f"the copy of checkpoint {source} did not verify")
@@ -184,60 +262,103 @@ def _relocation_row(path: Path) -> dict[str, object] | None:
 
 
 def _check_target(ctx: Context, source: Path, target_dir: Path) -> dict[str, object] | None:
-    """Refuse a target that holds anything but this source's own interrupted relocation;
-    return that relocation's audit detail when resuming it."""
+    """Refuse a target that holds anything but this source's own unfinished relocation
+    (in flight: never live); return that relocation's audit detail to resume it."""
     target = target_dir / STATE_FILE
     if not os.path.lexists(target):
         return None
+    refuse_unsafe(target)
     target_ctx = Context(ctx.config_path, f"sqlite:{target_dir}", ctx.env, ctx.lock_wait, ctx.command)
     pf = run_preflight(target_ctx)
     foreign = next((c for c in pf.checks if c.code == "RIVET_STATE_FOREIGN"), None)
     if foreign is not None:
         raise StateError("RIVET_STATE_FOREIGN", f"the target {target_dir} holds the state of another source: "
                          f"{foreign.message}", {"directory": str(target_dir)})
-    detail = _relocation_row(target) if pf.snapshot is not None else None
-    if detail is not None and detail.get("from") == str(source):
-        return detail
+    in_flight = next((c for c in pf.checks if c.code == "RIVET_STATE_MOVE_IN_FLIGHT"), None)
+    if in_flight is not None:
+        detail = _relocation_row(target)
+        if detail is not None and detail.get("from") == str(source):
+            return detail
+        assert in_flight.error is not None
+        raise in_flight.error  # another source's move: it must be finished first
     raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
                      f"{target} already exists ({'a state' if pf.snapshot else 'not a state of this source'}); "
                      "relocate only into a directory without a state")
 
 
+def finish_target(target: Path) -> None:
+    """Make the relocated copy at ``target`` live (the source is retired): its version
+    goes from :data:`IN_FLIGHT_REVISION` back to head. Idempotent."""
+    db = sqlite3.connect(target, isolation_level=None)
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute(f"UPDATE {VERSION_TABLE} SET version_num = ? WHERE version_num = ?",
+                   (migrations.head(), IN_FLIGHT_REVISION))
+        db.execute("COMMIT")
+    finally:
+        db.close()
+    _fsync(target)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def _remove_leftovers(source: Path, target_dir: Path, moves: list[CheckpointMove]) -> None:
+    """What a killed run of this move may have left on either side (temporary files only:
+    every one regular, checked before)."""
+    for path in move_files(target_dir) + [_checkpoint_tmp(m) for m in moves]:
+        path.unlink(missing_ok=True)
+    for stale in stale_tombstones(source):
+        stale.unlink()
+
+
 def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool = False,
              full_verify: bool = False) -> RelocateResult:
-    """Move the SQLite state at the resolved location into directory ``to``.
+    """Move the SQLite state at the resolved location into directory ``to`` (SPEC §9).
 
     Raises ``RIVET_STATE_BACKEND_UNSUPPORTED`` (not a SQLite state),
     ``RIVET_STATE_DIR_RELATIVE`` / ``RIVET_STATE_DIR_MISSING`` (target),
     ``RIVET_STATE_FOREIGN`` / ``RIVET_STATE_TARGET_NOT_EMPTY`` (target holds something),
+    ``RIVET_STATE_MOVE_IN_FLIGHT`` (another source's move into the target is unfinished),
+    ``RIVET_STATE_UNSAFE_FILE`` (a symlink where a file of the move belongs),
+    ``RIVET_STATE_READ_ONLY`` / ``RIVET_STATE_PERMISSION_DENIED`` (the source's directory,
+    or a symlinked state's real directory, cannot be written),
     ``RIVET_STATE_RUN_IN_PROGRESS`` (a live run past ``--lock-wait``),
     ``RIVET_STATE_VERIFY_FAILED`` (the copy differs; the source is untouched), and every
-    pre-flight code of the source. ``dry_run`` prints the plan and writes nothing.
+    pre-flight code of the source. ``dry_run`` runs every one of these checks, in this
+    function, then prints the plan and writes nothing. A re-run of a finished relocation
+    answers "already relocated" (and finishes one killed after the switch).
     """
     location = ctx.location
     if location.backend != "sqlite":
         raise StateError("RIVET_STATE_BACKEND_UNSUPPORTED",
                          "relocate moves a SQLite state; to move a PostgreSQL state use pg_dump")
     assert location.path is not None and location.directory is not None
-    source = location.path
+    source = location.real_path or location.path
     target_dir = _target_dir(to, create_dir, dry_run=True)  # created below, once the source passed
     state_url = f"sqlite:{target_dir}"
-    if target_dir == location.directory:
+    if target_dir in (location.directory, source.parent):
         raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"the state is already in {target_dir}")
     tomb = read_tombstone(source)
     if tomb is not None and tomb.get("to") == str(target_dir / STATE_FILE):
-        if not dry_run:
-            for leftover in (Path(f"{source}-wal"), Path(f"{source}-shm")):  # a kill right after the swap
+        refuse_unsafe(*move_files(target_dir), *stale_tombstones(source))
+        if not dry_run:  # a kill after the switch: the target is made live, leftovers go
+            if (target_dir / STATE_FILE).is_file() and not (target_dir / STATE_FILE).is_symlink():
+                finish_target(target_dir / STATE_FILE)
+            _remove_leftovers(source, target_dir, [])
+            for leftover in (Path(f"{source}-wal"), Path(f"{source}-shm")):
                 leftover.unlink(missing_ok=True)
         return RelocateResult(str(source), tomb["to"], state_url, 0, {}, [], "none", dry_run, True, True,
                               tomb.get("kept_as"), tomb.get("source_digest"),
                               f"already relocated to {target_dir}; every task must run with RIVET_STATE_URL={state_url}")
     # The source's own integrity is proven by the copy instead: page digests equal, and
     # the copy passes quick_check. Per-export progress is not needed, only export names.
+    require_retirable(location)  # these before the pre-flight
+    refuse_unsafe(*move_files(target_dir), *stale_tombstones(source))
     pf = run_preflight(ctx, for_write=True, progress=False, integrity=False)
     snap = require(pf)
-    if not dry_run:  # now: create it (--create-dir) or check it is writable (a refusal creates nothing)
-        _target_dir(to, create_dir, dry_run=False)
     resume = _check_target(ctx, source, target_dir) if target_dir.is_dir() else None
     backend = SqliteBackend(location, ctx.lock_wait)
     with backend.reading() as conn:
@@ -249,13 +370,12 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
                                    path=target_dir / STATE_FILE)),
         f"the run lease of every export ({len(exports)}) and the SQLite write lock",
         dry_run=dry_run, resumed=resume is not None)
+    check_checkpoints(result.checkpoints, resuming=resume is not None)
     if dry_run:
         result.message = f"dry run: nothing was changed; after the move every task must run with RIVET_STATE_URL={state_url}"
         return result
-    for suffix in ("", "-journal", "-wal", "-shm"):  # what a killed earlier attempt left
-        Path(f"{target_dir / COPY_NAME}{suffix}").unlink(missing_ok=True)
-    for stale in location.directory.glob(f"{STATE_FILE}.tombstone-*.tmp"):
-        stale.unlink()
+    _target_dir(to, create_dir, dry_run=False)
+    _remove_leftovers(source, target_dir, result.checkpoints)
 
     def hold_off_writers() -> None:
         crash_point("leases")
@@ -277,9 +397,12 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
             result.source_digest = digesting.result()
             crash_point("digested")
             if resume.get("source_digest") != result.source_digest:
-                raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
-                                 f"an interrupted relocation left a copy at {result.target}, and the source changed "
-                                 "since; move that copy aside and re-run")
+                # The source was written after the kill. The copy in flight was never
+                # live (no one could open it), so it is simply made again.
+                for suffix in ("", "-journal", "-wal", "-shm"):
+                    Path(f"{target_dir / STATE_FILE}{suffix}").unlink(missing_ok=True)
+                fsync_dir(target_dir)
+                resume = None
         created = _absent_paths(target_dir, result.checkpoints)
         try:
             if resume is None:
@@ -287,7 +410,7 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
             else:
                 for move in result.checkpoints:
                     if move.present:
-                        _copy_checkpoint(move, resuming=True)
+                        _copy_checkpoint(move)
         except (OSError, sqlite3.Error) as err:
             if not _disk_full(err):
                 raise
@@ -299,6 +422,8 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
         wait_for_openers(source, ctx.lock_wait)  # again, at the last instant before the switch
         result.kept_as = retire_source(ctx, source, result.target, state_url, result.source_digest,
                                        "statetool relocate")
+    finish_target(target_dir / STATE_FILE)
+    crash_point("finished")
     result.done = True
     result.message = f"relocated; every task must now run with RIVET_STATE_URL={state_url}"
     return result
@@ -364,6 +489,7 @@ def _remove_partial_copy(target_dir: Path, moves: list[CheckpointMove], created:
 def _copy_state(ctx: Context, session: WriteSession, backend: SqliteBackend, conn: object, target_dir: Path,
                 result: RelocateResult, full_verify: bool, source_digest: Future[str]) -> None:
     copy = target_dir / COPY_NAME
+    os.close(os.open(copy, CREATE_FLAGS, 0o644))  # checked absent or removed: never follows a link
 
     def progress(done: int, total: int) -> None:
         update(done, total)
@@ -381,18 +507,19 @@ def _copy_state(ctx: Context, session: WriteSession, backend: SqliteBackend, con
     crash_point("copied")
     for move in result.checkpoints:
         if move.present:
-            _copy_checkpoint(move, resuming=False)
+            _copy_checkpoint(move)
     crash_point("checkpoint-copied")
     db = sqlite3.connect(copy)
     try:
-        with db:
+        with db:  # the copy is in flight: no one opens it until the source is retired
             session.audit("relocate", {"from": result.source, "to": result.target,
                                        "source_digest": result.source_digest,
+                                       "finish": finish_command(ctx, f"relocate --to {shlex.quote(str(target_dir))}"),
                                        "checkpoints": [m.target for m in result.checkpoints if m.present]}, into=db)
+            db.execute(f"UPDATE {VERSION_TABLE} SET version_num = ?", (IN_FLIGHT_REVISION,))
     finally:
         db.close()
-    with open(copy, "rb+") as fh:
-        os.fsync(fh.fileno())
+    _fsync(copy)
     crash_point("audited")
     try:
         os.link(copy, target_dir / STATE_FILE)
@@ -411,10 +538,14 @@ def retire_source(ctx: Context, source: Path, to: str, state_url: str, digest: s
     and transfer. Returns the path the old bytes are kept at."""
     directory = source.parent
     for old in directory.glob(f"{STATE_FILE}.relocated-*"):
-        if old.is_file() and os.path.samefile(old, source):
+        if old.is_file() and not old.is_symlink() and os.path.samefile(old, source):
             old.unlink()  # a link an interrupted switch made: the same bytes as the source
     kept = directory / f"{STATE_FILE}.relocated-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-    os.link(source, kept)
+    refuse_unsafe(kept)
+    try:
+        os.link(source, kept, follow_symlinks=False)  # never replaces (nor follows) what is there
+    except FileExistsError:
+        raise unsafe_error(kept, "already exists") from None
     fsync_dir(directory)
     crash_point("kept")
     tomb = write_tombstone_tmp(directory, {"to": to, "state_url": state_url, "at": now_iso(), "by": ctx.actor,

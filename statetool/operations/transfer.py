@@ -15,11 +15,17 @@ the source is untouched until the switch, and a re-run converges):
    (counted under the write lock) and an additive content checksum (sum of the first 60
    bits of each row's md5) are compared with the source's; a ``transfer`` audit row is
    added; COMMIT.
+   The committed destination is in flight (its version reads ``move-in-flight``): every
+   open of it refuses (``RIVET_STATE_MOVE_IN_FLIGHT``, naming the command that finishes).
 4. Switch: the source gets the tombstone relocation leaves (``RIVET_STATE_RELOCATED``,
    naming the ``RIVET_STATE_URL`` to set, password masked).
+5. The destination is made live: its version goes back to head.
 
-A re-run after a crash between 3 and 4 finds the destination's ``transfer`` row for
-this source and, if the source's digest is unchanged, goes straight to the switch.
+At no instant are two places live. A re-run after a crash between 3 and 4 finds the
+destination's ``transfer`` row for this source and, if the source's digest is unchanged,
+goes straight to the switch (if the source was written since and the transfer had created
+the schema, the copy, never live, is dropped and made again). A re-run after 4 finds the
+tombstone naming the destination: "already transferred" (exit 0), finishing step 5.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import shlex
 import sqlite3
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -38,13 +46,15 @@ from sqlalchemy.engine import Connection
 from statetool import migrations, schema
 from statetool.backends.postgres import PostgresBackend
 from statetool.backends.sqlite import SqliteBackend, content_digest
+from statetool.backends.tombstone import IN_FLIGHT_REVISION, read_tombstone, refuse_unsafe
 from statetool.errors import StateError
 from statetool.location import (ENV_VAR, STATE_FILE, Location, checkpoint_relative_message, resolve_checkpoint,
                                 resolve_location)
 from statetool.operations.context import Context
 from statetool.operations.preflight import require, run_preflight
 from statetool.operations.probe import read_snapshot
-from statetool.operations.relocate import crash_point, retire_source, wait_for_openers
+from statetool.operations.relocate import (crash_point, finish_command, require_retirable, retire_source,
+                                           stale_tombstones, wait_for_openers)
 from statetool.operations.writes import WHOLE_STATE, guarded_write
 
 #: Tables copied, parents first; ``id`` columns of the append-only tables are not copied
@@ -204,12 +214,19 @@ def _transfer_row(conn: Connection, tables: set[str], source: str) -> dict[str, 
 
 def _check_destination(ctx: Context, dest: PostgresBackend, conn: Connection, source_key: str | None,
                        source: str) -> dict[str, Any] | None:
-    """Refuse a destination that holds another source's state or progress of this config;
-    return an earlier completed transfer of THIS source (to converge on), else None."""
+    """Refuse a destination that holds another source's state or progress of this config,
+    or another source's unfinished move (``RIVET_STATE_MOVE_IN_FLIGHT``); return an earlier
+    transfer of THIS source (in flight or completed: to converge on), else None."""
     tables = dest.table_names(conn)
     if not tables:
         return None
-    snap = read_snapshot(dest, conn, integrity=False)
+    try:
+        snap = read_snapshot(dest, conn, integrity=False)
+    except StateError as err:
+        earlier = _transfer_row(conn, set(tables), source) if err.code == "RIVET_STATE_MOVE_IN_FLIGHT" else None
+        if earlier is None or err.details.get("from") != source:
+            raise  # not in flight, or another source's move: it must be finished first
+        return earlier  # this very transfer, killed before its switch
     if not snap.known or snap.pending:
         raise StateError("RIVET_STATE_MIGRATION_PENDING" if snap.known else "RIVET_STATE_SCHEMA_NEWER",
                          f"the destination {dest.location.display} is at revision {snap.revision or 'legacy'}, not "
@@ -252,8 +269,12 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     PostgreSQL), ``RIVET_STATE_UNREACHABLE`` / ``RIVET_STATE_AUTH_FAILED`` (destination),
     ``RIVET_STATE_FOREIGN`` / ``RIVET_STATE_TARGET_NOT_EMPTY`` (destination holds another
     source or this config's progress), ``RIVET_STATE_RUN_IN_PROGRESS`` (a live run past
-    ``--lock-wait``), ``RIVET_STATE_VERIFY_FAILED`` (rolled back; nothing committed), and
-    every pre-flight code of the source. ``dry_run`` writes nothing anywhere.
+    ``--lock-wait``), ``RIVET_STATE_VERIFY_FAILED`` (rolled back; nothing committed),
+    ``RIVET_STATE_MOVE_IN_FLIGHT`` (another source's move into the destination is
+    unfinished), ``RIVET_STATE_READ_ONLY`` / ``RIVET_STATE_PERMISSION_DENIED`` (the source's
+    directory, or a symlinked state's real one, cannot take the tombstone), and every
+    pre-flight code of the source. ``dry_run`` runs the same checks and writes nothing
+    anywhere. The re-run of a completed transfer answers "already transferred" (exit 0).
     """
     location = ctx.location
     if location.backend != "sqlite":
@@ -261,9 +282,14 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
                          "in PostgreSQL")
     assert location.path is not None
     dest = _destination(ctx, to)
-    source_path = location.path
+    source_path = location.real_path or location.path  # a symlinked state: its real file is retired
+    tomb = read_tombstone(source_path)
+    if tomb is not None and tomb.get("to") == dest.location.display:
+        return _already_transferred(dest, source_path, tomb, dry_run)
     # per-export progress is not needed (only which exports the state knows, read below):
     # on a large state that read costs seconds
+    require_retirable(location)  # before the pre-flight
+    refuse_unsafe(*stale_tombstones(source_path))
     pf = run_preflight(ctx, for_write=True, progress=False)
     snap = require(pf)
     source_key = snap.recorded_key or ctx.computed_key or None
@@ -283,8 +309,9 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
                          f"{ENV_VAR}={result.state_url}"
         return result
     exports = sorted({e.name for e in ctx.config.exports} | in_state)
-    for stale in source_path.parent.glob(f"{STATE_FILE}.tombstone-*.tmp"):  # a kill before the switch left it
+    for stale in stale_tombstones(source_path):  # a kill before the switch left it
         stale.unlink()
+
     def hold_off_writers() -> None:
         wait_for_openers(source_path, ctx.lock_wait)
         backend.checkpoint_wal()
@@ -305,21 +332,66 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
         with dest.receiving() as conn:
             earlier = _check_destination(ctx, dest, conn, source_key, str(source_path))
             if earlier is not None and earlier.get("source_digest") != digest:
-                raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
-                                 f"an earlier transfer of {source_path} is in {dest.location.display}, and the source "
-                                 "changed since; nothing was changed")
+                if not earlier.get("created_schema") or not _in_flight(conn):
+                    raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
+                                     f"an earlier transfer of {source_path} is in {dest.location.display}, and the "
+                                     "source changed since; nothing was changed")
+                # Killed before its switch, then the source was written: the copy in flight
+                # was never live and the schema is the transfer's own, so it is made again.
+                for table in sorted(dest.table_names(conn)):
+                    conn.exec_driver_sql(f'DROP TABLE "{table}" CASCADE')
+                earlier = None
             if earlier is None:
+                created = not dest.table_names(conn)
                 _copy(ctx, raw, dest, conn, result)
+                finish = finish_command(ctx, f"transfer --to {shlex.quote(result.state_url)}")
                 session.audit("transfer", {"from": str(source_path), "to": result.destination,
-                                           "source_digest": digest, "rows": counts}, into=conn)
+                                           "source_digest": digest, "rows": counts, "created_schema": created,
+                                           "finish": finish}, into=conn)
+                # in flight: every open of the destination refuses until the source is retired
+                conn.execute(sa.text(f"UPDATE {schema.VERSION_TABLE} SET version_num = :v"),
+                             {"v": IN_FLIGHT_REVISION})
             crash_point("copied")
         crash_point("committed")
         wait_for_openers(source_path, ctx.lock_wait)  # again, at the last instant before the switch
         result.kept_as = retire_source(ctx, source_path, result.destination, result.state_url, digest,
                                        "statetool transfer")
+    _finish_destination(dest)
+    crash_point("finished")
     result.done = True
     result.message = f"transferred; every task must now run with {ENV_VAR}={result.state_url}"
     return result
+
+
+def _in_flight(conn: Connection) -> bool:
+    return conn.execute(sa.text(f"SELECT count(*) FROM {schema.VERSION_TABLE} WHERE version_num = :v"),
+                        {"v": IN_FLIGHT_REVISION}).scalar() == 1
+
+
+def _finish_destination(dest: PostgresBackend) -> None:
+    """Make the destination live once the source is retired: its version goes from
+    :data:`IN_FLIGHT_REVISION` back to head (idempotent; nothing to do when already live)."""
+    with dest.receiving() as conn:
+        if schema.VERSION_TABLE in dest.table_names(conn):
+            conn.execute(sa.text(f"UPDATE {schema.VERSION_TABLE} SET version_num = :head WHERE version_num = :v"),
+                         {"head": migrations.head(), "v": IN_FLIGHT_REVISION})
+
+
+def _already_transferred(dest: PostgresBackend, source: Path, tomb: dict[str, Any], dry_run: bool
+                         ) -> TransferResult:
+    """The re-run of a transfer whose switch was done: exit 0, "already transferred". A
+    run killed after the switch is finished here (the destination made live, the old
+    inode's ``-wal``/``-shm`` and temporary files removed)."""
+    if not dry_run:
+        for leftover in [Path(f"{source}-wal"), Path(f"{source}-shm"), *stale_tombstones(source)]:
+            refuse_unsafe(leftover)
+            leftover.unlink(missing_ok=True)
+        _finish_destination(dest)
+    url = dest.location.state_url
+    return TransferResult(str(source), dest.location.display, url, 0, [], [], dry_run=dry_run, done=True,
+                          resumed=True, kept_as=tomb.get("kept_as"),
+                          message=f"already transferred to {dest.location.display}; every task must run with "
+                                  f"{ENV_VAR}={url}")
 
 
 def _copy(ctx: Context, raw: sqlite3.Connection, dest: PostgresBackend, conn: Connection,
