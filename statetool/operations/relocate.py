@@ -353,10 +353,10 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
         return RelocateResult(str(source), tomb["to"], state_url, 0, {}, [], "none", dry_run, True, True,
                               tomb.get("kept_as"), tomb.get("source_digest"),
                               f"already relocated to {target_dir}; every task must run with RIVET_STATE_URL={state_url}")
-    # The source's own integrity is proven by the copy instead: page digests equal, and
-    # the copy passes quick_check. Per-export progress is not needed, only export names.
     require_retirable(location)  # these before the pre-flight, whose recovery of a hot journal writes
     refuse_unsafe(*move_files(target_dir), *stale_tombstones(source))
+    # The source's own integrity is proven by the copy instead: page digests equal, and
+    # the copy passes quick_check. Per-export progress is not needed, only export names.
     pf = run_preflight(ctx, for_write=True, recover=not dry_run, progress=False, integrity=False)
     snap = require(pf)
     resume = _check_target(ctx, source, target_dir) if target_dir.is_dir() else None
