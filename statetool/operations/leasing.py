@@ -102,22 +102,6 @@ def lease_store(ctx: Context) -> LeaseStore:
     return ctx.lease_store
 
 
-@contextmanager
-def _driver_errors(ctx: Context) -> Iterator[None]:
-    """A PostgreSQL driver error while reading or taking leases is the server's answer."""
-    if ctx.location.backend == "sqlite":  # an flock: no driver, nothing to translate
-        yield
-        return
-    import sqlalchemy as sa
-
-    try:
-        yield
-    except sa.exc.DBAPIError as err:
-        first = str(err.orig).strip().splitlines()[0] if str(err.orig).strip() else type(err.orig).__name__
-        raise StateError("RIVET_STATE_UNREACHABLE",
-                         f"the state at {ctx.location.display} failed while handling leases: {first}") from None
-
-
 def holder_text(info: LeaseInfo) -> str:
     """Who holds ``info``'s lease, for messages."""
     return info.holder.describe() if info.holder else "a holder that has not written its record yet"
@@ -183,9 +167,8 @@ def acquire(ctx: Context, key: str, command: str | None = None, *, under_state_l
                 return f"a write of the whole state ({holder_text(whole)})"
         return got
 
-    with _driver_errors(ctx):
-        return wait_for(ctx, attempt, what=f"lease {key}", busy_code=busy_code, timeout_code=timeout_code,
-                        deadline=deadline)
+    return wait_for(ctx, attempt, what=f"lease {key}", busy_code=busy_code, timeout_code=timeout_code,
+                    deadline=deadline)
 
 
 @contextmanager
@@ -220,8 +203,8 @@ def hold_whole_state(ctx: Context, stack: ExitStack, exports: Iterable[str], bus
             return err.message  # another migration alters the lease table: wait for it
         return True if not live else "; ".join(f"{i.key} ({holder_text(i)})" for i in live)
 
-    with _driver_errors(ctx):  # looked at first, read-only: a write refused here creates no lease file
-        wait_for(ctx, quiet, what="the state (live runs)", busy_code=busy_code, timeout_code=busy_code, deadline=deadline)
+    # looked at first, read-only: a write refused here creates no lease file
+    wait_for(ctx, quiet, what="the state (live runs)", busy_code=busy_code, timeout_code=busy_code, deadline=deadline)
     try:
         state = acquire(ctx, STATE_LEASE, busy_code=busy_code, timeout_code=busy_code, deadline=deadline)
     except StateError as err:
@@ -241,9 +224,8 @@ def hold_whole_state(ctx: Context, stack: ExitStack, exports: Iterable[str], bus
         others = [info for info in store.list() if info.state == "live" and info.key not in mine]
         return True if not others else "; ".join(f"{i.key} ({holder_text(i)})" for i in others)
 
-    with _driver_errors(ctx):
-        wait_for(ctx, nobody_else, what="the state (live runs)", busy_code=busy_code, timeout_code=busy_code,
-                 deadline=deadline)
+    wait_for(ctx, nobody_else, what="the state (live runs)", busy_code=busy_code, timeout_code=busy_code,
+             deadline=deadline)
     return held
 
 
@@ -285,8 +267,7 @@ class LeasesResult:
 
 def list_leases(ctx: Context) -> LeasesResult:
     """Every lease with its state, read without taking any lock (Linux: ``/proc/locks``)."""
-    with _driver_errors(ctx):
-        return LeasesResult([lease_doc(info) for info in lease_store(ctx).list()])
+    return LeasesResult([lease_doc(info) for info in lease_store(ctx).list()])
 
 
 def live_holders(ctx: Context) -> list[str]:

@@ -48,7 +48,7 @@ from statetool.backends.postgres import PostgresBackend
 from statetool.backends.sqlite import SqliteBackend, content_digest
 from statetool.backends.tombstone import IN_FLIGHT_REVISION, read_tombstone, refuse_unsafe
 from statetool.errors import StateError
-from statetool.location import (ENV_VAR, STATE_FILE, Location, checkpoint_relative_message, resolve_checkpoint,
+from statetool.location import (ENV_VAR, Location, checkpoint_relative_message, resolve_checkpoint,
                                 resolve_location)
 from statetool.operations.context import Context
 from statetool.operations.preflight import require, run_preflight
