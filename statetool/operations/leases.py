@@ -103,7 +103,7 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
     ``PR_SET_PDEATHSIG``), and its pid and start time are recorded with the lease, so on
     PostgreSQL a wrapper that died while its command lives still holds the lease on this
     host; on SQLite the command inherits the lock. Forwards SIGINT and SIGTERM. When the
-    lease is lost (taken over), the command gets SIGTERM, SIGKILL after ``grace`` seconds,
+    lease is lost (taken over, or unconfirmed for a TTL), the command gets SIGTERM, SIGKILL after ``grace`` seconds,
     and ``RIVET_STATE_LEASE_LOST`` is raised (exit 2), never a success. Returns the
     command's exit code (128 + N when killed by signal N). Raises ``RIVET_CLI_USAGE`` when
     the command cannot start.
@@ -138,6 +138,7 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
                 signal.signal(s, handler)
         if lease.lost:
             raise StateError("RIVET_STATE_LEASE_LOST",
-                             f"lease {key} was taken over by another holder while `{command}` ran; the command "
-                             "was stopped", {"key": key})
+                             f"lease {key} was lost while `{command}` ran (taken over by another holder, its "
+                             "record replaced, or its heartbeat unconfirmed by the server for a whole TTL); the "
+                             "command was stopped", {"key": key})
     return 128 - code if code < 0 else code
