@@ -385,3 +385,53 @@ def test_a_symlink_where_an_own_file_belongs_is_refused_by_every_write_and_its_t
         assert error["code"] == "RIVET_STATE_UNSAFE_FILE" and own.split("/")[-1] in error["message"], describe(proc)
         assert victim.read_bytes() == b"precious bytes\n", f"{what} wrote through the symlink at {own}"
         assert (tree_digest(config.parent), os.readlink(link)) == before, f"{what} changed the directory"
+
+
+def _foreign_wal_beside(config: Path, tmp_path: Path) -> None:
+    """Put beside the (rollback-journal) state the ``-wal`` of a copy of it, written in WAL
+    mode with checkpoints off, in which another export's cursor moved."""
+    state = config.parent / STATE_FILE
+    with sqlite3.connect(state) as conn:
+        assert conn.execute("PRAGMA journal_mode=DELETE").fetchone()[0] == "delete"
+    conn.close()
+    copy = tmp_path / "copy" / STATE_FILE
+    copy.parent.mkdir()
+    shutil.copyfile(state, copy)
+    writer = sqlite3.connect(copy, isolation_level=None)
+    try:
+        writer.execute("PRAGMA journal_mode=WAL")
+        writer.execute("PRAGMA wal_autocheckpoint=0")
+        writer.execute("UPDATE rivet_exports SET cursor_value = 'FOREIGN' WHERE export_name = 'order_lines'")
+        if not writer.execute("SELECT changes()").fetchone()[0]:
+            writer.execute("INSERT INTO rivet_exports (export_name, mode, cursor_value, updated_at) "
+                           "VALUES ('order_lines', 'chunked', 'FOREIGN', '2026-01-01T00:00:00Z')")
+        shutil.copyfile(f"{copy}-wal", f"{state}-wal")
+    finally:
+        writer.close()
+
+
+@pytest.mark.postgres
+def test_another_copys_wal_beside_the_state_is_refused_by_every_write_and_never_merged(
+        tmp_path: Path, pg_url: str) -> None:
+    """Issue 10's first finding, for every write: the ``-wal`` of another copy beside a
+    rollback-journal state is never applied. Each write refuses with
+    ``RIVET_STATE_FOREIGN_WAL`` naming it; the directory, the ``-wal`` included, is
+    byte-identical, and no backup holding the foreign change is taken."""
+    config = _build(tmp_path / "pipeline")
+    _foreign_wal_beside(config, tmp_path)
+    before = tree_digest(config.parent)
+    target = tmp_path / "target"
+    target.mkdir()
+    writes = {**WRITES,
+              "migrate": ("migrate", "--to", "0002", "--allow-data-loss"),
+              "relocate": ("relocate", "--to", str(target)), "transfer": ("transfer", "--to", pg_url)}
+    for what, args in writes.items():
+        proc = run_cli("-c", str(config), "--json-errors", "--lock-wait", "0", *args)
+        assert proc.returncode == 5, f"{what} beside a foreign -wal\n{describe(proc)}"
+        error = json.loads(proc.stderr.strip().splitlines()[-1])
+        assert error["code"] == "RIVET_STATE_FOREIGN_WAL" and f"{STATE_FILE}-wal" in error["message"], describe(proc)
+        assert tree_digest(config.parent) == before, f"{what} changed the directory"
+        assert list(target.iterdir()) == [], f"{what} left {list(target.iterdir())}"
+    proc = run_cli("-c", str(config), "--json", "exports", "list")
+    cursors = {e["name"]: e["cursor"] for e in json.loads(proc.stdout)["exports"]}
+    assert cursors.get("order_lines") != "FOREIGN", "a read applied the foreign -wal"

@@ -46,7 +46,8 @@ from statetool.access import denied
 from statetool.backends.base import Progress
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
-from statetool.backends.sqlite_file import page_size_of, read_header, refuse_unsafe_companions, wal_mismatch
+from statetool.backends.sqlite_file import (foreign_companions, page_size_of, read_header,
+                                            refuse_unsafe_companions)
 from statetool.errors import StateError, internal_error
 from statetool.location import LEASE_DIR, Location
 
@@ -157,19 +158,8 @@ class SqliteBackend:
         return (wal.exists() or shm.exists()) and not journal.exists()
 
     def foreign_companions(self, header: bytes) -> list[str]:
-        """The ``-wal``/``-shm`` beside the state that cannot be its own, one line each: any
-        of them beside a rollback-journal state (header byte 18 = 1), which never makes one;
-        a ``-wal`` beside a WAL state whose header or first frame does not fit the database
-        (:func:`~statetool.backends.sqlite_file.wal_mismatch`: magic, version, page size,
-        checksums, salts). A write must never open the state with them there: SQLite would
-        merge that ``-wal`` into the state (issue 10; docs/decisions.md, "Interrupted writes
-        and companion files")."""
-        wal, shm = Path(f"{self.path}-wal"), Path(f"{self.path}-shm")
-        if header[18] != 2:
-            return [f"{p} (beside a rollback-journal state, which never makes one)" for p in (wal, shm)
-                    if os.path.lexists(p)]
-        why = wal_mismatch(header, wal)
-        return [] if why is None else [f"{wal} ({why})"]
+        """:func:`~statetool.backends.sqlite_file.foreign_companions` of this state."""
+        return foreign_companions(self.path, header)
 
     def _refuse_foreign(self, header: bytes) -> None:
         """Raise ``RIVET_STATE_FOREIGN_WAL`` when :meth:`foreign_companions` finds any: the

@@ -163,3 +163,20 @@ def wal_mismatch(db_header: bytes, wal: Path) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+def foreign_companions(path: Path, header: bytes) -> list[str]:
+    """The ``-wal``/``-shm`` beside the state at ``path`` (whose 100-byte header is
+    ``header``) that cannot be its own, one line each: any of them beside a rollback-journal
+    state (header byte 18 = 1), which never makes one; a ``-wal`` beside a WAL state whose
+    header or first frame does not fit the database (:func:`wal_mismatch`: magic, version,
+    page size, checksums, salts). Nothing may open the state for writing with them there:
+    SQLite would merge that ``-wal`` into the state (docs/decisions.md, "Interrupted writes
+    and companion files")."""
+    wal, shm = Path(f"{path}-wal"), Path(f"{path}-shm")
+    if header[18] != 2:
+        return [f"{p} (beside a rollback-journal state, which never makes one)" for p in (wal, shm)
+                if os.path.lexists(p)]
+    why = wal_mismatch(header, wal)
+    return [] if why is None else [f"{wal} ({why})"]
+

@@ -42,7 +42,7 @@ from urllib.parse import unquote
 from statetool.backends.base import HeldLease, Holder, LeaseInfo
 from statetool.backends.faults import fault
 from statetool.backends.proclocks import lock_holders_of
-from statetool.backends.sqlite_file import read_header, refuse_unsafe_companions
+from statetool.backends.sqlite_file import foreign_companions, read_header, refuse_unsafe_companions
 from statetool.errors import StateError
 from statetool.location import LEASE_DIR, MAX_LEASE_FILE_NAME, lease_file_name
 
@@ -189,10 +189,15 @@ class FlockLeases:
         """Raise unless a state file is at its place (``RIVET_STATE_MISSING``,
         ``RIVET_STATE_RELOCATED``, ``RIVET_STATE_NOT_A_STATE``): a lease beside no state
         guards nothing, and its folder would make an empty directory look used), or when
-        a companion of the state is unsafe (``RIVET_STATE_UNSAFE_FILE``): the command run
-        under the lease would open the state through it."""
-        read_header(self.state_path)
+        a companion of the state is unsafe (``RIVET_STATE_UNSAFE_FILE``) or another copy's
+        (``RIVET_STATE_FOREIGN_WAL``): the command run under the lease would open the state
+        through it."""
+        header = read_header(self.state_path)
         refuse_unsafe_companions(self.state_path)
+        foreign = foreign_companions(self.state_path, header)
+        if foreign:
+            raise StateError("RIVET_STATE_FOREIGN_WAL", f"{'; '.join(foreign)}: the command run under the lease would "
+                             f"merge it into {self.state_path}; nothing was run", {"files": foreign})
 
     def _dir_fd(self, create: bool) -> int | None:
         """The lease folder, opened without following a symlink; None when it does not
