@@ -435,3 +435,43 @@ def test_another_copys_wal_beside_the_state_is_refused_by_every_write_and_never_
     proc = run_cli("-c", str(config), "--json", "exports", "list")
     cursors = {e["name"]: e["cursor"] for e in json.loads(proc.stdout)["exports"]}
     assert cursors.get("order_lines") != "FOREIGN", "a read applied the foreign -wal"
+
+
+READS = (("info",), ("check",), ("doctor",), ("exports", "list"), ("leases", "list"), ("identity", "show"))
+
+
+@pytest.mark.parametrize("blocked", ["state file mode 000", "directory mode 700"])
+def test_a_state_this_user_may_not_read_is_permission_denied_never_missing_nor_a_bug(
+        as_nobody: Runner, blocked: str) -> None:
+    """Issue 10's wrong verdicts: a state ``nobody`` may not read, or whose directory it may
+    not enter, is ``RIVET_STATE_PERMISSION_DENIED`` for every read command (``check``: on
+    its ``state`` row), never ``RIVET_STATE_MISSING``, a first run, or ``RIVET_INTERNAL``."""
+    shared = Path(tempfile.mkdtemp(prefix="statetool-unreadable-"))
+    try:
+        shared.chmod(0o755)
+        config = _build(shared / "pipeline")
+        subprocess.run(["chmod", "-R", "a+rX", str(shared)], check=True)
+        if blocked.startswith("state"):
+            (config.parent / STATE_FILE).chmod(0)
+            url = ""
+        else:
+            config.parent.chmod(0o700)
+            url = f"sqlite:{config.parent}"
+            moved = shared / "config" / config.name  # the config itself stays readable
+            moved.parent.mkdir(mode=0o755)
+            shutil.copyfile(config, moved)
+            moved.chmod(0o644)
+            config = moved
+        for args in READS:
+            if args == ("leases", "list") and blocked.startswith("state"):
+                continue  # it reads the lease folder only, which nobody may read: a true listing
+            proc = as_nobody("-c", str(config), "--json-errors", *args, env={"RIVET_STATE_URL": url})
+            assert proc.returncode == 1, f"{args} ({blocked})\n{describe(proc)}"
+            error = json.loads(proc.stderr.strip().splitlines()[-1])
+            assert error["code"] == "RIVET_STATE_PERMISSION_DENIED", f"{args} ({blocked})\n{describe(proc)}"
+            assert "nobody" in error["message"] and "FIRST RUN" not in proc.stdout + proc.stderr, describe(proc)
+        proc = as_nobody("-c", str(config), "--json", "check", env={"RIVET_STATE_URL": url})
+        rows = {r["id"]: r for r in json.loads(proc.stdout)["checks"]}
+        assert rows["state"]["code"] == "RIVET_STATE_PERMISSION_DENIED", describe(proc)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

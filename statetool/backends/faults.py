@@ -24,7 +24,7 @@ def _read_only_fs(path: Path) -> bool:
     """True when the filesystem holding ``path`` (or its nearest existing parent) is
     mounted read-only (statvfs ``ST_RDONLY``)."""
     probe = path
-    while not probe.exists() and probe != probe.parent:
+    while not os.path.exists(probe) and probe != probe.parent:  # (Path.exists raises on EACCES)
         probe = probe.parent
     try:
         return bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
@@ -48,7 +48,7 @@ def fault(path: Path, err: BaseException) -> StateError | None:
         if number == errno.EROFS or _read_only_fs(path):
             return StateError("RIVET_STATE_READ_ONLY", f"{path} is on a filesystem mounted read-only; nothing was "
                               "written", where)
-        if number is not None or not os.access(path if path.exists() else path.parent, os.W_OK):
+        if number is not None or not os.access(path if os.path.exists(path) else path.parent, os.W_OK):
             return StateError("RIVET_STATE_PERMISSION_DENIED",
                               f"this user may not write {path} (or its directory): {text}; nothing was written", where)
     return None
