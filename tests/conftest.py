@@ -39,13 +39,40 @@ def _as_postgres(cmd: list[str]) -> list[str]:
     return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
 
 
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[dict[str, str]]:
-    """A PostgreSQL server: ``{"url": superuser URL, "password_url": URL of a password role}``."""
-    given = os.environ.get("STATETOOL_TEST_PG_URL")
-    if given:
-        yield {"url": given, "password_url": ""}
-        return
+class Cluster:
+    """A throwaway PostgreSQL cluster in a temp directory, listening only on a Unix socket
+    there, run as the ``postgres`` user when the tests run as root (the server refuses
+    root). ``url`` is its superuser URL; :meth:`stop` stops it (immediately, as a crash
+    would), :meth:`remove` stops it and deletes its directory."""
+
+    def __init__(self, bindir: Path, prefix: str, *options: str) -> None:
+        self.bindir = bindir
+        self.root = Path(tempfile.mkdtemp(prefix=prefix))
+        self.root.chmod(0o755)
+        if os.geteuid() == 0:
+            shutil.chown(self.root, "postgres")
+        self.data = self.root / "data"
+        subprocess.run(_as_postgres([str(bindir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
+                                     "--no-sync"]), check=True, capture_output=True)
+        (self.data / "pg_hba.conf").write_text(
+            f"local all {PG_PASSWORD_USER} scram-sha-256\nlocal all all trust\n")
+        server_options = " ".join((f"-k {self.root}", "-c listen_addresses=''", "-c fsync=off", *options))
+        subprocess.run(_as_postgres([str(bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "server.log"),
+                                     "-w", "-o", server_options, "start"]), check=True, capture_output=True)
+        self.url = f"postgresql://postgres@/postgres?host={self.root}"
+
+    def stop(self) -> None:
+        subprocess.run(_as_postgres([str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "stop"]),
+                       capture_output=True)
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def require_pg_bindir() -> Path:
+    """The server binaries; without them the PostgreSQL tests FAIL under CI (``CI`` set)
+    and are skipped loudly elsewhere."""
     bindir = _pg_bindir()
     if bindir is None:
         message = ("PostgreSQL server binaries not found (apt-get install postgresql-15, or set "
@@ -53,29 +80,26 @@ def pg_server() -> Iterator[dict[str, str]]:
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    root = Path(tempfile.mkdtemp(prefix="statetool-pg-"))
-    root.chmod(0o755)
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres")
-    data, log = root / "data", root / "server.log"
-    subprocess.run(_as_postgres([str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
-                                 "--no-sync"]), check=True, capture_output=True)
-    (data / "pg_hba.conf").write_text(
-        f"local all {PG_PASSWORD_USER} scram-sha-256\nlocal all all trust\n")
-    subprocess.run(_as_postgres([str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-o",
-                                 f"-k {root} -c listen_addresses='' -c fsync=off -c max_connections=100",
-                                 "start"]), check=True, capture_output=True)
-    url = f"postgresql://postgres@/postgres?host={root}"
-    subprocess.run(_as_postgres([str(bindir / "psql"), "-h", str(root), "-U", "postgres", "-d", "postgres", "-c",
-                                 f"CREATE ROLE {PG_PASSWORD_USER} LOGIN PASSWORD '{PG_PASSWORD}'; "
+    return bindir
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[dict[str, str]]:
+    """A PostgreSQL server: ``{"url": superuser URL, "password_url": URL of a password role}``."""
+    given = os.environ.get("STATETOOL_TEST_PG_URL")
+    if given:
+        yield {"url": given, "password_url": ""}
+        return
+    cluster = Cluster(require_pg_bindir(), "statetool-pg-", "-c max_connections=100")
+    subprocess.run(_as_postgres([str(cluster.bindir / "psql"), "-h", str(cluster.root), "-U", "postgres", "-d",
+                                 "postgres", "-c", f"CREATE ROLE {PG_PASSWORD_USER} LOGIN PASSWORD '{PG_PASSWORD}'; "
                                  f"GRANT CREATE ON DATABASE postgres TO {PG_PASSWORD_USER};"]),
                    check=True, capture_output=True)
     try:
-        yield {"url": url, "password_url": f"postgresql://{PG_PASSWORD_USER}:{PG_PASSWORD}@/postgres?host={root}"}
+        yield {"url": cluster.url,
+               "password_url": f"postgresql://{PG_PASSWORD_USER}:{PG_PASSWORD}@/postgres?host={cluster.root}"}
     finally:
-        subprocess.run(_as_postgres([str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
-                       capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
+        cluster.remove()
 
 
 @pytest.fixture

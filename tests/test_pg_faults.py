@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,7 +24,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from conftest import _as_postgres, _pg_bindir, describe, run_cli, tree_digest, write_config
+from conftest import Cluster, describe, require_pg_bindir, run_cli, tree_digest, write_config
 from statetool.backends.postgres_faults import driver_error
 
 Role = Callable[..., str]
@@ -375,31 +373,13 @@ def test_insufficient_privilege_is_permission_denied_with_the_grant(admin: str, 
 
 @pytest.fixture
 def own_server() -> Iterator[dict[str, object]]:
-    """A throwaway cluster of this test's own (the shared one must never be stopped), built as
-    conftest's ``pg_server`` is; ``{"url", "stop"}``."""
-    bindir = _pg_bindir()
-    if bindir is None:
-        pytest.skip("PostgreSQL server binaries not found")
-    root = Path(tempfile.mkdtemp(prefix="statetool-pgstop-"))
-    root.chmod(0o755)
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres")
-    data = root / "data"
-    subprocess.run(_as_postgres([str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
-                                 "--no-sync"]), check=True, capture_output=True)
-    subprocess.run(_as_postgres([str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"), "-w",
-                                 "-o", f"-k {root} -c listen_addresses='' -c fsync=off", "start"]),
-                   check=True, capture_output=True)
-
-    def stop() -> None:
-        subprocess.run(_as_postgres([str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
-                       capture_output=True)
-
+    """A throwaway cluster of this test's own (the shared one must never be stopped);
+    ``{"url", "stop"}``."""
+    cluster = Cluster(require_pg_bindir(), "statetool-pgstop-")
     try:
-        yield {"url": f"postgresql://postgres@/postgres?host={root}&schema=rivet_state", "stop": stop}
+        yield {"url": f"{cluster.url}&schema=rivet_state", "stop": cluster.stop}
     finally:
-        stop()
-        shutil.rmtree(root, ignore_errors=True)
+        cluster.remove()
 
 
 def _alive(pid: int) -> bool:
