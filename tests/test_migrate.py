@@ -412,16 +412,23 @@ def test_downgrade_that_drops_data_is_refused_without_allow_data_loss(target: Ta
     assert state_files(target) == digest  # not even a backup
 
 
-def test_dry_run_of_a_lossy_downgrade_shows_the_plan_with_what_it_drops(target: Target) -> None:
+def test_dry_run_of_a_lossy_downgrade_refuses_as_the_real_run_and_shows_the_plan_when_allowed(
+        target: Target) -> None:
+    """A dry run refuses whatever the real run refuses (issue 10): without
+    ``--allow-data-loss`` it is ``RIVET_STATE_DATA_LOSS`` too; with it, the plan names what
+    the downgrade drops. Neither changes a byte."""
     build_state(target, "0002")
     before, digest = target.dump(), state_files(target)
 
-    proc = cli(target, "migrate", "--to", "0001", "--dry-run", "--json")
+    proc = cli(target, "migrate", "--to", "0001", "--dry-run", "--json-errors")
+    assert proc.returncode == 5 and json_error(proc)["code"] == "RIVET_STATE_DATA_LOSS", describe(proc)
+    assert "rivet_load_ledger" in json_error(proc)["message"], describe(proc)
+    proc = cli(target, "migrate", "--to", "0001", "--dry-run", "--allow-data-loss", "--json")
     assert proc.returncode == 0, describe(proc)
     doc = json.loads(proc.stdout)
     assert doc["dry_run"] is True and doc["applied"] is False, describe(proc)
     assert doc["steps"][0]["loses"]["rivet_load_ledger"] == 5, describe(proc)
-    assert "--allow-data-loss" in doc["message"], describe(proc)
+    assert "drops" in doc["message"], describe(proc)
     assert target.dump() == before
     assert state_files(target) == digest
 

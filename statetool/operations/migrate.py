@@ -111,7 +111,7 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     result = MigrateResult(ctx.location.as_dict(), "legacy" if snap.legacy else current, target, direction, plans,
                            dry_run=dry_run)
     lost = {f"{p.id}:{t}": n for p in plans for t, n in p.loses.items() if n}
-    if lost and not allow_data_loss and not dry_run:
+    if lost and not allow_data_loss:  # a dry run refuses what the real run refuses
         raise StateError("RIVET_STATE_DATA_LOSS", "downgrading to " + target + " drops data: " +
                          ", ".join(f"{n} rows of {k.split(':')[1]} (undoing {k.split(':')[0]})" for k, n in lost.items()))
     if direction == "none" and not snap.legacy:
@@ -127,9 +127,9 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
         result.message = "SQL printed; nothing was changed"
         return result
     if dry_run:
+        backend.check_writable(backup=True)  # the real run's first refusal, before it opens anything
         result.message = "dry run: nothing was changed" + (
-            "; this downgrade drops the rows in the 'drops' column and needs --allow-data-loss"
-            if lost and not allow_data_loss else "")
+            "; this downgrade drops the rows in the 'drops' column" if lost else "")
         return result
     _execute(ctx, result, pf, snap.legacy)
     return result
