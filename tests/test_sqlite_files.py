@@ -148,7 +148,8 @@ def test_a_symlink_at_the_wal_name_is_refused_and_never_followed(place: Place) -
     Path(f"{place.db}-wal").symlink_to(victim)
     before = tree_digest(place.root)
     proc = place.cli("--json-errors", "exports", "set-cursor", "orders", "2026-11-15T00:00:00.000000Z")
-    assert proc.returncode == 5 and _error(proc)["code"] == "RIVET_STATE_FOREIGN_WAL", describe(proc)
+    assert proc.returncode == 5 and _error(proc)["code"] == "RIVET_STATE_UNSAFE_FILE", describe(proc)
+    assert f"{place.db.name}-wal is a symlink" in _error(proc)["message"], describe(proc)
     assert tree_digest(place.root) == before
 
 
