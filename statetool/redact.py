@@ -29,7 +29,7 @@ MASK = "***"
 
 _SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*:/+"
 _URL_USERINFO = re.compile(rf"(?P<head>{_SCHEME})(?P<ui>\S*)@")
-_KV_PASSWORD = re.compile(r"(?i)(?P<head>\b(?:password|passwd|pwd|pass)\s*=\s*)(?P<pw>'[^']*'|\"[^\"]*\"|[^\s&;]+)")
+_KV_PASSWORD = re.compile(r"(?i)(?P<head>\b(?:sslpassword|password|passwd|pwd|pass)\s*=\s*)(?P<pw>'[^']*'|\"[^\"]*\"|[^\s&;]+)")
 _LOOSE_USERINFO = re.compile(r"[^\s:/@]*:(?P<pw>[^\s@/][^\s@]*)@")
 #: What ends the userinfo of a URL (RFC 3986): inside a password each must be percent-encoded.
 _RESERVED = {"/": "%2F", "?": "%3F", "#": "%23", "@": "%40"}
@@ -107,7 +107,10 @@ def mask_userinfo(url: str) -> str:
 
 
 def has_password(url: str) -> bool:
-    """True when ``url`` carries a password in its userinfo (ambiguous userinfo counts)."""
+    """True when ``url`` carries a password: in its userinfo (ambiguous userinfo counts),
+    or as a ``password=``/``sslpassword=`` parameter."""
+    if _KV_PASSWORD.search(url):  # ?password= and libpq's ?sslpassword=
+        return True
     bounds = _userinfo_bounds(url) if "://" in url else None
     if bounds is None:
         return False

@@ -244,6 +244,28 @@ def test_rekey_with_a_password_in_new_stores_no_piece_of_it(tmp_path: Path) -> N
                   "p4ss", "w0rd")
 
 
+@pytest.mark.parametrize("param", ["password", "sslpassword"])
+def test_a_password_given_as_a_url_parameter_is_masked_everywhere_and_warned(
+        tmp_path: Path, param: str, closed_listener: socket.socket) -> None:
+    """libpq's ``password=`` and ``sslpassword=`` parameters are secrets like the userinfo's
+    password (found by an operator: ``sslpassword`` was printed and stored whole)."""
+    config = write_config(tmp_path / "pipeline")
+    assert run_cli("-c", str(config), "init").returncode == 0
+    secret = "Pv3XRt5Y"
+    url = f"postgresql://u@127.0.0.1:{closed_listener.getsockname()[1]}/db?{param}={secret}&connect_timeout=2"
+    for args in (("--json-errors", "info"), ("--json", "check"), ("--debug", "info")):
+        proc = run_cli("-c", str(config), "--state-url", url, *args, timeout=60)
+        assert proc.returncode != 0, describe(proc)
+        assert_absent(proc.stdout + proc.stderr, secret, what=str(args))
+        assert "RIVET_STATE_PASSWORD_IN_ARGV" in proc.stderr, describe(proc)
+    done = run_cli("-c", str(config), "identity", "rekey", "--old", "postgresql://db.internal:5432/sales", "--new",
+                   f"postgresql://db.internal:5432/sales?{param}={secret}")
+    assert done.returncode == 0, describe(done)
+    with sqlite3.connect(config.parent / ".rivet_state.db") as db:
+        rows = db.execute("SELECT command, detail FROM rivet_audit").fetchall()
+    assert_absent(json.dumps(rows) + done.stdout + done.stderr, secret, what="audit")
+
+
 # -- passwords on the command line, --to-env, PGPASSFILE / PGPASSWORD ------------------------
 
 
