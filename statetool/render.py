@@ -31,7 +31,10 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 #: C0 and C1 control characters and DEL, each shown as an escape: text read from a state
 #: (cursors, holders, commands, run errors) must not move the cursor, retitle the terminal
 #: or overwrite a line (SPEC §8a). Newline and tab stay (``migrate --sql`` prints lines).
-_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (9, 10)} | {13: "\\r"}
+#: The Unicode bidirectional controls (U+202E and its kin) are escaped too (``\\u202e``):
+#: they reorder what follows them on the line.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (9, 10)} | {13: "\\r"} | {
+    c: f"\\u{c:04x}" for c in (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))}
 
 
 def visible(value: Any) -> Any:

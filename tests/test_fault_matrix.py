@@ -318,12 +318,12 @@ def test_text_from_the_state_is_shown_with_its_control_characters_escaped(tmp_pa
     _ok("-c", str(config), "exports", "set-cursor", "orders", "2026-01-01")
     with sqlite3.connect(config.parent / STATE_FILE) as conn:
         updated = conn.execute("UPDATE rivet_exports SET cursor_value = ? WHERE export_name = 'orders'",
-                               ("2026\x1b]0;owned\x07\x1b[2J\r\x9b31m",)).rowcount
+                               ("2026\x1b]0;owned\x07\x1b[2J\r\x9b31m\u202eevil",)).rowcount
     assert updated == 1
     for args in (("exports", "list"), ("info",), ("doctor",), ("exports", "show", "orders")):
         proc = run_cli("-c", str(config), *args)
         assert proc.returncode in (0, 5), describe(proc)
-        for raw in ("\x1b", "\x07", "\r", "\x9b"):
+        for raw in ("\x1b", "\x07", "\r", "\x9b", "\u202e"):
             assert raw not in proc.stdout + proc.stderr, f"{args}: a raw {raw!r} reached the terminal"
         assert "\\x1b]0;owned\\x07" in proc.stdout, f"{args}: the cursor is not shown escaped\n{describe(proc)}"
     proc = run_cli("-c", str(config), "--json", "exports", "list")
@@ -357,6 +357,18 @@ exports:
         assert error["code"] == "RIVET_STATE_CHECKPOINT_MISSING" and all("failures" not in f for f in error["failures"])
     proc = run_cli("-c", str(config), "--json-errors", "exports", "set-cursor", "nosuch", "x")
     assert json.loads(proc.stderr.strip().splitlines()[-1])["failures"] == [], describe(proc)
+    write_config(config.parent, exports="""\
+exports:
+  - name: orders
+    mode: incremental
+  - name: renamed
+    mode: incremental
+""")
+    proc = run_cli("-c", str(config), "--json-errors", "doctor")
+    assert proc.returncode == 5, describe(proc)
+    error = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert [(f["export"], f["code"]) for f in error["failures"]] == [("renamed", "RIVET_EXPORT_NO_PROGRESS")], \
+        describe(proc)
 
 
 OWN_FILES = (f"{STATE_FILE}-journal", f"{STATE_FILE}-wal", f"{STATE_FILE}-shm", f"{LEASE_DIR}/chunk-run%3Aorders",

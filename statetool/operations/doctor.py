@@ -102,13 +102,15 @@ class DoctorResult:
     @property
     def failures(self) -> list[dict[str, Any]]:
         """The ``failures[]`` of ``--json-errors`` (ADR-0039 D2): each export that would
-        start as a first run, with the registered reason whose class ranks highest."""
+        start as a first run, with the registered reason whose class ranks highest, else its
+        first reason (a warning such as ``RIVET_EXPORT_NO_PROGRESS``)."""
         out = []
         for e in self.exports:
-            code = worst([r.code for r in e.reasons if r.code in REGISTRY]) if e.verdict == "first_run" else None
-            reason = next((r for r in e.reasons if r.code == code), None)
-            if reason is not None:
-                out.append(unit_failure(e.name, reason.code, reason.message))
+            if e.verdict != "first_run" or not e.reasons:
+                continue
+            code = worst([r.code for r in e.reasons if r.code in REGISTRY])
+            reason = next((r for r in e.reasons if r.code == code), e.reasons[0])  # else its first warning
+            out.append(unit_failure(e.name, reason.code, reason.message))
         return out
 
     def as_dict(self) -> dict[str, Any]:
