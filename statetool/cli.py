@@ -67,7 +67,8 @@ def _version(value: bool) -> None:
 @app.callback()
 def main_options(
     ctx: typer.Context,
-    config: Annotated[Path, typer.Option("--config", "-c", help="Pipeline config (YAML).")] = Path(DEFAULT_CONFIG),
+    config: Annotated[Path, typer.Option("--config", "-c", help="Pipeline config (YAML).",
+                                                 readable=False)] = Path(DEFAULT_CONFIG),
     state_url: Annotated[str | None, typer.Option("--state-url", help="State location; default RIVET_STATE_URL.",
                                                   show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,

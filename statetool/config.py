@@ -7,13 +7,14 @@ the file, line and column (1-based) of the offending node.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from statetool.access import denied
+from statetool.access import denied, file_kind
 from statetool.errors import StateError
 from statetool.location import MAX_LEASE_FILE_NAME, lease_file_name
 from statetool.redact import remember_secrets
@@ -68,6 +69,24 @@ class PipelineConfig:
         return next((e for e in self.exports if e.name == name), None)
 
 
+#: A pipeline config larger than this is refused unread (bytes): a config is a few KiB.
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def _read_regular(file: Path) -> str:
+    """The text of ``file``, opened non-blocking and read only when it is a regular file of
+    at most :data:`MAX_CONFIG_BYTES` (a FIFO would hang the read, ``/dev/zero`` fill the
+    memory). Raises ``RIVET_CONFIG_INVALID`` for anything else, ``OSError`` as ``open`` does."""
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_CONFIG_BYTES:
+            what = file_kind(st.st_mode) if not stat.S_ISREG(st.st_mode) else f"{st.st_size} bytes"
+            raise StateError("RIVET_CONFIG_INVALID", f"pipeline config {file} is {what}: a config is a regular YAML "
+                             f"file of at most {MAX_CONFIG_BYTES} bytes; nothing was read", {"file": str(file)})
+        return fh.read().decode("utf-8")
+
+
 def load_config(path: str | os.PathLike[str]) -> PipelineConfig:
     """Read and validate the pipeline config at ``path``.
 
@@ -78,7 +97,7 @@ def load_config(path: str | os.PathLike[str]) -> PipelineConfig:
     """
     file = Path(os.path.abspath(os.fspath(path)))
     try:
-        text = file.read_text(encoding="utf-8")
+        text = _read_regular(file)
     except FileNotFoundError:
         raise StateError("RIVET_CONFIG_NOT_FOUND", f"pipeline config {file} does not exist",
                          {"file": str(file)}) from None

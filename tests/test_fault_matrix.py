@@ -488,3 +488,31 @@ def test_a_state_this_user_may_not_read_is_permission_denied_never_missing_nor_a
         assert rows["state"]["code"] == "RIVET_STATE_PERMISSION_DENIED", describe(proc)
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_config_that_is_not_a_regular_file_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO used to hang every command and ``/dev/zero`` to fill the memory: both are
+    ``RIVET_CONFIG_INVALID`` before a byte is read."""
+    fifo = tmp_path / "rivet.fifo"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.yaml"
+    zero.symlink_to("/dev/zero")
+    for config, kind in ((fifo, "a FIFO"), (zero, "a device")):
+        proc = run_cli("-c", str(config), "--json-errors", "info", timeout=30)
+        assert proc.returncode == 1, describe(proc)
+        error = json.loads(proc.stderr.strip().splitlines()[-1])
+        assert error["code"] == "RIVET_CONFIG_INVALID" and kind in error["message"], describe(proc)
+
+
+def test_a_config_this_user_may_not_read_is_permission_denied_not_a_usage_error(as_nobody: Runner) -> None:
+    shared = Path(tempfile.mkdtemp(prefix="statetool-config-"))
+    try:
+        shared.chmod(0o755)
+        config = write_config(shared)
+        config.chmod(0)
+        proc = as_nobody("-c", str(config), "--json-errors", "info")
+        assert proc.returncode == 1, describe(proc)
+        error = json.loads(proc.stderr.strip().splitlines()[-1])
+        assert error["code"] == "RIVET_STATE_PERMISSION_DENIED" and str(config) in error["message"], describe(proc)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
