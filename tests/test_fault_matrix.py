@@ -516,3 +516,48 @@ def test_a_config_this_user_may_not_read_is_permission_denied_not_a_usage_error(
         assert error["code"] == "RIVET_STATE_PERMISSION_DENIED" and str(config) in error["message"], describe(proc)
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_migration_the_disk_has_no_room_for_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """Found by an operator: with 4 MB free beside a 2.6 MB legacy state, migrate passed
+    the free-space check (it asked for 1 MiB), ran out of space halfway, left a backup,
+    a hot journal and a lease folder, and said "nothing was written". A migration needs
+    room for three copies of the state (backup, rebuilt tables, journal); short of that it
+    is refused first, the dry run too, and the directory is byte-identical."""
+    _require_root()
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    _mount("-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk))
+    try:
+        config = write_config(disk / "pipeline")
+        subprocess.run([sys.executable, "-m", "statetool.example", "--config", str(config), "--runs", "20000"],
+                       check=True, capture_output=True, cwd=config.parent)
+        size = (config.parent / STATE_FILE).stat().st_size
+        with open(disk / "filler", "wb", buffering=0) as fh:
+            fh.write(b"\0" * (os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize - 2 * size))
+        before = tree_digest(config.parent), sorted(p.name for p in config.parent.iterdir())
+        for args in (("migrate", "--dry-run"), ("migrate",)):
+            proc = run_cli("-c", str(config), "--json-errors", *args)
+            assert proc.returncode == 1, describe(proc)
+            error = json.loads(proc.stderr.strip().splitlines()[-1])
+            assert error["code"] == "RIVET_STATE_DISK_FULL" and "copies" in error["message"], describe(proc)
+            assert (tree_digest(config.parent), sorted(p.name for p in config.parent.iterdir())) == before, args
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_leases_run_refuses_an_export_name_with_control_characters_and_leaves_no_lease_file(tmp_path: Path) -> None:
+    """Found by an operator: ``leases run --export $'z\\e[2Jz\\ny'`` ran and left that lease
+    file for good. The name is input: refused like every lease key with control
+    characters (C0 and C1), before any file."""
+    config = write_config(tmp_path / "pipeline")
+    _ok("-c", str(config), "init")
+    before = sorted(p.name for p in (config.parent / LEASE_DIR).iterdir()) if (config.parent / LEASE_DIR).is_dir() \
+        else []
+    for name in ("z\x1b[2Jz\ny", "a\x9bb"):
+        proc = run_cli("-c", str(config), "--json-errors", "leases", "run", "--export", name, "--", "true")
+        assert proc.returncode == 1, describe(proc)
+        assert json.loads(proc.stderr.strip().splitlines()[-1])["code"] == "RIVET_STATE_LEASE_KEY_INVALID"
+        after = sorted(p.name for p in (config.parent / LEASE_DIR).iterdir()) \
+            if (config.parent / LEASE_DIR).is_dir() else []
+        assert after == before, after

@@ -147,10 +147,11 @@ class Backend(Protocol):
         holds any table (PostgreSQL). Creates nothing. Raises ``RIVET_STATE_UNREACHABLE``.
         """
 
-    def check_writable(self, *, backup: bool) -> None:
+    def check_writable(self, *, copies: int) -> None:
         """Refuse, before anything is opened for writing, a write that cannot complete
         here: ``RIVET_STATE_READ_ONLY``, ``RIVET_STATE_PERMISSION_DENIED``,
-        ``RIVET_STATE_DISK_FULL`` (SPEC §8a). ``backup``: the write backs the state up."""
+        ``RIVET_STATE_DISK_FULL`` (SPEC §8a). ``copies``: how many files as large as the
+        state the write may add beside it (a backup, a journal, rebuilt tables)."""
 
     def reading(self) -> AbstractContextManager[Connection]:
         """A read-only connection that creates no file and changes no byte of the state.

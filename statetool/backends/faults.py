@@ -81,14 +81,16 @@ def os_fault(err: OSError) -> StateError | None:
 WRITE_MARGIN = 1 << 20
 
 
-def refuse_unwritable(path: Path, *, directories: tuple[Path, ...], need: int) -> None:
+def refuse_unwritable(path: Path, *, directories: tuple[Path, ...], need: int,
+                      room_for: str = "a backup as large as the state, and room for the change") -> None:
     """Refuse, before any file is opened for writing, a write at ``path`` (an existing file
     or one to be created in ``directories[0]``) that this filesystem or this user cannot
     complete (SPEC §8a): otherwise SQLite leaves a ``-wal``/``-shm`` pair behind, or a
     lease record is written that the write then cannot use.
 
     ``directories`` are the places the write creates files in (the state's directory,
-    its lease folder when it exists); ``need`` the free bytes it needs there.
+    its lease folder when it exists); ``need`` the free bytes it needs there, ``room_for``
+    what they are for (the message's words).
     Raises ``RIVET_STATE_READ_ONLY``, ``RIVET_STATE_PERMISSION_DENIED``,
     ``RIVET_STATE_DISK_FULL``."""
     exists = os.path.lexists(path)
@@ -103,6 +105,6 @@ def refuse_unwritable(path: Path, *, directories: tuple[Path, ...], need: int) -
     free = st.f_bavail * st.f_frsize
     if free < need:
         raise StateError("RIVET_STATE_DISK_FULL", f"{free} bytes free on the filesystem of {directories[0]}; this "
-                         f"write needs at least {need} (a backup as large as the state, and room for the change); "
+                         f"write needs at least {need} ({room_for}); "
                          "nothing was written", {"path": str(directories[0]), "free_bytes": free, "need_bytes": need})
 

@@ -126,15 +126,18 @@ class SqliteBackend:
                              f"not mount?){self._spelling_hint()}", {"path": str(self.path.parent)})
         return False
 
-    def check_writable(self, *, backup: bool) -> None:
+    def check_writable(self, *, copies: int) -> None:
         """Refuse a write this user or this filesystem cannot complete before any file is
         opened for writing (:func:`~statetool.backends.faults.refuse_unwritable`): the
         state's directory, its lease folder and the file must be writable, and there must
-        be room for a backup as large as the state (with ``backup``) and the change."""
+        be room for ``copies`` files as large as the state (a backup, a journal, rebuilt
+        tables) and the change itself."""
         refuse_unsafe_companions(self.path)
         size = self.path.stat().st_size if os.path.isfile(self.path) else 0
         refuse_unwritable(self.path, directories=(self.path.parent, self.path.parent / LEASE_DIR),
-                          need=(2 * size if backup else 0) + WRITE_MARGIN)
+                          need=copies * size + WRITE_MARGIN,
+                          room_for=f"{copies} copies as large as the state (a backup, a journal, rebuilt tables) "
+                          "and the change" if copies else "the change")
 
     def _spelling_hint(self) -> str:
         directory = self.path.parent

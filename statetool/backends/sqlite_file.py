@@ -53,7 +53,8 @@ def read_header(path: Path) -> bytes:
     Raises ``RIVET_STATE_MISSING`` (nothing there), ``RIVET_STATE_UNSAFE_FILE`` (a FIFO,
     a device, a directory: never opened for reading), ``RIVET_STATE_RELOCATED`` (a
     tombstone), ``RIVET_STATE_NOT_A_STATE`` (empty, not SQLite) and
-    ``RIVET_STATE_CORRUPT`` (shorter than its header says: truncated).
+    ``RIVET_STATE_CORRUPT`` (shorter than its header says: truncated, unless a journal is
+    beside it, whose roll-back restores the size the file had).
     """
     if not os.path.lexists(path):
         raise StateError("RIVET_STATE_MISSING", f"no state at {path}", {"path": str(path)})
@@ -78,7 +79,11 @@ def read_header(path: Path) -> bytes:
     page_size = page_size_of(header)
     pages = int.from_bytes(header[28:32], "big")
     header_count_valid = header[24:28] == header[92:96]
-    if header_count_valid and pages and size < pages * page_size:
+    # With a journal beside it, a short file is what a write that failed while growing the
+    # file leaves (a full disk): the journal's first page, rolled back, says the true size.
+    journal = Path(f"{path}-journal")
+    hot = os.path.isfile(journal) and not os.path.islink(journal) and os.path.getsize(journal) > 0
+    if header_count_valid and pages and size < pages * page_size and not hot:
         raise StateError("RIVET_STATE_CORRUPT",
                          f"{path} is truncated: {size} bytes on disk, its header says "
                          f"{pages} pages of {page_size} bytes ({pages * page_size} bytes)", {"path": str(path)})

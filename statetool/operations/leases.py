@@ -111,7 +111,7 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
     if not argv:
         raise StateError("RIVET_CLI_USAGE", "give the command to run after --")
     command = command_line(argv)  # shell-quoted, each argument redacted: the holder record is readable by all
-    key = run_lease_key(export)
+    key = valid_key(run_lease_key(export))  # the name is the operator's input: no control characters
     lease_store(ctx).require_state()
     with holding(ctx, key, command) as lease:
         try:

@@ -60,9 +60,9 @@ def run_lease_key(export: str) -> str:
 
 def valid_key(key: str) -> str:
     """``key`` when it is a well-formed lease key (a known prefix and a non-empty name
-    without control characters); raises ``RIVET_STATE_LEASE_KEY_INVALID`` otherwise."""
+    without C0/C1 control characters); raises ``RIVET_STATE_LEASE_KEY_INVALID`` otherwise."""
     name = next((key[len(p):] for p in KEY_PREFIXES if key.startswith(p)), None)
-    if key == STATE_LEASE or (name and name.strip() and not any(ord(ch) < 32 or ord(ch) == 127 for ch in key)):
+    if key == STATE_LEASE or (name and name.strip() and not any(ord(ch) < 32 or 127 <= ord(ch) < 160 for ch in key)):
         return key
     raise StateError("RIVET_STATE_LEASE_KEY_INVALID",
                      f"{key!r} is not a lease key (chunk-run:<export>, load-table:<table>, staging:<prefix>, "

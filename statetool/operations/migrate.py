@@ -23,6 +23,10 @@ from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import row_counts
 from statetool.operations.writes import WHOLE_STATE, guarded_write
 
+#: Files as large as the state a migration may add beside it: its backup, the tables it
+#: rebuilds (copied before the old ones are dropped), and the journal of that change.
+MIGRATION_COPIES = 3
+
 #: Tables left out of the before/after row-count comparison: those a migration writes to
 #: itself, and the lease tables, which runs and heartbeats change while it runs (their own
 #: guard is the fence of the migration's leases, checked before the commit).
@@ -127,7 +131,7 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
         result.message = "SQL printed; nothing was changed"
         return result
     if dry_run:
-        backend.check_writable(backup=True)  # the real run's first refusal, before it opens anything
+        backend.check_writable(copies=MIGRATION_COPIES)  # the real run's first refusal, before it opens anything
         result.message = "dry run: nothing was changed" + (
             "; this downgrade drops the rows in the 'drops' column" if lost else "")
         return result
@@ -140,7 +144,7 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
     target, direction = result.to_revision, result.direction
     with guarded_write(ctx, WHOLE_STATE, preflight=pf, allow=frozenset({"RIVET_STATE_MIGRATION_PENDING"}),
                        claim=False, at_head=False, busy_code="RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN",
-                       lock_code="RIVET_STATE_MIGRATION_LOCKED") as session:
+                       lock_code="RIVET_STATE_MIGRATION_LOCKED", copies=MIGRATION_COPIES) as session:
         conn = session.conn
         tables = backend.table_names(conn)
         now = conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).scalar() \

@@ -52,10 +52,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from statetool import migrations
+from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.sqlite import SqliteBackend, content_digest, fsync_dir
-from statetool import migrations
-from statetool.backends.faults import fault
 from statetool.backends.tombstone import (CREATE_FLAGS, IN_FLIGHT_REVISION, read_tombstone, refuse_unsafe,
                                           unsafe_error, write_tombstone_tmp)
 from statetool.errors import StateError
@@ -128,17 +128,15 @@ def _target_dir(to: str, create: bool, dry_run: bool) -> Path:
         parent = target.parent
         while not parent.is_dir() and parent != parent.parent:
             parent = parent.parent
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise StateError("RIVET_STATE_DIR_MISSING", f"target directory {target} cannot be created: "
-                             f"{parent} is not writable by this user")
+        refuse_unwritable(target, directories=(parent,), need=0)  # READ_ONLY / PERMISSION_DENIED, naming it
         if not dry_run:
             try:
                 target.mkdir(parents=True)
             except OSError as err:
                 raise StateError("RIVET_STATE_DIR_MISSING",
                                  f"target directory {target} cannot be created: {err.strerror}") from None
-    elif not os.access(target, os.W_OK | os.X_OK):
-        raise StateError("RIVET_STATE_DIR_MISSING", f"target directory {target} is not writable by this user")
+    else:
+        refuse_unwritable(target / STATE_FILE, directories=(target,), need=0)
     return target
 
 
@@ -371,6 +369,10 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
         f"the run lease of every export ({len(exports)}) and the SQLite write lock",
         dry_run=dry_run, resumed=resume is not None)
     check_checkpoints(result.checkpoints, resuming=resume is not None)
+    room = target_dir if target_dir.is_dir() else next(p for p in target_dir.parents if p.is_dir())
+    refuse_unwritable(room / STATE_FILE, directories=(room,), need=2 * result.size_bytes + WRITE_MARGIN +
+                      sum(c.bytes or 0 for c in result.checkpoints),
+                      room_for="the copy of the state, its journal, and the CDC checkpoints")
     if dry_run:
         result.message = f"dry run: nothing was changed; after the move every task must run with RIVET_STATE_URL={state_url}"
         return result

@@ -152,7 +152,7 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
                   at_head: bool = True, exports: Iterable[str] | None = None, preflight: Preflight | None = None,
                   prepare: Callable[[], None] | None = None, held: list[HeldLease] | None = None,
                   busy_code: str = "RIVET_STATE_RUN_IN_PROGRESS",
-                  lock_code: str = "RIVET_STATE_LOCK_TIMEOUT") -> Iterator[WriteSession]:
+                  lock_code: str = "RIVET_STATE_LOCK_TIMEOUT", copies: int | None = None) -> Iterator[WriteSession]:
     """Pre-flight, leases, one fenced writing transaction with its audit row, release.
 
     ``scope`` says which leases are held (:class:`Scope`); a whole-state write also holds
@@ -172,13 +172,16 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
     state is backed up (verified) in the transaction before the change; with ``claim``
     the identity verdict is applied. The transaction waits ``--lock-wait`` for the
     backend's write lock, then raises ``lock_code``. Every held lease is fenced at the
-    start and right before the commit (``RIVET_STATE_LEASE_LOST``).
+    start and right before the commit (``RIVET_STATE_LEASE_LOST``). Before anything is
+    opened for writing, the backend refuses a write it cannot complete there
+    (:meth:`~statetool.backends.base.Backend.check_writable`), with room for ``copies``
+    files as large as the state (default: 2 with a backup, the backup and its journal).
     """
     pf = preflight if preflight is not None else run_preflight(ctx, for_write=True)
     snap = require(pf, allow=allow)
     if check is not None:
         check(snap)
-    ctx.backend().check_writable(backup=backup_label is not None)
+    ctx.backend().check_writable(copies=copies if copies is not None else 2 if backup_label else 0)
     if scope.whole_state or scope.export is not None:
         # Wait for the state's write lock once before any lease is taken, holding nothing:
         # a write refused because another writer keeps the state busy leaves no lease file.
@@ -231,5 +234,5 @@ def create_state(ctx: Context, build: Callable[[Connection], None], key: str) ->
         _write_audit(conn, ctx, "init", {"revision": migrations.head(), "state_key": key or None})
 
     backend = ctx.backend()
-    backend.check_writable(backup=False)
+    backend.check_writable(copies=0)
     backend.create(whole)
