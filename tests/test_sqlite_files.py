@@ -245,7 +245,7 @@ def test_a_state_path_that_is_not_a_regular_file_is_refused_at_once_by_every_com
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     mount = tmp_path / "small"
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], check=True)
     try:
         yield mount
     finally:
