@@ -35,11 +35,6 @@ def relocated_error(path: Path) -> StateError:
     )
 
 
-#: What a non-regular file at the state's path is, for the refusal's message.
-_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket"}
-
-
 def unsafe_state_file(path: Path, what: str) -> StateError:
     """``RIVET_STATE_UNSAFE_FILE`` for a state path that is not a regular file (SPEC §4):
     it is refused before anything reads from it (a FIFO would block every command)."""
@@ -67,7 +62,7 @@ def read_header(path: Path) -> bytes:
         st = os.fstat(fd)
         kind, size = st.st_mode, st.st_size
         if not stat.S_ISREG(kind):
-            raise unsafe_state_file(path, _KINDS.get(stat.S_IFMT(kind), "not a regular file"))
+            raise unsafe_state_file(path, file_kind(kind))
         header = os.pread(fd, 100, 0)
     finally:
         os.close(fd)
