@@ -635,6 +635,32 @@ def test_a_refused_destination_gets_its_code_and_nothing_changes_and_no_password
         no_secret(word, *outputs)
 
 
+def test_the_destination_is_inspected_read_only_whether_its_schema_is_missing_or_empty(
+        tmp_path: Path, admin: str, pw_url: str) -> None:
+    import sqlalchemy as sa
+
+    from statetool.backends import open_backend
+    from statetool.errors import StateError
+    from statetool.location import resolve_location
+
+    config = tmp_path / "rivet.yaml"
+    source = open_backend(resolve_location(None, f"sqlite:{tmp_path}", config), 0)
+    dest = open_backend(resolve_location(None, pw_url, config), 0)
+    assert source.sends_transfer and not source.accepts_transfer, "a SQLite state moves out, never in"
+    assert dest.accepts_transfer and not dest.sends_transfer, "a PostgreSQL schema receives, never sends"
+    schema = split_url(pw_url)[1]
+    with dest.inspecting() as conn:
+        assert dest.table_names(conn) == set()
+        assert conn.execute(sa.text("SELECT current_setting('transaction_read_only')")).scalar() == "on"
+    assert not schema_exists(admin, schema), "inspecting a missing schema created it"
+    pg_fetch(admin, f'CREATE SCHEMA "{schema}"')
+    with dest.inspecting() as conn:
+        assert dest.table_names(conn) == set()
+    with pytest.raises(StateError) as refused, dest.reading():
+        pass
+    assert refused.value.code == "RIVET_STATE_MISSING", "reading, unlike inspecting, wants a state"
+
+
 def test_a_source_not_at_head_is_refused_before_anything_is_written(tmp_path: Path, admin: str,
                                                                      pg_url: str) -> None:
     cfg = write_config(tmp_path / "legacy")

@@ -6,7 +6,7 @@ uses SQLAlchemy Core on the connections they yield.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
+    from statetool.backends.copy_text import Block, Loaded
     from statetool.location import Location
 
 #: progress(done, total) in backend-defined units (pages for a SQLite backup).
@@ -189,3 +190,72 @@ class Backend(Protocol):
     def leases(self, ttl: int = 30) -> LeaseStore:
         """The lease store of this state (flock sidecars, or the PostgreSQL lease table whose
         leases get a TTL of ``ttl`` seconds)."""
+
+    # -- a transfer's two ends (SPEC §9; statetool/operations/transfer.py) ---------------
+    #: True when ``statetool transfer`` may move this state out (then the backend is a
+    #: :class:`TransferSource`); each backend gives its reason beside its value.
+    sends_transfer: bool
+    #: True when this store may receive a transfer (then the backend is a
+    #: :class:`TransferDestination`); each backend gives its reason beside its value.
+    accepts_transfer: bool
+
+
+class TransferSource(Backend, Protocol):
+    """A state ``statetool transfer`` can move out (:attr:`Backend.sends_transfer`)."""
+
+    def checkpoint_wal(self) -> None:
+        """Move every committed write into the main file, so the file alone is the state.
+        Raises ``RIVET_STATE_FOREIGN_WAL`` and ``RIVET_STATE_RUN_IN_PROGRESS``."""
+
+    def wal_is_empty(self) -> bool:
+        """True when nothing committed lies outside the main file."""
+
+    def content_digest(self) -> str:
+        """sha256 (hex) of the state's pages, the same for a page-for-page copy of it: what a
+        re-run compares to know whether the source changed since an interrupted move."""
+
+    def copy_blocks(self, conn: Connection, table: str, columns: list[str]) -> Iterator[Block]:
+        """``table``'s ``columns`` read on ``conn`` as blocks of COPY text with their
+        checksums (:mod:`statetool.backends.copy_text`); memory stays flat."""
+
+
+class TransferDestination(Backend, Protocol):
+    """A store ``statetool transfer`` can move a state into (:attr:`Backend.accepts_transfer`).
+
+    Its version table marks a copy that is not live yet: :meth:`mark_in_flight` in the
+    transaction that fills it, :meth:`make_live` once the source is retired."""
+
+    def inspecting(self) -> AbstractContextManager[Connection]:
+        """A read-only session on whatever is at the location, which may hold no table at
+        all (a schema that is empty or does not exist yet). Checks no rights: the caller
+        asks :meth:`check_rights` for what it is about to do. Raises
+        ``RIVET_STATE_UNREACHABLE`` / ``RIVET_STATE_AUTH_FAILED``."""
+
+    def check_rights(self, purpose: str, conn: Connection) -> None:
+        """Raise ``RIVET_STATE_PERMISSION_DENIED`` unless the session of ``conn`` has every
+        right ``purpose`` (``read``, ``write``, ``migrate``, ``create``, ``lease``) needs."""
+
+    def receiving(self) -> AbstractContextManager[Connection]:
+        """One writing transaction on the location, which may hold no table yet, under the
+        writers' lock; committed on a clean exit, nothing of it visible before."""
+
+    def copy_into(self, conn: Connection, table: str, columns: list[str], blocks: Iterable[Block], rows: int,
+                  progress: Callable[[int], None]) -> Loaded:
+        """Append ``blocks`` to ``table`` in ``conn``'s transaction (``rows``: how many the
+        source holds; ``progress(n)`` after each block of ``n`` rows) and return what was
+        sent and what the table gained, by the destination's own count and checksum."""
+
+    def drop_tables(self, conn: Connection) -> None:
+        """Drop every table at the location in ``conn``'s transaction (a copy that never
+        went live, made again)."""
+
+    def in_flight(self, conn: Connection) -> bool:
+        """True when the version table says the state here is a move's copy, not live yet."""
+
+    def mark_in_flight(self, conn: Connection) -> None:
+        """Mark the state in ``conn``'s transaction as a move's copy: every open of it then
+        refuses with ``RIVET_STATE_MOVE_IN_FLIGHT`` until :meth:`make_live`."""
+
+    def make_live(self) -> None:
+        """Turn an in-flight copy into the live state (its version back to head), in a
+        transaction of its own; nothing to do when it is live already or nothing is there."""

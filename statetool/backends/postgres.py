@@ -11,19 +11,24 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.pool import NullPool
 
+from statetool import migrations
+from statetool.backends import postgres_copy
 from statetool.backends.base import Progress
 from statetool.backends.postgres_faults import driver_error, ident, rights_problem
+from statetool.backends.tombstone import IN_FLIGHT_REVISION
 from statetool.errors import StateError
 from statetool.location import Location
+from statetool.schema import VERSION_TABLE
 
 if TYPE_CHECKING:
+    from statetool.backends.copy_text import Block, Loaded
     from statetool.backends.postgres_leases import RowLeases
 
 _POLL_SECONDS = 0.2
@@ -37,6 +42,11 @@ class PostgresBackend:
     """A PostgreSQL state schema. See the module docstring."""
 
     dialect_name = "postgresql"
+    #: A schema in a shared server is where a transfer leads (SPEC §9): it takes the rows
+    #: with COPY in one transaction, and what it holds is already shared by every worker.
+    accepts_transfer = True
+    #: Never a transfer's source: a PostgreSQL state is already where a transfer leads.
+    sends_transfer = False
 
     def __init__(self, location: Location, lock_wait: float) -> None:
         assert location.url is not None and location.schema is not None
@@ -113,14 +123,23 @@ class PostgresBackend:
         space in the write's own transaction, and nothing of it outlives a failed write."""
 
     def present(self) -> bool:
-        with self._connect(read_only=True) as conn:
+        with self.inspecting() as conn:
             return bool(self.table_names(conn))
+
+    @contextlib.contextmanager
+    def inspecting(self) -> Iterator[Connection]:
+        """A read-only session (``default_transaction_read_only = on``) on the schema, which
+        may hold no table or not exist yet: nothing is refused for that, and no right is
+        checked (ask :meth:`check_rights` for the purpose at hand). Driver errors are
+        :func:`driver_error`'s (``RIVET_STATE_UNREACHABLE``, ``RIVET_STATE_AUTH_FAILED``, …)."""
+        with self._connect(read_only=True) as conn:
+            yield conn
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[Connection]:
         """A read-only session; ``RIVET_STATE_MISSING`` when the schema holds no table,
         ``RIVET_STATE_PERMISSION_DENIED`` when the role may not read every state table."""
-        with self._connect(read_only=True) as conn:
+        with self.inspecting() as conn:
             if not self.table_names(conn):
                 raise StateError("RIVET_STATE_MISSING", f"no state at {self.location.display}: schema "
                                  f"{self.schema} holds no table")
@@ -181,6 +200,36 @@ class PostgresBackend:
         with self._transaction("create", _MIGRATION_LOCK) as conn:
             conn.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {ident(self.schema)}")
             yield conn
+
+    def copy_into(self, conn: Connection, table: str, columns: list[str], blocks: Iterable[Block], rows: int,
+                  progress: Callable[[int], None]) -> Loaded:
+        """:func:`~statetool.backends.postgres_copy.copy_into` on ``conn`` (a transaction of
+        :meth:`receiving`): COPY, indexes deferred for a big empty table, the server's checksum."""
+        return postgres_copy.copy_into(conn, table, columns, blocks, rows, progress)
+
+    def drop_tables(self, conn: Connection) -> None:
+        """Drop every table of the schema (with what depends on them) in ``conn``'s transaction."""
+        postgres_copy.drop_tables(conn, self.table_names(conn))
+
+    def in_flight(self, conn: Connection) -> bool:
+        """True when the version table reads :data:`~statetool.backends.tombstone.IN_FLIGHT_REVISION`."""
+        return conn.execute(sa.text(f"SELECT count(*) FROM {VERSION_TABLE} WHERE version_num = :v"),
+                            {"v": IN_FLIGHT_REVISION}).scalar() == 1
+
+    def mark_in_flight(self, conn: Connection) -> None:
+        """Set the version to :data:`~statetool.backends.tombstone.IN_FLIGHT_REVISION` in
+        ``conn``'s transaction: every open refuses (``RIVET_STATE_MOVE_IN_FLIGHT``) until
+        :meth:`make_live`."""
+        conn.execute(sa.text(f"UPDATE {VERSION_TABLE} SET version_num = :v"), {"v": IN_FLIGHT_REVISION})
+
+    def make_live(self) -> None:
+        """In a :meth:`receiving` transaction of its own, set an in-flight version back to
+        head (idempotent; nothing to do when the state is live or the schema has no version
+        table). Refuses as :meth:`receiving`."""
+        with self.receiving() as conn:
+            if VERSION_TABLE in self.table_names(conn):
+                conn.execute(sa.text(f"UPDATE {VERSION_TABLE} SET version_num = :head WHERE version_num = :v"),
+                             {"head": migrations.head(), "v": IN_FLIGHT_REVISION})
 
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> None:
         return None

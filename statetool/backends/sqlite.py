@@ -46,12 +46,14 @@ from statetool.access import denied
 from statetool.backends.base import Progress
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
+from statetool.backends.sqlite_rows import copy_blocks
 from statetool.backends.sqlite_file import (foreign_companions, page_size_of, read_header,
                                             refuse_unsafe_companions)
 from statetool.errors import StateError, internal_error
 from statetool.location import LEASE_DIR, Location
 
 if TYPE_CHECKING:
+    from statetool.backends.copy_text import Block
     from statetool.backends.sqlite_leases import FlockLeases
 
 def fsync_dir(directory: Path) -> None:
@@ -559,6 +561,21 @@ class SqliteBackend:
     def wal_is_empty(self) -> bool:
         """True when no ``-wal`` frame lies outside the database file."""
         return not self._wal_has_frames()
+
+    # -- a transfer's source (base.TransferSource) ------------------------------------
+    #: A file on one worker's disk moves into a shared PostgreSQL schema by transfer.
+    sends_transfer = True
+    #: Never a transfer's destination: a file moves whole, page for page (relocate).
+    accepts_transfer = False
+
+    def content_digest(self) -> str:
+        """:func:`content_digest` of the state file (the real file of a symlinked state)."""
+        return content_digest(self.path)
+
+    def copy_blocks(self, conn: Connection, table: str, columns: list[str]) -> Iterator[Block]:
+        """:func:`~statetool.backends.sqlite_rows.copy_blocks`: ``table`` read on ``conn``
+        (a session of this state) in blocks of COPY text with their checksums."""
+        return copy_blocks(conn, table, columns)
 
     def vanished_evidence(self) -> list[str]:
         """What beside the (missing) state file shows that a state lived here: a keep of a

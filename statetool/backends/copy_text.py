@@ -1,0 +1,60 @@
+"""The rows a transfer streams, as PostgreSQL's ``COPY`` text, and the checksum both ends compute (SPEC §9).
+
+A row's canonical text is its values as text joined by tabs, NULL spelled ``\\N``; its
+checksum is the first 60 bits of that text's md5, and a table's checksum is the sum over
+its rows (additive: what a table gained is its sum after minus its sum before). The
+SQLite side computes it in Python (:mod:`statetool.backends.sqlite_rows`), PostgreSQL in
+SQL (:mod:`statetool.backends.postgres_copy`): the two agree exactly when every row
+arrived value for value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+#: How COPY's text format (and the canonical text) spells NULL.
+NULL = "\\N"
+#: What COPY's text format escapes inside a value.
+ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+@dataclass(frozen=True)
+class Block:
+    """Consecutive rows of one table: ``data`` is their COPY text (one line per row, each
+    ending in a newline), ``rows`` how many, ``checksum`` the sum of their row checksums."""
+
+    data: bytes
+    rows: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """One table's COPY into PostgreSQL: what the blocks carried (``sent_rows``,
+    ``sent_checksum``) and what the table gained (``gained_rows``, ``gained_checksum``:
+    after the COPY minus before, counted by the server)."""
+
+    sent_rows: int
+    sent_checksum: int
+    gained_rows: int
+    gained_checksum: int
+
+
+def sum60(lines: Iterable[bytes]) -> int:
+    """The sum over ``lines`` (each a row's canonical text, UTF-8) of the first 60 bits of
+    each one's md5."""
+    total = 0
+    md5, from_bytes = hashlib.md5, int.from_bytes
+    for line in lines:
+        total += from_bytes(md5(line).digest()[:8], "big") >> 4
+    return total
+
+
+def row_checksum(values: Iterable[Any]) -> int:
+    """The checksum of one row (its values in column order, None for NULL): the same number
+    PostgreSQL computes for it in :func:`statetool.backends.postgres_copy.table_checksum`."""
+    text = "\t".join(NULL if v is None else str(v) for v in values)
+    return sum60([text.encode()])

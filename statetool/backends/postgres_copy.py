@@ -1,0 +1,84 @@
+"""Rows streamed into a PostgreSQL state with ``COPY``, and the catalog SQL around it (SPEC §9).
+
+What ``statetool transfer`` does on its destination, inside its one transaction:
+:func:`copy_into` loads a table from blocks of COPY text
+(:mod:`statetool.backends.copy_text`) and counts what the table gained with the
+server-side :func:`table_checksum`; a big table that is empty first has its indexes and
+key constraints dropped and built again after the COPY (:func:`defer_indexes`).
+:func:`drop_tables` discards a copy that never went live. Every statement runs on the
+caller's connection: nothing here commits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from statetool.backends.copy_text import NULL, Block, Loaded
+from statetool.backends.postgres_faults import ident
+
+#: From this many rows on, an empty table's indexes are built after its COPY, not during it.
+DEFER_INDEXES_ROWS = 10_000
+
+
+def table_checksum(conn: Connection, table: str, columns: list[str]) -> tuple[int, int]:
+    """``(rows, checksum)`` of ``table`` over ``columns``, computed by the server: the sum
+    of :func:`statetool.backends.copy_text.row_checksum` over its rows (0 when empty)."""
+    joined = ", ".join(f"coalesce({ident(c)}::text, '{NULL}')" for c in columns)
+    row = conn.execute(sa.text(
+        f"SELECT count(*), coalesce(sum(('x' || substr(md5(concat_ws(E'\\t', {joined})), 1, 15))::bit(60)::bigint), 0) "
+        f"FROM {ident(table)}")).one()
+    return int(row[0]), int(row[1])
+
+
+def defer_indexes(conn: Connection, table: str) -> list[str]:
+    """Drop the indexes and key constraints of EMPTY ``table`` and return the statements
+    that build them again, identical (definitions as PostgreSQL prints them), once the
+    COPY is done: one build at the end costs a fraction of maintaining them row by row.
+    All in the caller's one transaction: no one ever sees the table without them."""
+    regclass = {"t": ident(table)}
+    keys = conn.execute(sa.text(
+        "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = CAST(:t AS regclass) "
+        "AND contype IN ('p', 'u') ORDER BY conname"), regclass).all()
+    indexes = conn.execute(sa.text(
+        "SELECT i.relname, pg_get_indexdef(i.oid) FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+        "WHERE x.indrelid = CAST(:t AS regclass) AND NOT EXISTS "
+        "(SELECT 1 FROM pg_constraint c WHERE c.conindid = x.indexrelid) ORDER BY 1"), regclass).all()
+    for name, _definition in keys:
+        conn.exec_driver_sql(f"ALTER TABLE {ident(table)} DROP CONSTRAINT {ident(name)}")
+    for name, _definition in indexes:
+        conn.exec_driver_sql(f"DROP INDEX {ident(name)}")
+    return ([f"ALTER TABLE {ident(table)} ADD CONSTRAINT {ident(name)} {definition}" for name, definition in keys]
+            + [definition for _name, definition in indexes])
+
+
+def copy_into(conn: Connection, table: str, columns: list[str], blocks: Iterable[Block], rows: int,
+              progress: Callable[[int], None]) -> Loaded:
+    """Append ``blocks`` to ``table`` (``columns`` in their order) with ``COPY … FROM STDIN``
+    on ``conn``; ``rows`` is how many the source holds (an empty table expecting at least
+    :data:`DEFER_INDEXES_ROWS` gets its indexes built after the COPY). ``progress(n)`` is
+    called with each block's row count once the block is written. Returns what was sent
+    and what the table gained; the caller compares them. Driver errors propagate (the
+    session that yielded ``conn`` translates them)."""
+    before_rows, before_sum = table_checksum(conn, table, columns)
+    rebuild = defer_indexes(conn, table) if before_rows == 0 and rows >= DEFER_INDEXES_ROWS else []
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    sent_rows = sent_sum = 0
+    with cursor.copy(f"COPY {ident(table)} ({', '.join(map(ident, columns))}) FROM STDIN") as pg_copy:
+        for block in blocks:
+            pg_copy.write(block.data)
+            sent_rows += block.rows
+            sent_sum += block.checksum
+            progress(block.rows)
+    for statement in rebuild:
+        conn.exec_driver_sql(statement)
+    after_rows, after_sum = table_checksum(conn, table, columns)
+    return Loaded(sent_rows, sent_sum, after_rows - before_rows, after_sum - before_sum)
+
+
+def drop_tables(conn: Connection, tables: Iterable[str]) -> None:
+    """Drop ``tables`` (with what depends on them) in the caller's transaction."""
+    for table in sorted(tables):
+        conn.exec_driver_sql(f"DROP TABLE {ident(table)} CASCADE")
