@@ -14,7 +14,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from statetool import __version__
-from statetool.errors import StateError, internal_error
+from statetool.errors import EXIT_INTERRUPTED, StateError, internal_error
 from statetool.location import DEFAULT_CONFIG
 
 #: Global options: name -> takes a value. They work before or after the command name.
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Exit as done:
         raise SystemExit(done.exit_code) from None
     except KeyboardInterrupt:
-        raise SystemExit(130) from None
+        raise SystemExit(EXIT_INTERRUPTED) from None
     except typer.TyperException as exc:  # the argument parser's usage errors
         if type(exc).__name__ == "NoArgsIsHelpError":  # a bare command group: its help is the answer
             sys.stdout.write(exc.format_message() + "\n")
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
             # Ctrl-C while a transaction was open: the driver's cleanup error hides the
             # interrupt. Every write is one transaction, so nothing was committed.
             sys.stderr.write("statetool: interrupted; the open transaction was rolled back\n")
-            raise SystemExit(130) from None
+            raise SystemExit(EXIT_INTERRUPTED) from None
         if debug:
             _print_traceback()
         _fail(internal_error(exc), json_errors)

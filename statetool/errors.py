@@ -8,6 +8,7 @@ message, and the CLI turns it into text or the ``--json-errors`` object through
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,10 @@ EXIT_CODES: dict[str, int] = {
     "refusal": 5,
     "internal": 6,
 }
+
+#: The exit code of a command interrupted by Ctrl-C: 128 + SIGINT, the shell's convention
+#: for a process ended by a signal (no class of the registry: nothing failed, nothing was committed).
+EXIT_INTERRUPTED = 128 + int(signal.SIGINT)
 
 #: Which class wins when several checks fail at once: the more specific instruction
 #: first (data_integrity > internal > refusal > schema_drift > retryable > generic).
@@ -331,20 +336,35 @@ def _object(err: StateError) -> dict[str, Any]:
 
 
 def _warning(warning: StateWarning) -> dict[str, Any]:
+    exit_class = failure_class(warning.code)
     return {
-        "error": warning.message, "exit_class": EXIT_CODES["refusal"], "code": warning.code, "kind": "warning",
-        "class": "refusal", "exit_code": EXIT_CODES["refusal"], "retryable": False, "action": warning.action,
+        "error": warning.message, "exit_class": EXIT_CODES[exit_class], "code": warning.code, "kind": "warning",
+        "class": exit_class, "exit_code": EXIT_CODES[exit_class], "retryable": False, "action": warning.action,
         "message": warning.message,
     }
+
+
+def _failed(code: str, message: str, error: StateError | None) -> dict[str, Any]:
+    """The object of a failure: of ``error``, else of the registered ``code``, else of the
+    warning ``code`` made to fail (class :func:`failure_class`)."""
+    if error is None and code not in REGISTRY:
+        return _warning(StateWarning(code, message))
+    return _object(error or StateError(code, message))
 
 
 def unit_failure(export: str, code: str, message: str, error: StateError | None = None) -> dict[str, Any]:
     """One entry of ``failures[]`` (ADR-0039 D2): the object of an export's failure (of
     ``error``, else of the registered ``code``, else of the warning ``code`` that
     ``check --strict`` failed) plus ``export``."""
-    if error is None and code not in REGISTRY:
-        return {**_warning(StateWarning(code, message)), "export": export}
-    return {**_object(error or StateError(code, message)), "export": export}
+    return {**_failed(code, message, error), "export": export}
+
+
+def failure_object(code: str, message: str, error: StateError | None = None,
+                   failures: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The ``--json-errors`` object of a failing row or reason: of ``error``, else of the
+    registered ``code``, else of the warning ``code`` made to fail (``check --strict``;
+    ``doctor``'s first run by a warning alone), with ``failures`` (``[]`` when not given)."""
+    return {**_failed(code, message, error), "failures": failures or []}
 
 
 def error_object(err: StateError, failures: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -361,23 +381,41 @@ def error_object(err: StateError, failures: list[dict[str, Any]] | None = None) 
     return {**_object(err), "failures": failures}
 
 
-def warning_object(warning: StateWarning, failures: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The error object of a warning that ``check --strict`` failed: class refusal (5);
-    ``failures`` as in :func:`error_object` (``[]`` when not given)."""
-    return {**_warning(warning), "failures": failures or []}
-
-
 def internal_error(exc: BaseException) -> StateError:
     """Wrap an unexpected exception as ``RIVET_INTERNAL`` with a one-line message."""
     first_line = (str(exc).strip().splitlines() or [""])[0]
     return StateError("RIVET_INTERNAL", f"{type(exc).__name__}: {first_line}")
 
 
+#: The class of a registered warning that is made to fail (``check --strict``, or ``doctor``
+#: when a warning alone makes an export's next run a first run): a refusal (SPEC §7).
+WARNING_FAILURE_CLASS = "refusal"
+
+
+def failure_class(code: str) -> str:
+    """The exit class ``code`` fails with: a registered error's own class; a registered
+    warning made to fail is a refusal (:data:`WARNING_FAILURE_CLASS`, SPEC §7). The one
+    place that says so. Raises ``KeyError`` for a code that is neither registered nor a
+    warning (a typo is a bug)."""
+    if code in REGISTRY:
+        return REGISTRY[code].exit_class
+    if code in WARNINGS:
+        return WARNING_FAILURE_CLASS
+    raise KeyError(f"unregistered code {code}")
+
+
+def failure_exit_code(code: str) -> int:
+    """The process exit code (1-6) of a failure with ``code`` (:func:`failure_class`)."""
+    return EXIT_CODES[failure_class(code)]
+
+
 def worst(codes: list[str]) -> str | None:
-    """The code whose class ranks highest by :data:`STOP_RANK` (the last among equals)."""
+    """The code whose failure class (:func:`failure_class`) ranks highest by
+    :data:`STOP_RANK`, the last among equals; None for no codes. The one "worst outcome"
+    rule of SPEC §7 (``check``'s exit code, ``doctor``'s reason for ``--json-errors``)."""
     best: str | None = None
     for code in codes:
-        if best is None or STOP_RANK[REGISTRY[code].exit_class] >= STOP_RANK[REGISTRY[best].exit_class]:
+        if best is None or STOP_RANK[failure_class(code)] >= STOP_RANK[failure_class(best)]:
             best = code
     return best
 

@@ -1,7 +1,10 @@
 """State identity (SPEC §3): the ``state_key`` of a source URL, and the decision table.
 
 Pure functions: no I/O. :func:`state_key` derives the key; :func:`identity_verdict`
-applies the table for one (recorded, computed, scope, has-progress) combination.
+applies the table for one (recorded, computed, scope, has-progress) combination;
+:func:`identity_message` is the one sentence of each verdict and :func:`identity_warning`
+the one warning a verdict gives (``RIVET_STATE_IDENTITY_ADOPTED``,
+``RIVET_STATE_FOREIGN_BESIDE_CONFIG``), for every command that reports it.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from statetool.errors import StateError
+from statetool.errors import WARNINGS, StateError, StateWarning
 from statetool.redact import mask_userinfo, userinfo_problem
 
 #: Default ports filled into the key when the URL names none.
@@ -112,3 +115,33 @@ def identity_verdict(recorded: str | None, computed: str, scope: str, has_progre
     if scope == "beside_config":
         return Verdict("warn", "RIVET_STATE_FOREIGN_BESIDE_CONFIG", recorded, computed)
     return Verdict("report", None, recorded, computed)
+
+
+def identity_message(verdict: Verdict, where: str, for_write: bool) -> str:
+    """The sentence that explains an identity verdict (what happens, or would happen).
+
+    ``where`` names the place (the declared directory, or the location's display);
+    ``for_write`` says whether a write is doing it ("recorded") or a read reports what a
+    write would do ("a write would record")."""
+    r, c = verdict.recorded, verdict.computed
+    record, adopt = ("recorded", "adopted") if for_write else ("a write would record", "a write would adopt")
+    return {
+        "skip": "the source URL is not known here, so no identity is compared or recorded",
+        "stamp": f"no identity recorded and no progress: {record} {c}",
+        "adopt": f"no identity recorded but the state has progress: {adopt} {c} as its source "
+                 f"(check that this state really belongs to {c})",
+        "ok": f"the state belongs to {c}",
+        "refuse": f"the state in {where} belongs to {r}, not to this config's source {c}",
+        "warn": f"the state beside the config belongs to {r}, not to this config's source {c}; "
+                "states beside configs are shared by several configs, so this goes on",
+        "report": f"the shared state records source {r}; this config's source is {c} (shared by design)",
+    }[verdict.action]
+
+
+def identity_warning(verdict: Verdict, where: str, for_write: bool) -> StateWarning | None:
+    """The registered warning ``verdict`` gives, with its one text (:func:`identity_message`):
+    ``RIVET_STATE_IDENTITY_ADOPTED`` or ``RIVET_STATE_FOREIGN_BESIDE_CONFIG``; None for a
+    verdict that warns nothing (SPEC §3)."""
+    if verdict.code not in WARNINGS:
+        return None
+    return StateWarning(verdict.code, identity_message(verdict, where, for_write))

@@ -76,6 +76,17 @@ class Location:
         return f"{redact_url(self.url or '')} (schema {self.schema})"
 
     @property
+    def lease_dir(self) -> Path | None:
+        """The folder of SQLite lease sidecars beside the state file (:data:`LEASE_DIR`);
+        None for PostgreSQL, whose leases are rows."""
+        return self.path.parent / LEASE_DIR if self.path is not None else None
+
+    def companion(self, suffix: str) -> Path | None:
+        """The file SQLite keeps beside the state file, named by ``suffix`` (``-journal``,
+        ``-wal``, ``-shm``); None for PostgreSQL."""
+        return Path(f"{self.path}{suffix}") if self.path is not None else None
+
+    @property
     def state_url(self) -> str:
         """The ``RIVET_STATE_URL`` value that selects this location, password masked."""
         if self.scope == "beside_config":

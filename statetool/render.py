@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from statetool.errors import StateError, error_object
+from statetool.errors import StateError
 
 # Not a terminal (a log, CI) and no COLUMNS: wide enough that paths and the one line an
 # operator must copy (RIVET_STATE_URL=...) are never cut mid-token at rich's default 80.
@@ -65,13 +65,9 @@ def print_failure_line(code: str, message: str, error: StateError | None = None,
     """The ``--json-errors`` line of a failing row: the error object of ``error`` (or of a
     registered ``code``), else the warning object of a warning ``code``; ``failures`` are
     the failed exports (:func:`statetool.errors.unit_failure`), ``[]`` when none is given."""
-    from statetool.errors import REGISTRY, StateWarning, warning_object
+    from statetool.errors import failure_object
 
-    if error is not None or code in REGISTRY:
-        line = error_object(error or StateError(code, message), failures or [])
-    else:
-        line = warning_object(StateWarning(code, message), failures)
-    sys.stderr.write(json.dumps(line) + "\n")
+    sys.stderr.write(json.dumps(failure_object(code, message, error, failures)) + "\n")
 
 
 def print_warnings(warnings: list[dict[str, str]]) -> None:

@@ -29,6 +29,7 @@ import pytest
 
 from conftest import describe, run_cli, write_config
 from statetool.backends import mounts
+from statetool.errors import EXIT_CODES, failure_class, worst
 from statetool.example import build_legacy_state
 from statetool.location import STATE_FILE
 from statetool.operations.context import Context
@@ -727,6 +728,27 @@ def test_check_reports_doctor_findings_and_github_annotations(config: Path) -> N
     proc = run_cli("-c", str(config), "--json", "check", env={"GITHUB_ACTIONS": "true"})
     json.loads(proc.stdout)
     assert any(line.startswith("::error ") for line in proc.stderr.splitlines()), describe(proc)
+
+
+def test_a_warning_made_to_fail_is_a_refusal_for_check_strict_and_doctor_alike(config: Path) -> None:
+    """One rule (errors.failure_class): a warning that fails, under check --strict or as the
+    only reason of a first run, fails as refusal; the worst outcome is one rule (errors.worst)."""
+    assert failure_class("RIVET_EXPORT_NO_PROGRESS") == "refusal"
+    assert worst(["RIVET_STATE_CORRUPT", "RIVET_STATE_MISSING", "RIVET_EXPORT_NO_PROGRESS"]) == "RIVET_STATE_CORRUPT"
+    assert worst(["RIVET_STATE_MISSING", "RIVET_EXPORT_NO_PROGRESS"]) == "RIVET_EXPORT_NO_PROGRESS"  # last of equals
+    assert worst([]) is None
+    with pytest.raises(KeyError):
+        failure_class("RIVET_NOT_REGISTERED")
+
+    build_state(config, only=("orders",))  # order_lines never ran: RIVET_EXPORT_NO_PROGRESS, a warning
+    for command in (("check", "--strict"), ("doctor",)):
+        proc = run_cli("-c", str(config), "--json-errors", *command)
+        assert proc.returncode == EXIT_CODES["refusal"], describe(proc)
+        line = json.loads(proc.stderr.strip().splitlines()[-1])
+        assert (line["kind"], line["class"], line["exit_code"]) == ("warning", "refusal", 5), describe(proc)
+        failed = {f["export"]: f for f in line["failures"]}
+        assert failed["order_lines"]["code"] == "RIVET_EXPORT_NO_PROGRESS", describe(proc)
+        assert failed["order_lines"]["class"] == "refusal", describe(proc)
 
 
 def test_doctor_checkpoints_and_check_change_nothing(config: Path, tmp_path: Path) -> None:

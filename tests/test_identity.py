@@ -13,7 +13,7 @@ import pytest
 
 from conftest import describe, run_cli, tree_digest
 from statetool.errors import StateError
-from statetool.identity import identity_verdict, state_key
+from statetool.identity import identity_message, identity_verdict, identity_warning, state_key
 from statetool.operations.context import Context
 from statetool.operations.create import init
 from statetool.operations.identity_ops import adopt, rekey
@@ -193,6 +193,18 @@ class Scope:
         return self.rows("SELECT actor, command, action, detail FROM rivet_audit ORDER BY id")
 
 
+def test_each_identity_warning_has_one_text_for_reads_and_writes() -> None:
+    adopted = identity_verdict(None, OURS_KEY, "declared_dir", True)
+    beside = identity_verdict(OTHER_KEY, OURS_KEY, "beside_config", False)
+    for verdict in (adopted, beside):
+        for for_write in (False, True):
+            warning = identity_warning(verdict, "/srv/rivet", for_write)
+            assert warning is not None and warning.code == verdict.code
+            assert warning.message == identity_message(verdict, "/srv/rivet", for_write)
+    assert identity_warning(identity_verdict(OTHER_KEY, OURS_KEY, "declared_dir", False), "/srv/rivet", False) is None
+    assert identity_warning(identity_verdict(OURS_KEY, OURS_KEY, "shared", True), "/srv/rivet", False) is None
+
+
 def make_scope(name: str, tmp_path: Path, request: pytest.FixtureRequest) -> Scope:
     pipeline = tmp_path / "pipeline"
     pipeline.mkdir()
@@ -370,6 +382,11 @@ def test_foreign_state_beside_config_warns_and_goes_on(tmp_path: Path, request: 
     assert (row["status"], row["code"]) == ("warn", "RIVET_STATE_FOREIGN_BESIDE_CONFIG"), describe(check)
     strict = run_cli("-c", str(scope.config), "check", "--strict", env=scope.env(OURS))
     assert strict.returncode == 5, describe(strict)
+
+    # doctor reports it with the same one text (identity.identity_warning) as check's row.
+    doctor = run_cli("-c", str(scope.config), "--json", "doctor", env=scope.env(OURS))
+    found = [r for r in json.loads(doctor.stdout)["state"]["reasons"] if r["code"] == row["code"]]
+    assert [r["message"] for r in found] == [row["message"]], describe(doctor)
 
     reset = run_cli("-c", str(scope.config), "exports", "reset", "orders", env=scope.env(OURS))
     assert reset.returncode == 0, describe(reset)

@@ -8,6 +8,7 @@ from statetool.location import Location
 
 if TYPE_CHECKING:
     from statetool.backends.base import Backend, LeaseStore
+    from statetool.backends.sqlite_file import Orphans
 
 
 def open_backend(location: Location, lock_wait: float = 600.0) -> Backend:
@@ -36,3 +37,15 @@ def open_leases(location: Location, lock_wait: float = 600.0, ttl: int = 30) -> 
     from statetool.backends.postgres import PostgresBackend
 
     return PostgresBackend(location, lock_wait).leases(ttl)
+
+
+def orphan_companions(location: Location) -> Orphans | None:
+    """The companion files beside the state at ``location`` that it did not leave
+    (:func:`statetool.backends.sqlite_file.orphan_companions`); None when there are none,
+    and always for PostgreSQL, whose state has no files of its own."""
+    if location.backend != "sqlite":
+        return None
+    from statetool.backends.sqlite_file import orphan_companions as beside_file
+
+    assert location.path is not None
+    return beside_file(location.path)

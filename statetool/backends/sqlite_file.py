@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from statetool.access import file_kind
@@ -180,3 +181,31 @@ def foreign_companions(path: Path, header: bytes) -> list[str]:
     why = wal_mismatch(header, wal)
     return [] if why is None else [f"{wal} ({why})"]
 
+
+@dataclass(frozen=True)
+class Orphans:
+    """``-wal``/``-shm`` files beside a state that it did not leave (``RIVET_STATE_ORPHAN_WAL``,
+    a warning): the sentence that says which and why, and the files as evidence."""
+
+    message: str
+    evidence: dict[str, str | None] = field(default_factory=dict)
+
+
+def orphan_companions(path: Path) -> Orphans | None:
+    """The ``-wal``/``-shm`` beside the state file at ``path`` that are left from another copy
+    of it, judged by its header (:func:`read_header`, the one header read; None when that
+    refuses the file, which is reported by the open itself): either of them beside a
+    rollback-journal state (header byte 18 = 1), or a ``-shm`` without its ``-wal``. None
+    when there is none."""
+    try:
+        header = read_header(path)
+    except StateError:
+        return None
+    wal, shm = Path(f"{path}-wal"), Path(f"{path}-shm")
+    if header[18] == 1 and (wal.exists() or shm.exists()):
+        return Orphans(f"{wal.name}/{shm.name} lie beside a state in rollback-journal mode: left from another copy "
+                       "of the file (a restore or a copy without them)",
+                       {"wal": str(wal) if wal.exists() else None, "shm": str(shm) if shm.exists() else None})
+    if shm.exists() and not wal.exists():
+        return Orphans(f"{shm.name} lies beside the state without its -wal", {"shm": str(shm)})
+    return None

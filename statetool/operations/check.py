@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from statetool.errors import EXIT_CODES, REGISTRY, STOP_RANK, unit_failure
+from statetool.errors import REGISTRY, failure_exit_code, unit_failure, worst
 from statetool.operations.context import Context
 from statetool.operations.preflight import Check, Preflight, run_preflight
 
@@ -39,9 +39,10 @@ def check(ctx: Context, *, strict: bool = False) -> CheckResult:
     """Run every pre-flight check. Never writes, never raises for a failing check.
 
     Besides the pre-flight rows, ``doctor``'s findings are rows too (``doctor`` and
-    ``doctor:<export>``). Exit code: the class of the worst failing row by stop rank (SPEC §7: data_integrity >
-    internal > refusal > schema_drift > retryable > generic); pending revisions fail with
-    ``RIVET_STATE_MIGRATION_PENDING`` (3). With ``strict``, ``warn`` rows fail as refusal (5).
+    ``doctor:<export>``). Exit code: the class of the worst failing row (:func:`statetool.errors.worst`,
+    SPEC §7: data_integrity > internal > refusal > schema_drift > retryable > generic); pending revisions fail
+    with ``RIVET_STATE_MIGRATION_PENDING`` (3). With ``strict``, ``warn`` rows fail, as refusal (5,
+    :func:`statetool.errors.failure_class`).
     """
     pf = run_preflight(ctx)
     # doctor reads the config: with a config that failed its row there is nothing more to diagnose.
@@ -50,8 +51,9 @@ def check(ctx: Context, *, strict: bool = False) -> CheckResult:
     if strict:
         rows = [Check(c.id, "fail", c.message, c.code, c.error) if c.status == "warn" else c for c in rows]
     failed = [c for c in rows if c.status == "fail" and c.code]
-    worst = max(reversed(failed), key=lambda c: STOP_RANK[_exit_class(c.code)], default=None)
-    return CheckResult(rows, EXIT_CODES[_exit_class(worst.code)] if worst and worst.code else 0, worst)
+    code = worst([c.code for c in failed if c.code])
+    row = next((c for c in reversed(failed) if c.code == code), None)
+    return CheckResult(rows, failure_exit_code(code) if code else 0, row)
 
 
 def _doctor_rows(ctx: Context, pf: Preflight) -> list[Check]:
@@ -77,8 +79,3 @@ def _doctor_rows(ctx: Context, pf: Preflight) -> list[Check]:
 #: Doctor findings about the state as a whole (reported once, not per export).
 _STATE_LEVEL = frozenset({"RIVET_STATE_DIR_EPHEMERAL", "RIVET_STATE_DIR_NETWORK", "RIVET_STATE_ORPHAN_WAL",
                           "RIVET_STATE_DIR_MISSING", "RIVET_STATE_HOT_JOURNAL"})
-
-
-def _exit_class(code: str | None) -> str:
-    """A registered code's class; a warning failed by ``--strict`` is a refusal."""
-    return REGISTRY[code].exit_class if code in REGISTRY else "refusal"

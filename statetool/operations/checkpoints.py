@@ -55,7 +55,10 @@ class CheckpointsResult:
                 "warnings": [w.as_dict() for w in self.warnings]}
 
 
-def _warning(code: str, export: str, path: object) -> StateWarning:
+def checkpoint_warning(code: str, export: str, path: object) -> StateWarning:
+    """The warning a resolved checkpoint place carries (``place.warning``: SPEC §6), with its
+    one text: ``RIVET_STATE_CHECKPOINT_RELATIVE`` or ``RIVET_STATE_CHECKPOINT_BESIDE_CONFIG``
+    for CDC export ``export`` whose checkpoint resolves to ``path``."""
     if code == "RIVET_STATE_CHECKPOINT_RELATIVE":
         return StateWarning(code, checkpoint_relative_message(export, path))  # type: ignore[arg-type]
     return StateWarning(code, f"CDC export {export}: its checkpoint was not found under the declared state "
@@ -75,7 +78,7 @@ def checkpoints(ctx: Context) -> CheckpointsResult:
         report = CheckpointReport(export.name, export.cdc.engine, export.cdc.checkpoint,
                                   str(place.path) if place.path else None, place.why, False)
         if place.warning:
-            report.warnings.append(_warning(place.warning, export.name, place.path))
+            report.warnings.append(checkpoint_warning(place.warning, export.name, place.path))
         if place.path is not None and place.path.is_file():
             stat = place.path.stat()
             report.present, report.size_bytes = True, stat.st_size

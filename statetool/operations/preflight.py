@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from statetool.backends.base import Backend
 from statetool.backends.faults import os_fault
 from statetool.errors import REGISTRY, WARNINGS, StateError, StateWarning
-from statetool.identity import Verdict, identity_verdict
+from statetool.identity import Verdict, identity_message, identity_verdict, identity_warning
 from statetool.operations.context import Context
 from statetool.operations.leasing import live_holders
 from statetool.operations.probe import Snapshot, read_snapshot
@@ -80,23 +80,6 @@ class Preflight:
 
     def fail(self, err: StateError, check_id: str) -> None:
         self.checks.append(Check(check_id, "fail", err.message, err.code, err))
-
-
-def identity_message(verdict: Verdict, where: str, for_write: bool) -> str:
-    """The sentence that explains an identity verdict (what happens, or would happen)."""
-    r, c = verdict.recorded, verdict.computed
-    record, adopt = ("recorded", "adopted") if for_write else ("a write would record", "a write would adopt")
-    return {
-        "skip": "the source URL is not known here, so no identity is compared or recorded",
-        "stamp": f"no identity recorded and no progress: {record} {c}",
-        "adopt": f"no identity recorded but the state has progress: {adopt} {c} as its source "
-                 f"(check that this state really belongs to {c})",
-        "ok": f"the state belongs to {c}",
-        "refuse": f"the state in {where} belongs to {r}, not to this config's source {c}",
-        "warn": f"the state beside the config belongs to {r}, not to this config's source {c}; "
-                "states beside configs are shared by several configs, so this goes on",
-        "report": f"the shared state records source {r}; this config's source is {c} (shared by design)",
-    }[verdict.action]
 
 
 def run_preflight(ctx: Context, *, for_write: bool = False,
@@ -226,11 +209,12 @@ def _check_identity(pf: Preflight, ctx: Context, snap: Snapshot, for_write: bool
     pf.verdict = verdict
     where = str(ctx.location.directory or ctx.location.display)
     message = identity_message(verdict, where, for_write)
+    warning = identity_warning(verdict, where, for_write)
     if verdict.action == "refuse":
         pf.fail(StateError("RIVET_STATE_FOREIGN", message, {"directory": where, "recorded": verdict.recorded,
                                                             "computed": computed}), "identity")
-    elif verdict.code in WARNINGS:
-        pf.add("identity", "warn", message, verdict.code)
+    elif warning is not None:
+        pf.add("identity", "warn", warning.message, warning.code)
     elif verdict.action == "skip":
         pf.add("identity", "skip", message)
     else:

@@ -1,12 +1,17 @@
 """Reading a state: its shape, revision, identity and per-export progress, read-only.
 
-Shared by every operation (info, check, migrate, exports): one reader, so every command
-sees a state the same way.
+Shared by every operation (info, check, migrate, exports, doctor): one reader, so every
+command sees a state the same way. Progress (SPEC §3, §5a: whether an export's next run
+resumes or is a first run) is one rule, :func:`has_progress`, over one query set: the
+statements of this module (:func:`read_snapshot`'s per-export read, :func:`resume_points`
+for ``doctor``'s indexed lookups, and the ``LIMIT 1`` probes of "any progress").
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -15,6 +20,13 @@ from statetool import migrations, schema
 from statetool.backends.base import Backend
 from statetool.backends.tombstone import IN_FLIGHT_REVISION, in_flight_error
 from statetool.errors import StateError
+
+
+def has_progress(cursor: str | None, succeeded_runs: int, chunks: int, ledger_rows: int) -> bool:
+    """THE progress rule (SPEC §3, §5a): an export has progress when the state holds its
+    cursor, a succeeded run, a chunk checkpoint or a load-ledger row (counts; any above
+    zero counts). Without progress its next run is a first run."""
+    return bool(cursor is not None or succeeded_runs or chunks or ledger_rows)
 
 
 @dataclass
@@ -35,8 +47,8 @@ class ExportProgress:
 
     @property
     def has_progress(self) -> bool:
-        """SPEC §3 progress: a cursor, a finished run, a chunk checkpoint or a ledger row."""
-        return bool(self.cursor is not None or self.runs_succeeded or self.chunks_total or self.ledger_rows)
+        """SPEC §3 progress of this export (:func:`has_progress`)."""
+        return has_progress(self.cursor, self.runs_succeeded, self.chunks_total, self.ledger_rows)
 
     def as_dict(self) -> dict[str, object]:
         """JSON shape of the export's progress."""
@@ -137,7 +149,7 @@ def _read_exports(conn: Connection, tables: frozenset[str]) -> dict[str, ExportP
     def get(name: str) -> ExportProgress:
         return out.setdefault(name, ExportProgress(name))
 
-    e, r, c = schema.exports, schema.runs, schema.chunks
+    e, r = schema.exports, schema.runs
     for row in conn.execute(sa.select(e.c.export_name, e.c.mode, e.c.cursor_value, e.c.cursor_updated_at)):
         p = get(row.export_name)
         p.mode, p.cursor, p.cursor_updated_at = row.mode, row.cursor_value, row.cursor_updated_at
@@ -158,9 +170,7 @@ def _read_exports(conn: Connection, tables: frozenset[str]) -> dict[str, ExportP
         if last is not None:
             p.last_run = dict(last._mapping)
             p.mode = p.mode or last.mode
-    chunk_counts = sa.select(c.c.export_name, sa.func.count(),
-                             sa.func.sum(sa.case((c.c.status == "done", 1), else_=0))).group_by(c.c.export_name)
-    for name, total, done in conn.execute(chunk_counts):
+    for name, total, done in conn.execute(_chunk_counts()):
         p = get(name)
         p.chunks_total, p.chunks_done = int(total), int(done or 0)
     if schema.load_ledger.name in tables:
@@ -170,8 +180,16 @@ def _read_exports(conn: Connection, tables: frozenset[str]) -> dict[str, ExportP
     return out
 
 
+def _chunk_counts() -> sa.Select[Any]:
+    """``(export_name, chunks, chunks done)`` per export: the chunk checkpoints."""
+    c = schema.chunks
+    return sa.select(c.c.export_name, sa.func.count(),
+                     sa.func.sum(sa.case((c.c.status == "done", 1), else_=0))).group_by(c.c.export_name)
+
+
 def _any_progress(conn: Connection, tables: frozenset[str]) -> bool:
-    """SPEC §3 progress anywhere in the state, by ``LIMIT 1`` probes (no full scan)."""
+    """:func:`has_progress` of any export, by one ``LIMIT 1`` probe per fact of the rule
+    (a cursor, a succeeded run, a chunk checkpoint, a ledger row): no full scan."""
     probes = [
         sa.select(schema.exports.c.export_name).where(schema.exports.c.cursor_value.is_not(None)),
         sa.select(schema.runs.c.run_id).where(schema.runs.c.status == "succeeded"),
@@ -180,6 +198,94 @@ def _any_progress(conn: Connection, tables: frozenset[str]) -> bool:
     if schema.load_ledger.name in tables:
         probes.append(sa.select(schema.load_ledger.c.id))
     return any(conn.execute(probe.limit(1)).first() is not None for probe in probes)
+
+
+@dataclass
+class ResumePoint:
+    """What one export's next run resumes from (SPEC §5a), as ``doctor`` reads it: its
+    cursor and when it was set, the ``finished_at`` of its last succeeded run, its chunk
+    checkpoints, whether the load ledger holds a row of it. Times are ISO-8601 UTC text."""
+
+    cursor: str | None = None
+    cursor_updated_at: str | None = None
+    succeeded: bool = False
+    last_success: str | None = None
+    chunks_total: int = 0
+    chunks_done: int = 0
+    ledger: bool = False
+
+    @property
+    def chunks_pending(self) -> int:
+        """Chunk checkpoints not yet done."""
+        return self.chunks_total - self.chunks_done
+
+    @property
+    def has_progress(self) -> bool:
+        """SPEC §3 progress of this export (:func:`has_progress`)."""
+        return has_progress(self.cursor, int(self.succeeded), self.chunks_total, int(self.ledger))
+
+
+#: Export names per lookup statement (bind parameters stay far below every backend's limit).
+_BATCH = 500
+
+
+def resume_points(conn: Connection, tables: frozenset[str], names: list[str]) -> dict[str, ResumePoint]:
+    """Per export of ``names``, only what a first-run verdict needs, by indexed lookups
+    (fast on large states): the cursor row, the chunk counts, and per batch of names one
+    statement for the last succeeded run (a backward scan of ``ix_rivet_runs_export_started``)
+    and whether a ledger row exists. ``tables`` are the state's (the ledger is optional)."""
+    e, r = schema.exports, schema.runs
+    out = {name: ResumePoint() for name in names}
+    for row in conn.execute(sa.select(e.c.export_name, e.c.cursor_value, e.c.cursor_updated_at)):
+        if row.export_name in out:
+            out[row.export_name].cursor, out[row.export_name].cursor_updated_at = row.cursor_value, row.cursor_updated_at
+    for name, total, done in conn.execute(_chunk_counts()):
+        if name in out:
+            out[name].chunks_total, out[name].chunks_done = int(total), int(done or 0)
+    with_ledger = schema.load_ledger.name in tables
+    for start in range(0, len(names), _BATCH):
+        batch = names[start:start + _BATCH]
+        values = ", ".join(f"(:n{i})" for i in range(len(batch)))
+        ledger = (f", EXISTS (SELECT 1 FROM {schema.load_ledger.name} AS l WHERE l.export_name = names.name)"
+                  if with_ledger else "")
+        succeeded = f"FROM {r.name} AS r WHERE r.export_name = names.name AND r.status = 'succeeded'"
+        query = sa.text(
+            f"WITH names(name) AS (VALUES {values}) "
+            f"SELECT names.name, (SELECT r.finished_at {succeeded} ORDER BY r.started_at DESC LIMIT 1), "
+            f"EXISTS (SELECT 1 {succeeded}){ledger} FROM names")
+        for row in conn.execute(query, {f"n{i}": name for i, name in enumerate(batch)}):
+            point = out[row[0]]
+            point.last_success, point.succeeded = row[1], bool(row[2])
+            point.ledger = bool(row[3]) if with_ledger else False
+    return out
+
+
+def last_resets(conn: Connection, tables: frozenset[str]) -> dict[str, dict[str, Any]]:
+    """``{export: {at, by, detail}}``: the latest ``exports.reset`` audit row of each export
+    (a reset clears its progress), in one pass over those rows; ``{}`` without an audit table."""
+    if schema.audit.name not in tables:
+        return {}
+    a = schema.audit
+    found: dict[str, dict[str, Any]] = {}
+    for row in conn.execute(sa.select(a.c.at, a.c.actor, a.c.detail).where(a.c.action == "exports.reset")
+                            .order_by(a.c.id.desc())):
+        try:
+            detail = json.loads(row.detail)
+        except ValueError:
+            continue
+        name = detail.get("export") if isinstance(detail, dict) else None
+        if isinstance(name, str) and name not in found:
+            found[name] = {"at": row.at, "by": row.actor, "detail": detail}
+    return found
+
+
+def activity(conn: Connection) -> tuple[str | None, int]:
+    """``(finished_at of the latest run, how many exports have a cursor)``: what tells two
+    candidate states apart (``doctor``'s state search)."""
+    last = conn.execute(sa.select(sa.func.max(schema.runs.c.finished_at))).scalar()
+    cursors = conn.execute(sa.select(sa.func.count()).select_from(schema.exports)
+                           .where(schema.exports.c.cursor_value.is_not(None))).scalar()
+    return last, int(cursors or 0)
 
 
 def recorded_key(conn: Connection) -> str | None:

@@ -33,9 +33,10 @@ from sqlalchemy.engine import Connection
 from statetool import migrations, schema
 from statetool.backends.base import HeldLease
 from statetool.errors import StateError, StateWarning
+from statetool.identity import identity_warning
 from statetool.operations.context import Context, now_iso
 from statetool.operations.leasing import acquire, hold_whole_state, run_lease_key
-from statetool.operations.preflight import Preflight, identity_message, require, run_preflight
+from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import Snapshot
 from statetool.redact import redact_text, redact_values
 
@@ -118,10 +119,9 @@ class WriteSession:
             return []
         if verdict.writes:
             self.record_identity(verdict.computed, verdict.action)
-        if verdict.code in ("RIVET_STATE_IDENTITY_ADOPTED", "RIVET_STATE_FOREIGN_BESIDE_CONFIG"):
-            where = str(self.ctx.location.directory or self.ctx.location.display)
-            return [StateWarning(verdict.code, identity_message(verdict, where, for_write=True))]
-        return []
+        warning = identity_warning(verdict, str(self.ctx.location.directory or self.ctx.location.display),
+                                   for_write=True)
+        return [] if warning is None else [warning]
 
     def fence(self, *, final: bool = False) -> None:
         """Raise ``RIVET_STATE_LEASE_LOST`` unless every lease of this write is still held."""
