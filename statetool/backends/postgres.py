@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.pool import NullPool
 
+from statetool import migrations
 from statetool.backends.base import Progress
 from statetool.backends.postgres_faults import driver_error, ident, rights_problem
 from statetool.errors import StateError
@@ -37,6 +38,19 @@ class PostgresBackend:
     """A PostgreSQL state schema. See the module docstring."""
 
     dialect_name = "postgresql"
+
+    # -- capabilities (the reasons: backends/base.py) ------------------------------------
+    #: A DBA may run the DDL of a migration by hand (alembic offline mode, ``migrate --sql``).
+    supports_offline_sql = True
+    #: The server keeps its own pages consistent; there is no ``quick_check`` to run.
+    checks_integrity = False
+
+    def offline_sql(self, current: str | None, target: str, direction: str, *, stamp: str | None = None) -> str:
+        """The DDL from ``current`` to ``target`` in this schema (see :class:`~statetool.backends.base.Backend`)."""
+        text = migrations.offline_stamp_sql(self.dialect_name, self.schema, stamp) if stamp else ""
+        if direction != "none":
+            text += migrations.offline_sql(self.dialect_name, self.schema, current, target, direction)
+        return text
 
     def __init__(self, location: Location, lock_wait: float) -> None:
         assert location.url is not None and location.schema is not None

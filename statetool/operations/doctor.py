@@ -26,7 +26,7 @@ from statetool.backends.tombstone import read_tombstone
 from statetool.config import Export
 from statetool.errors import REGISTRY, WARNINGS, StateError, unit_failure, worst
 from statetool.identity import identity_verdict
-from statetool.location import LEASE_DIR, STATE_FILE, Location, checkpoint_relative_message, resolve_checkpoint
+from statetool.location import ENV_VAR, LEASE_DIR, STATE_FILE, Location, checkpoint_relative_message, resolve_checkpoint
 from statetool.operations.context import Context
 from statetool.operations.probe import Snapshot, read_snapshot
 
@@ -402,10 +402,10 @@ def doctor(ctx: Context, export: str | None = None) -> DoctorResult:
             raise StateError("RIVET_EXPORT_UNKNOWN", f"export '{export}' is not in {config.path}")
     state: dict[str, Any] = {
         "location": location.as_dict(),
-        "set_by": {"default": "nothing (the default: beside the config)", "env": "RIVET_STATE_URL",
+        "set_by": {"default": "nothing (the default: beside the config)", "env": ENV_VAR,
                    "flag": "--state-url"}[location.origin],
-        "every_task_must_share": f"RIVET_STATE_URL={location.state_url}" if location.state_url
-        else "RIVET_STATE_URL unset (or empty) and the same config path",
+        "every_task_must_share": f"{ENV_VAR}={location.state_url}" if location.state_url
+        else f"{ENV_VAR} unset (or empty) and the same config path",
     }
     state_reasons = _directory_reasons(location)
     header = _header(location)
