@@ -2,13 +2,15 @@
 
 statetool drives alembic programmatically (statetool/migrations.py): the caller opens
 the connection and the transaction, and passes them in ``config.attributes``; this file
-only configures the context. The version table is ``rivet_state_version`` on every path
-(online, offline ``--sql``, stamping, downgrade), never ``alembic_version`` (SPEC §10).
+only configures the context. The version table is ``statetool.schema.VERSION_TABLE`` on
+every path (online, offline ``--sql``, stamping, downgrade), never ``alembic_version``
+(SPEC §10). This file runs from ``statetool/_alembic`` in the wheel and from ``alembic/``
+in a checkout; both import the installed ``statetool`` package.
 """
 
 from alembic import context
 
-VERSION_TABLE = "rivet_state_version"
+from statetool.schema import VERSION_TABLE
 
 config = context.config
 schema = config.attributes.get("schema")

@@ -5,7 +5,6 @@ Revises: ${down_revision | comma,n}
 """
 
 import sqlalchemy as sa
-from alembic import op
 
 revision = ${repr(up_revision)}
 down_revision = ${repr(down_revision)}
@@ -19,8 +18,14 @@ DOWNGRADE_LOSES: dict[str, str | None] = {}
 
 
 def upgrade() -> None:
+    # Imported here, not at the top: statetool imports this module to read its constants
+    # (statetool/migrations.py), and `check` and `info` must not load alembic.
+    from alembic import op
+
     ${upgrades if upgrades else "pass"}
 
 
 def downgrade() -> None:
+    from alembic import op
+
     ${downgrades if downgrades else "pass"}

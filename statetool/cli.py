@@ -1,8 +1,12 @@
 """The command line: parse, call one operation, render (SPEC §8).
 
 Start-up stays light: only typer and the error registry load here; each command imports
-its operation (SQLAlchemy, alembic, psycopg, rich) when it runs, so ``statetool --help``
-costs about what ``import typer`` does.
+its operation (SQLAlchemy, psycopg, alembic where the schema changes) and
+``statetool.render`` (rich: loaded under ``--json`` too, though it formats none of that
+output) when it runs, so ``statetool --help`` costs about what ``import typer`` does.
+
+Each option more than one command takes is declared once, as an ``Annotated`` alias below
+(STYLE §3); the global options are declared once in :func:`main_options`.
 """
 
 import os
@@ -31,6 +35,13 @@ leases_app = typer.Typer(rich_markup_mode=None, help="Who holds which lease; rel
 app.add_typer(identity_app, name="identity")
 app.add_typer(exports_app, name="exports")
 app.add_typer(leases_app, name="leases")
+
+#: ``--dry-run`` of every command that can plan a change (migrate, relocate, transfer).
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")]
+#: ``--reason`` of every audited change that asks why (identity rekey, leases release).
+Reason = Annotated[str, typer.Option("--reason", help="Why, for the audit row.")]
+#: The export a command of the ``exports`` group acts on.
+ExportName = Annotated[str, typer.Argument(help="Export name.")]
 
 
 @dataclass
@@ -107,7 +118,7 @@ def _g(ctx: typer.Context) -> Globals:
 
 
 def _emit(g: Globals, doc: dict[str, Any], human: Any) -> None:
-    if g.json:  # one JSON document on stdout; rich is not even imported
+    if g.json:  # one JSON document on stdout, written by json: rich formats none of it
         import json
 
         sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
@@ -187,7 +198,7 @@ def init(ctx: typer.Context) -> None:
 def migrate(
     ctx: typer.Context,
     to: Annotated[str | None, typer.Option("--to", help="Target revision (default head); lower moves down.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
+    dry_run: DryRun = False,
     sql: Annotated[bool, typer.Option("--sql", help="Print the SQL for a DBA (PostgreSQL); change nothing.")] = False,
     allow_data_loss: Annotated[bool, typer.Option("--allow-data-loss",
                                                   help="Let a downgrade drop the data it names.")] = False,
@@ -206,7 +217,7 @@ def relocate(
     ctx: typer.Context,
     to: Annotated[str, typer.Option("--to", help="Absolute directory to move the SQLite state into.")],
     create_dir: Annotated[bool, typer.Option("--create-dir", help="Create the target directory.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
+    dry_run: DryRun = False,
     full_verify: Annotated[bool, typer.Option("--full-verify",
                                               help="integrity_check the copy (slow: about 20 s per GiB).")] = False,
 ) -> None:
@@ -227,7 +238,7 @@ def transfer(
     to_env: Annotated[str | None, typer.Option("--to-env", metavar="NAME", show_default=False,
                                                help="Read the destination URL from environment variable NAME "
                                                     "(keeps a password out of the process list).")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
+    dry_run: DryRun = False,
 ) -> None:
     """Move a SQLite state into PostgreSQL: one transaction, verified, the old place retired."""
     from statetool import render
@@ -283,7 +294,7 @@ def identity_rekey(
     ctx: typer.Context,
     old: Annotated[str, typer.Option("--old", help="The key recorded now (exactly).")],
     new: Annotated[str | None, typer.Option("--new", help="The new key (default: this config's).")] = None,
-    reason: Annotated[str, typer.Option("--reason", help="Why, for the audit row.")] = "",
+    reason: Reason = "",
 ) -> None:
     """Deliberately change the recorded key (the source moved); audited."""
     from statetool import render
@@ -305,7 +316,7 @@ def exports_list(ctx: typer.Context) -> None:
 
 
 @exports_app.command("show")
-def exports_show(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Export name.")]) -> None:
+def exports_show(ctx: typer.Context, name: ExportName) -> None:
     """One export's progress and its recent runs."""
     from statetool import render
     from statetool.operations.inspect import export_show
@@ -315,7 +326,7 @@ def exports_show(ctx: typer.Context, name: Annotated[str, typer.Argument(help="E
 
 
 @exports_app.command("set-cursor")
-def exports_set_cursor(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Export name.")],
+def exports_set_cursor(ctx: typer.Context, name: ExportName,
                        value: Annotated[str, typer.Argument(help="The new cursor value.")]) -> None:
     """Rewind or advance an export's cursor on purpose (backup and audit row first)."""
     from statetool import render
@@ -326,7 +337,7 @@ def exports_set_cursor(ctx: typer.Context, name: Annotated[str, typer.Argument(h
 
 
 @exports_app.command("reset")
-def exports_reset(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Export name.")]) -> None:
+def exports_reset(ctx: typer.Context, name: ExportName) -> None:
     """Make an export's next run a FIRST RUN on purpose (backup and audit row first)."""
     from statetool import render
     from statetool.operations.exports import reset
@@ -356,7 +367,7 @@ def leases_list(ctx: typer.Context) -> None:
 def leases_release(
     ctx: typer.Context,
     key: Annotated[str, typer.Argument(help="Lease key, e.g. chunk-run:orders.")],
-    reason: Annotated[str, typer.Option("--reason", help="Why, for the audit row.")] = "",
+    reason: Reason = "",
 ) -> None:
     """Release a STALE lease (audited); a live holder is refused."""
     from statetool import render
@@ -426,7 +437,7 @@ def _print_traceback() -> None:
 
 def _fail(error: StateError, json_errors: bool) -> NoReturn:
     try:
-        if json_errors:  # one line on stderr, without loading rich
+        if json_errors:  # one line on stderr, written by json: no rich markup or wrapping
             import json
 
             from statetool.errors import error_object

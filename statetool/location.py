@@ -17,6 +17,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 from statetool.errors import StateError
 from statetool.redact import mask_userinfo, redact_text, redact_url, remember_secrets, userinfo_problem
 
+#: The SQLite state file's name, beside the config or in a declared directory (SPEC §1).
 STATE_FILE = ".rivet_state.db"
 #: The folder of SQLite lease sidecars beside the state file (SPEC §5, §10).
 LEASE_DIR = ".rivet_state.leases"
@@ -30,10 +31,13 @@ def lease_file_name(key: str) -> str:
     percent-encoded (``.`` and ``/`` too), so no key can name ``..``, a path or a hidden file.
     May be longer than :data:`MAX_LEASE_FILE_NAME`: callers refuse such keys."""
     return "".join(ch if ch in _LEASE_NAME_SAFE else "".join(f"%{b:02X}" for b in ch.encode()) for ch in key)
+
+
 #: The pipeline config read when no --config/-c is given (SPEC §2).
 DEFAULT_CONFIG = "rivet.yaml"
-LEASES_DIR = ".rivet_state.leases"
+#: The environment variable that selects the state (SPEC §1).
 ENV_VAR = "RIVET_STATE_URL"
+#: The PostgreSQL schema of a state whose URL names none (SPEC §1).
 DEFAULT_SCHEMA = "rivet_state"
 
 ACCEPTED_FORMS = (

@@ -2,17 +2,19 @@
 
 The revisions live in ``alembic/`` at the top of the source tree and ship inside the
 wheel as ``statetool/_alembic`` (pyproject.toml), so a plain ``pip install .`` can
-migrate. Every path uses the version table ``rivet_state_version`` (alembic/env.py).
+migrate. Every path uses the version table :data:`statetool.schema.VERSION_TABLE`
+(alembic/env.py).
 """
 
 from __future__ import annotations
 
-import ast
 import functools
+import importlib.util
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from statetool.errors import StateError
@@ -43,25 +45,32 @@ class Revision:
         return {"id": self.id, "description": self.description}
 
 
+def _load(path: Path) -> ModuleType:
+    """Run one revision file as a module of its own, kept out of ``sys.modules`` (alembic
+    loads its own copy when it migrates). Importing a revision loads SQLAlchemy, never
+    alembic: each revision imports ``op`` inside its functions."""
+    spec = importlib.util.spec_from_file_location(f"_rivet_revision_{path.stem}", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @functools.cache
 def revisions() -> tuple[Revision, ...]:
     """Every revision, oldest first (a single line of history: no branches).
 
-    Read from the revision files' text (their module-level constants and docstring),
-    without importing alembic: ``check`` and ``info`` need the list, not the engine.
+    Read from the revision modules' own values (``revision``, ``down_revision``,
+    ``UPGRADE_REBUILDS``, ``DOWNGRADE_LOSES``, the first line of the docstring), without
+    importing alembic: ``check`` and ``info`` need the list, not the engine
+    (docs/decisions.md, "Reading the revision graph").
     """
     found: dict[str, Revision] = {}
     for path in sorted((script_location() / "versions").glob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        values: dict[str, Any] = {}
-        for node in tree.body:
-            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
-                node.target if isinstance(node, ast.AnnAssign) else None
-            if isinstance(target, ast.Name) and node.value is not None:  # type: ignore[union-attr]
-                values[target.id] = ast.literal_eval(node.value)  # type: ignore[union-attr, arg-type]
-        doc = (ast.get_docstring(tree) or "").strip()
-        rev = Revision(values["revision"], doc.splitlines()[0] if doc else "", values["down_revision"],
-                       tuple(values.get("UPGRADE_REBUILDS", ())), dict(values.get("DOWNGRADE_LOSES", {})))
+        module = _load(path)
+        doc = (module.__doc__ or "").strip()
+        rev = Revision(module.revision, doc.splitlines()[0] if doc else "", module.down_revision,
+                       tuple(getattr(module, "UPGRADE_REBUILDS", ())), dict(getattr(module, "DOWNGRADE_LOSES", {})))
         found[rev.id] = rev
     ordered: list[Revision] = []
     parent: str | None = None
@@ -157,7 +166,7 @@ def apply(connection: Any, target: str, schema: str | None, direction: str,
 
 
 def stamp(connection: Any, revision: str, schema: str | None) -> None:
-    """Write ``revision`` into ``rivet_state_version`` without running it (legacy states)."""
+    """Write ``revision`` into the version table without running it (legacy states)."""
     from alembic import command
 
     command.stamp(_config(schema, connection=connection), revision)

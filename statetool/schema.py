@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+#: The version table of every path (online, offline ``--sql``, stamping), never alembic's
+#: default ``alembic_version`` (SPEC §10); alembic/env.py reads it from here.
 VERSION_TABLE = "rivet_state_version"
+#: The PostgreSQL lease table (revision 0002) and the last fencing token of every key
+#: (revision 0004); raw SQL in backends/postgres_leases.py, so no Core table here.
+LEASE_TABLE = "rivet_leases"
+LEASE_TOKENS_TABLE = "rivet_lease_tokens"
+LEASE_TABLES = frozenset({LEASE_TABLE, LEASE_TOKENS_TABLE})
 
 metadata = sa.MetaData()
 
@@ -91,7 +98,6 @@ audit = sa.Table(
 
 #: The tables of the early state (revision 0001): their presence without a version
 #: table is what makes a *legacy* state (SPEC §4).
-LEGACY_TABLES = frozenset({"rivet_exports", "rivet_runs", "rivet_chunks"})
+LEGACY_TABLES = frozenset({exports.name, runs.name, chunks.name})
 #: Every table name the state schema has ever had, for "a database of another application".
-STATE_TABLES = frozenset(t.name for t in metadata.sorted_tables) | {"rivet_leases", "rivet_lease_tokens",
-                                                                    VERSION_TABLE}
+STATE_TABLES = frozenset(t.name for t in metadata.sorted_tables) | LEASE_TABLES | {VERSION_TABLE}

@@ -563,6 +563,26 @@ def test_sql_on_sqlite_is_refused_and_changes_nothing(tmp_path: Path, revision: 
     assert state_files(target) == digest
 
 
+def test_the_revision_graph_is_what_alembic_reads_and_reading_it_loads_no_alembic() -> None:
+    """``check`` and ``info`` need the list of revisions, not the engine: a fresh process
+    that reads it has imported no alembic module, and the list (ids, parents, descriptions,
+    what each step rebuilds and drops) is the one alembic's own script directory reads."""
+    code = ("import json, sys; from statetool import migrations; "
+            "revs = [[r.id, r.down, r.description, list(r.rebuilds), r.loses] for r in migrations.revisions()]; "
+            "print(json.dumps({'revisions': revs, 'alembic': sorted(m for m in sys.modules if m.split('.')[0] == 'alembic')}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, describe(proc)
+    doc = json.loads(proc.stdout)
+    assert doc["alembic"] == [], doc["alembic"]
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory(str(migrations.script_location()))
+    expected = [[s.revision, s.down_revision, s.doc, list(s.module.UPGRADE_REBUILDS), s.module.DOWNGRADE_LOSES]
+                for s in reversed(list(script.walk_revisions()))]
+    assert doc["revisions"] == expected
+    assert doc["revisions"][-1][0] == HEAD
+
+
 def test_migrate_refuses_a_missing_state_points_to_init_and_creates_nothing(target: Target) -> None:
     digest = state_files(target)
     proc = cli(target, "migrate")

@@ -9,7 +9,6 @@ Revises:
 """
 
 import sqlalchemy as sa
-from alembic import op
 
 revision = "0001"
 down_revision = None
@@ -27,6 +26,10 @@ DOWNGRADE_LOSES: dict[str, str | None] = {
 
 
 def upgrade() -> None:
+    # Imported here, not at the top: statetool imports this module to read its constants
+    # (statetool/migrations.py), and `check` and `info` must not load alembic.
+    from alembic import op
+
     op.create_table(
         "rivet_exports",
         sa.Column("export_name", sa.Text, primary_key=True),
@@ -61,6 +64,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    from alembic import op
+
     op.drop_table("rivet_chunks")
     op.drop_table("rivet_runs")
     op.drop_table("rivet_exports")

@@ -10,7 +10,6 @@ Revises: 0001
 """
 
 import sqlalchemy as sa
-from alembic import op
 
 revision = "0002"
 down_revision = "0001"
@@ -29,6 +28,10 @@ DOWNGRADE_LOSES: dict[str, str | None] = {
 
 
 def upgrade() -> None:
+    # Imported here, not at the top: statetool imports this module to read its constants
+    # (statetool/migrations.py), and `check` and `info` must not load alembic.
+    from alembic import op
+
     with op.batch_alter_table("rivet_runs", recreate="auto") as batch:
         batch.alter_column("rows", type_=sa.BigInteger, existing_nullable=False, existing_server_default="0")
         batch.alter_column("files", type_=sa.BigInteger, existing_nullable=False, existing_server_default="0")
@@ -69,6 +72,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    from alembic import op
+
     if op.get_context().dialect.name == "postgresql":
         op.drop_table("rivet_leases")
     op.drop_table("rivet_load_ledger")

@@ -9,7 +9,6 @@ Revises: 0002
 """
 
 import sqlalchemy as sa
-from alembic import op
 
 revision = "0003"
 down_revision = "0002"
@@ -23,6 +22,10 @@ DOWNGRADE_LOSES: dict[str, str | None] = {"rivet_identity": None, "rivet_audit":
 
 
 def upgrade() -> None:
+    # Imported here, not at the top: statetool imports this module to read its constants
+    # (statetool/migrations.py), and `check` and `info` must not load alembic.
+    from alembic import op
+
     op.create_table(
         "rivet_identity",
         sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
@@ -43,5 +46,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    from alembic import op
+
     op.drop_table("rivet_audit")
     op.drop_table("rivet_identity")

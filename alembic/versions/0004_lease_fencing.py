@@ -13,7 +13,6 @@ Revises: 0003
 """
 
 import sqlalchemy as sa
-from alembic import op
 
 revision = "0004"
 down_revision = "0003"
@@ -28,6 +27,10 @@ DOWNGRADE_LOSES: dict[str, str | None] = {}
 
 
 def upgrade() -> None:
+    # Imported here, not at the top: statetool imports this module to read its constants
+    # (statetool/migrations.py), and `check` and `info` must not load alembic.
+    from alembic import op
+
     if op.get_context().dialect.name != "postgresql":
         return
     op.add_column("rivet_leases", sa.Column("fencing_token", sa.BigInteger))
@@ -42,6 +45,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    from alembic import op
+
     if op.get_context().dialect.name != "postgresql":
         return
     op.drop_table("rivet_lease_tokens")

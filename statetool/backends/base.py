@@ -138,10 +138,29 @@ class Backend(Protocol):
     """A state store at one :class:`~statetool.location.Location`."""
 
     location: Location
-    #: SQLAlchemy dialect name: ``"sqlite"`` or ``"postgresql"``.
+    #: SQLAlchemy dialect name: ``"sqlite"`` or ``"postgresql"``; for the backends and the
+    #: alembic glue only: code above asks the capabilities below instead.
     dialect_name: str
     #: The PostgreSQL schema of the state, None for SQLite.
     schema: str | None
+
+    # -- capabilities: each difference that code above the backends acts on, named once with
+    # its reason (alembic's ``DefaultImpl`` attributes); nothing above compares dialect names.
+
+    #: :meth:`offline_sql` can print the DDL of a migration for a DBA to run (alembic's
+    #: offline mode). False where the state is one file changed in place after a verified
+    #: backup (SQLite): there is no DDL script to hand over.
+    supports_offline_sql: bool
+    #: :meth:`integrity_problems` runs a real check of the stored pages (SQLite
+    #: ``quick_check``). False where the server keeps its pages consistent itself
+    #: (PostgreSQL): the pre-flight row then says "server-managed".
+    checks_integrity: bool
+
+    def offline_sql(self, current: str | None, target: str, direction: str, *, stamp: str | None = None) -> str:
+        """The SQL that moves the state from ``current`` to ``target`` (``direction`` as
+        :func:`statetool.migrations.steps` names it), preceded, when ``stamp`` names a
+        revision, by the SQL that creates the version table at it (a legacy state). Only where
+        :attr:`supports_offline_sql`; elsewhere raises ``RIVET_STATE_SQL_UNSUPPORTED``."""
 
     def present(self) -> bool:
         """True when anything is at the location: the file exists (SQLite), or the schema

@@ -48,6 +48,19 @@ class PostgresBackend:
     #: Never a transfer's source: a PostgreSQL state is already where a transfer leads.
     sends_transfer = False
 
+    # -- capabilities (the reasons: backends/base.py) ------------------------------------
+    #: A DBA may run the DDL of a migration by hand (alembic offline mode, ``migrate --sql``).
+    supports_offline_sql = True
+    #: The server keeps its own pages consistent; there is no ``quick_check`` to run.
+    checks_integrity = False
+
+    def offline_sql(self, current: str | None, target: str, direction: str, *, stamp: str | None = None) -> str:
+        """The DDL from ``current`` to ``target`` in this schema (see :class:`~statetool.backends.base.Backend`)."""
+        text = migrations.offline_stamp_sql(self.dialect_name, self.schema, stamp) if stamp else ""
+        if direction != "none":
+            text += migrations.offline_sql(self.dialect_name, self.schema, current, target, direction)
+        return text
+
     def __init__(self, location: Location, lock_wait: float) -> None:
         assert location.url is not None and location.schema is not None
         self.location = location

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from statetool.errors import StateError
-from statetool.schema import STATE_TABLES
+from statetool.schema import LEASE_TABLES, STATE_TABLES, VERSION_TABLE, audit
 
 #: SQLSTATEs of a refused login (invalid_password, invalid_authorization_specification).
 _AUTH_STATES = {"28P01", "28000"}
@@ -119,8 +119,8 @@ class _Need:
 #: run``, a run): the write rights on the two lease tables only.
 NEEDS = {"read": _Need("read"), "write": _Need("write", write=True),
          "migrate": _Need("migrate", write=True, ddl=True), "create": _Need("create", write=True, create=True),
-         "lease": _Need("hold a lease of", write=True, tables=frozenset({"rivet_leases", "rivet_lease_tokens"}))}
-_APPEND_ONLY = {"rivet_audit": ("SELECT", "INSERT"), "rivet_state_version": ("SELECT",)}
+         "lease": _Need("hold a lease of", write=True, tables=LEASE_TABLES)}
+_APPEND_ONLY = {audit.name: ("SELECT", "INSERT"), VERSION_TABLE: ("SELECT",)}
 _DML = ("SELECT", "INSERT", "UPDATE", "DELETE")
 
 

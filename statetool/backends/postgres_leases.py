@@ -41,6 +41,7 @@ from statetool.backends.base import HeldLease, Holder, LeaseInfo
 from statetool.backends.postgres_faults import driver_error, rights_problem
 from statetool.backends.processes import alive
 from statetool.errors import StateError
+from statetool.schema import LEASE_TABLE
 
 DEFAULT_TTL = 30
 #: SQLSTATE lock_not_available: lock_timeout ran out, or NOWAIT found the row locked.
@@ -203,7 +204,7 @@ class RowLeases:
                 "WHERE n.nspname = :s AND c.relkind IN ('r', 'p')"), {"s": schema}).scalars())
             if not tables:
                 raise StateError("RIVET_STATE_MISSING", "no state here: the state schema holds no table")
-            if "rivet_leases" not in tables:
+            if LEASE_TABLE not in tables:
                 raise StateError("RIVET_STATE_MIGRATION_PENDING",
                                  "this state has no lease table (revision 0002); run statetool migrate")
             problem = rights_problem(conn, str(schema), "lease", self.where)

@@ -98,6 +98,18 @@ class SqliteBackend:
     dialect_name = "sqlite"
     schema = None
 
+    # -- capabilities (the reasons: backends/base.py) ------------------------------------
+    #: The state is one file, migrated in place after a verified backup: no DDL script to
+    #: hand a DBA, so ``migrate --sql`` is refused.
+    supports_offline_sql = False
+    #: ``PRAGMA quick_check`` reads every page of the file.
+    checks_integrity = True
+
+    def offline_sql(self, current: str | None, target: str, direction: str, *, stamp: str | None = None) -> str:
+        """Raises ``RIVET_STATE_SQL_UNSUPPORTED``: see :attr:`supports_offline_sql`."""
+        raise StateError("RIVET_STATE_SQL_UNSUPPORTED", f"{self.path} is a SQLite state, changed in place: "
+                         "it has no offline SQL")
+
     def __init__(self, location: Location, lock_wait: float) -> None:
         assert location.path is not None
         self.location = location
@@ -585,7 +597,7 @@ class SqliteBackend:
         found += [str(p) for p in sorted(directory.glob(f"{self.path.name}.relocated-*"))]
         found += [str(p) for p in sorted(directory.glob(f"{self.path.name}.backup-*")) if not p.name.endswith(".tmp")]
         if self.leases().list():
-            found.append(f"lease records in {directory / '.rivet_state.leases'}")
+            found.append(f"lease records in {directory / LEASE_DIR}")
         return found
 
     def leases(self, ttl: int = 30) -> FlockLeases:

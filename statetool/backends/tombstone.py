@@ -46,6 +46,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from statetool.errors import StateError
+from statetool.location import STATE_FILE
 from statetool.redact import redact_values
 
 MAGIC = b"RIVET-STATE-RELOCATED\n"
@@ -82,7 +83,7 @@ def read_tombstone(path: Path) -> dict[str, Any] | None:
 def write_tombstone_tmp(directory: Path, doc: dict[str, Any]) -> Path:
     """Write a tombstone to a temporary file in ``directory``, fsynced; the caller renames
     it over the state file (one atomic step). Every string of ``doc`` is redacted (SPEC §7)."""
-    tmp = directory / f".rivet_state.db.tombstone-{os.getpid()}.tmp"
+    tmp = directory / f"{STATE_FILE}.tombstone-{os.getpid()}.tmp"
     refuse_unsafe(tmp)
     tmp.unlink(missing_ok=True)  # a regular file an earlier process of this pid left
     try:

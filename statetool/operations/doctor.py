@@ -32,7 +32,7 @@ from statetool.backends.mounts import mount_of
 from statetool.config import Export
 from statetool.errors import EXIT_CODES, REGISTRY, WARNINGS, StateError, StateWarning, unit_failure, worst
 from statetool.identity import identity_message, identity_verdict, identity_warning
-from statetool.location import Location, resolve_checkpoint
+from statetool.location import ENV_VAR, Location, resolve_checkpoint
 from statetool.operations.checkpoints import checkpoint_warning
 from statetool.operations.context import Context
 from statetool.operations.probe import ResumePoint, Snapshot, last_resets, read_snapshot, resume_points
@@ -256,10 +256,10 @@ def _where(location: Location) -> dict[str, Any]:
     """Step 2: the location, what set it, and the setting every task must share."""
     return {
         "location": location.as_dict(),
-        "set_by": {"default": "nothing (the default: beside the config)", "env": "RIVET_STATE_URL",
+        "set_by": {"default": "nothing (the default: beside the config)", "env": ENV_VAR,
                    "flag": "--state-url"}[location.origin],
-        "every_task_must_share": f"RIVET_STATE_URL={location.state_url}" if location.state_url
-        else "RIVET_STATE_URL unset (or empty) and the same config path",
+        "every_task_must_share": f"{ENV_VAR}={location.state_url}" if location.state_url
+        else f"{ENV_VAR} unset (or empty) and the same config path",
     }
 
 

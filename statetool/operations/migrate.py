@@ -30,8 +30,7 @@ MIGRATION_COPIES = 3
 #: Tables left out of the before/after row-count comparison: those a migration writes to
 #: itself, and the lease tables, which runs and heartbeats change while it runs (their own
 #: guard is the fence of the migration's leases, checked before the commit).
-_WRITTEN_BY_MIGRATE = {schema.identity.name, schema.audit.name, schema.VERSION_TABLE, "rivet_leases",
-                       "rivet_lease_tokens"}
+_WRITTEN_BY_MIGRATE = {schema.identity.name, schema.audit.name, schema.VERSION_TABLE, *schema.LEASE_TABLES}
 
 
 @dataclass
@@ -97,7 +96,7 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     ``RIVET_STATE_MIGRATION_LOCKED`` (another writer past ``--lock-wait``) and
     ``RIVET_STATE_VERIFY_FAILED`` (rolled back). ``dry_run`` and ``sql`` write nothing.
     """
-    if sql and ctx.location.backend == "sqlite":  # whatever the state holds: the answer is the same
+    if sql and not ctx.backend().supports_offline_sql:  # whatever the state holds: the answer is the same
         raise StateError("RIVET_STATE_SQL_UNSUPPORTED", "--sql prints PostgreSQL DDL; this state is SQLite")
     pf = run_preflight(ctx, for_write=True, progress=False)
     missing = next((c for c in pf.failures if c.code == "RIVET_STATE_MISSING"), None)
@@ -122,12 +121,7 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
         result.message = f"already at {target}; nothing to do"
         return result
     if sql:
-        text = ""
-        if snap.legacy:
-            text = migrations.offline_stamp_sql(backend.dialect_name, backend.schema, current)
-        if direction != "none":
-            text += migrations.offline_sql(backend.dialect_name, backend.schema, current, target, direction)
-        result.sql = text
+        result.sql = backend.offline_sql(current, target, direction, stamp=current if snap.legacy else None)
         result.message = "SQL printed; nothing was changed"
         return result
     if dry_run:

@@ -1,9 +1,14 @@
-"""Pre-flight: the ordered checks of SPEC §1-§4, read-only, reused by every command.
+"""Pre-flight: the ordered checks of SPEC §1-§4, read-only: one list for ``check``, the read
+commands and every write path.
 
-``check`` reports every row; ``migrate``, ``init``, ``identity`` and ``exports`` run the
-same list and stop at the first failure, so a guard is written once and every write
-path passes through it. Nothing is written here: the state is read on a connection
-that creates no file (SQLite) or a read-only transaction (PostgreSQL).
+``check`` reports every row and the read commands describe the state with them; every
+write path (``migrate``, ``identity``, ``exports``, ``leases release``, ``relocate``,
+``transfer`` and the runtime's ``StateStore``, through :mod:`~statetool.operations.writes`)
+runs the same list and stops at the first failure, so a guard is written once. ``init``
+does not run it: it refuses anything already at the location
+(``RIVET_STATE_TARGET_NOT_EMPTY``) and builds a new state. Nothing is written here: the
+state is read on a connection that creates no file (SQLite) or a read-only transaction
+(PostgreSQL).
 """
 
 from __future__ import annotations
@@ -135,7 +140,7 @@ def run_preflight(ctx: Context, *, for_write: bool = False,
     if snap.interrupted_write:
         pf.add("integrity", "warn", snap.interrupted_write, "RIVET_STATE_HOT_JOURNAL")
     else:
-        pf.add("integrity", "ok", "server-managed" if location.backend != "sqlite"
+        pf.add("integrity", "ok", "server-managed" if not backend.checks_integrity
                else "quick_check ok" if integrity else "not checked here (proven on the copy)")
     _check_revision(pf, snap)
     pf.add("relocated", "ok", "in use at this place (no relocation or transfer recorded)")
