@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from statetool.errors import StateError, StateWarning
-from statetool.identity import identity_verdict, state_key
+from statetool.identity import identity_message, identity_verdict, state_key
 from statetool.operations.context import Context
-from statetool.operations.preflight import DESCRIBABLE, identity_message, raise_failures, require, run_preflight
+from statetool.operations.preflight import DESCRIBABLE, raise_failures, require, run_preflight
 from statetool.operations.probe import recorded_key
 from statetool.operations.writes import WHOLE_STATE, guarded_write
 from statetool.redact import mask_userinfo

@@ -8,9 +8,10 @@ import sqlalchemy as sa
 
 from statetool import migrations, schema
 from statetool.errors import StateError
+from statetool.identity import identity_message
 from statetool.operations.context import Context
 from statetool.operations.leasing import list_leases
-from statetool.operations.preflight import DESCRIBABLE, identity_message, raise_failures, run_preflight
+from statetool.operations.preflight import DESCRIBABLE, raise_failures, run_preflight
 from statetool.operations.probe import ExportProgress, Snapshot
 
 
