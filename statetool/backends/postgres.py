@@ -37,6 +37,9 @@ class PostgresBackend:
     """A PostgreSQL state schema. See the module docstring."""
 
     dialect_name = "postgresql"
+    #: No file to copy and retire: the state is a schema on a shared server, moved with
+    #: pg_dump/pg_restore by its DBA (``transfer`` brings a SQLite state here).
+    relocatable = False
 
     def __init__(self, location: Location, lock_wait: float) -> None:
         assert location.url is not None and location.schema is not None

@@ -46,15 +46,15 @@ from sqlalchemy.engine import Connection
 from statetool import migrations, schema
 from statetool.backends.postgres import PostgresBackend
 from statetool.backends.sqlite import SqliteBackend, content_digest
-from statetool.backends.tombstone import IN_FLIGHT_REVISION, read_tombstone, refuse_unsafe
+from statetool.backends.tombstone import (IN_FLIGHT_REVISION, read_tombstone, refuse_unsafe, require_retirable,
+                                          stale_tombstones, wait_for_openers)
 from statetool.errors import StateError
 from statetool.location import (ENV_VAR, Location, checkpoint_relative_message, resolve_checkpoint,
                                 resolve_location)
 from statetool.operations.context import Context
 from statetool.operations.preflight import require, run_preflight
 from statetool.operations.probe import read_snapshot
-from statetool.operations.relocate import (crash_point, finish_command, require_retirable, retire_source,
-                                           stale_tombstones, wait_for_openers)
+from statetool.operations.relocate import finish_command, retire_source
 from statetool.operations.writes import WHOLE_STATE, guarded_write
 
 #: Tables copied, parents first; ``id`` columns of the append-only tables are not copied
@@ -323,7 +323,7 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
         if not backend.wal_is_empty():
             raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"a writer wrote to {source_path} during the checkpoint")
         digest = content_digest(source_path)
-        crash_point("digested")
+        ctx.on_step("digested")
         raw: sqlite3.Connection = source_conn.connection.driver_connection  # type: ignore[assignment]
         # counted again under the write lock: a run waited for above may have added rows
         counts = {t.name: int(raw.execute(f'SELECT count(*) FROM "{t.name}"').fetchone()[0]) for t in COPIED}
@@ -351,13 +351,13 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
                 # in flight: every open of the destination refuses until the source is retired
                 conn.execute(sa.text(f"UPDATE {schema.VERSION_TABLE} SET version_num = :v"),
                              {"v": IN_FLIGHT_REVISION})
-            crash_point("copied")
-        crash_point("committed")
+            ctx.on_step("copied")
+        ctx.on_step("committed")
         wait_for_openers(source_path, ctx.lock_wait)  # again, at the last instant before the switch
         result.kept_as = retire_source(ctx, source_path, result.destination, result.state_url, digest,
                                        "statetool transfer")
     _finish_destination(dest)
-    crash_point("finished")
+    ctx.on_step("finished")
     result.done = True
     result.message = f"transferred; every task must now run with {ENV_VAR}={result.state_url}"
     return result
