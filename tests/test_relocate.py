@@ -6,8 +6,8 @@ re-run converges; a full target, a target that holds something, and a writer wit
 uncheckpointed WAL pages lose nothing.
 
 Everything is real: SQLite files in tmp_path, the CLI in subprocesses, SIGKILL through
-``STATETOOL_CRASH_AT`` (relocate.py kills itself at the named point) or by timing, a small
-tmpfs for the full disk. States are built once per module (the legacy builder, then
+tests/support/crash_driver.py (a process that runs relocate with a ``Context.on_step``
+that kills it at the named point) or by timing, a small tmpfs for the full disk. States are built once per module (the legacy builder, then
 ``statetool migrate``, then the runtime API) and copied into each test.
 """
 
@@ -43,6 +43,7 @@ from statetool.example import main as build_example
 from statetool.operations.context import Context
 from statetool.operations.preflight import run_preflight
 from statetool.runtime import StateStore
+from support.crash_driver import run_killed_at
 
 REPO = Path(__file__).resolve().parent.parent
 GUIDE = REPO / "docs" / "setup-guides" / "local-worker.md"
@@ -462,7 +463,7 @@ def _kill_scenario(template: Template, base: Path, kills: tuple[str, ...]) -> No
         if point == "timed":
             _kill_during_verification(config, target)
         else:
-            proc = run_cli(*args, env={"STATETOOL_CRASH_AT": point})
+            proc = run_killed_at(point, *args)
             assert proc.returncode == -signal.SIGKILL, f"not killed at {point}: {describe(proc)}"
         assert_source_intact_or_relocated(config, target, template, f"after a kill at {point}")
     proc = run_cli(*args)
@@ -840,6 +841,30 @@ def test_relocate_from_one_declared_directory_to_another(tmp_path: Path, small: 
     proc = run_cli("-c", str(config), "--json-errors", "info", env=env)
     err = assert_refused(proc, "RIVET_STATE_RELOCATED", 5)
     assert f"RIVET_STATE_URL=sqlite:{second}" in err["message"]
+
+
+def test_the_relocation_audit_row_in_the_target_is_redacted(tmp_path: Path, small: Template) -> None:
+    """The audit row written into the copy goes through the one audit writer, which
+    redacts: a password in the command line a face hands over is never stored."""
+    from statetool.operations.relocate import relocate
+
+    config = small.copy_to(tmp_path)
+    target = tmp_path / "volume"
+    target.mkdir()
+    secret = "hunter2-in-the-url"
+    command = f"statetool --state-url postgresql://rivet:{secret}@db.internal/sales relocate --to {target}"
+    result = relocate(Context(config, None, {}, 10.0, command), str(target))
+    assert result.done
+    db = sqlite3.connect(f"file:{quote(str(target / STATE))}?immutable=1", uri=True)
+    try:
+        rows = db.execute("SELECT at, actor, command, action, detail FROM rivet_audit WHERE action = 'relocate'"
+                          ).fetchall()
+    finally:
+        db.close()
+    assert len(rows) == 1, rows
+    assert secret not in repr(rows), f"a password reached the audit trail: {rows}"
+    assert "postgresql://rivet:***@db.internal/sales" in rows[0][2], rows
+    assert json.loads(rows[0][4])["to"] == str(target / STATE)
 
 
 # --------------------------------------------------------------------------------------

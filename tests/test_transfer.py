@@ -3,8 +3,8 @@
 
 Everything here is real: SQLite files built by ``statetool.example``, ``statetool migrate``
 and the runtime API, the PostgreSQL server of ``conftest.pg_server``, the CLI in a child
-process, and SIGKILL (``STATETOOL_CRASH_AT=<point>`` makes the process kill itself at a
-named point; the mid-COPY kill comes from outside). What arrives in PostgreSQL is
+process, and SIGKILL (tests/support/crash_driver.py runs the transfer in a process whose
+``Context.on_step`` kills it at a named point; the mid-COPY kill comes from outside). What arrives in PostgreSQL is
 compared row for row with what the SQLite file holds, read independently (psycopg and
 sqlite3, not statetool).
 """
@@ -30,6 +30,7 @@ import pytest
 
 from conftest import PG_PASSWORD, describe, run_cli, tree_digest, write_config
 from statetool.backends.tombstone import IN_FLIGHT_REVISION
+from support.crash_driver import run_killed_at
 
 pytestmark = pytest.mark.postgres
 
@@ -423,7 +424,7 @@ def test_sigkill_at_each_point_leaves_all_or_nothing_and_the_source_untouched_un
     checkpoints_before = {n: (work / p).read_bytes() for n, p in RELATIVE_CHECKPOINTS.items()}
     schema = split_url(pg_url)[1]
 
-    killed = run_cli("-c", str(cfg), "transfer", "--to", pg_url, env={"STATETOOL_CRASH_AT": point})
+    killed = run_killed_at(point, "-c", str(cfg), "transfer", "--to", pg_url)
     assert killed.returncode == -signal.SIGKILL, describe(killed)
 
     seen = _nothing_or_everything(admin, schema, expected)

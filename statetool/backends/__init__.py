@@ -9,6 +9,7 @@ from statetool.location import Location
 if TYPE_CHECKING:
     from statetool.backends.base import Backend, LeaseStore
     from statetool.backends.sqlite_file import Orphans
+    from statetool.backends.moves import FileMove
 
 
 def open_backend(location: Location, lock_wait: float = 600.0) -> Backend:
@@ -49,3 +50,14 @@ def orphan_companions(location: Location) -> Orphans | None:
 
     assert location.path is not None
     return beside_file(location.path)
+
+
+def file_move(backend: Backend) -> FileMove:
+    """The primitives that move the state file of ``backend`` into another directory
+    (statetool/backends/moves.py). Only for a backend whose ``relocatable`` is True:
+    the caller refuses the others with its own message (``RIVET_STATE_BACKEND_UNSUPPORTED``)."""
+    from statetool.backends.sqlite import SqliteBackend
+    from statetool.backends.moves import FileMove
+
+    assert backend.relocatable and isinstance(backend, SqliteBackend)
+    return FileMove(backend)

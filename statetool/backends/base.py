@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 #: progress(done, total) in backend-defined units (pages for a SQLite backup).
 Progress = Callable[[int, int], None]
+#: on_step(name): told each named step of a move as it is passed (the crash tests' points:
+#: ``Context.on_step``); a no-op in production.
+Step = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,10 @@ class Backend(Protocol):
     dialect_name: str
     #: The PostgreSQL schema of the state, None for SQLite.
     schema: str | None
+    #: True when the state is one file that a move copies page for page and retires in
+    #: place with a tombstone (SQLite: :func:`statetool.backends.file_move`). PostgreSQL
+    #: has no such file: its state is a schema on a shared server, which pg_dump moves.
+    relocatable: bool
 
     # -- capabilities: each difference that code above the backends acts on, named once with
     # its reason (alembic's ``DefaultImpl`` attributes); nothing above compares dialect names.

@@ -61,6 +61,10 @@ class PostgresBackend:
             text += migrations.offline_sql(self.dialect_name, self.schema, current, target, direction)
         return text
 
+    #: No file to copy and retire: the state is a schema on a shared server, moved with
+    #: pg_dump/pg_restore by its DBA (``transfer`` brings a SQLite state here).
+    relocatable = False
+
     def __init__(self, location: Location, lock_wait: float) -> None:
         assert location.url is not None and location.schema is not None
         self.location = location

@@ -44,6 +44,7 @@ from sqlalchemy.pool import NullPool
 
 from statetool.access import denied
 from statetool.backends.base import Progress
+from statetool.backends.durable import fsync_dir, fsync_file
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.sqlite_rows import copy_blocks
@@ -55,15 +56,6 @@ from statetool.location import LEASE_DIR, Location
 if TYPE_CHECKING:
     from statetool.backends.copy_text import Block
     from statetool.backends.sqlite_leases import FlockLeases
-
-def fsync_dir(directory: Path) -> None:
-    """fsync a directory so a rename inside it survives power loss."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def content_digest(path: Path) -> str:
     """sha256 of a SQLite file's pages with the header fields a backup rewrites zeroed (the
@@ -87,16 +79,14 @@ def content_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as fh:
-        os.fsync(fh.fileno())
-
-
 class SqliteBackend:
     """A SQLite state file. See the module docstring for how it is opened read-only."""
 
     dialect_name = "sqlite"
     schema = None
+    #: One file, copied page for page with the backup API and retired in place by a
+    #: tombstone (statetool/backends/moves.py): ``relocate`` moves it.
+    relocatable = True
 
     # -- capabilities (the reasons: backends/base.py) ------------------------------------
     #: The state is one file, migrated in place after a verified backup: no DDL script to
@@ -434,7 +424,7 @@ class SqliteBackend:
                 raise fault(directory, err) or err from None
             finally:
                 engine.dispose()
-            _fsync_file(tmp)
+            fsync_file(tmp)
             try:
                 os.link(tmp, self.path)  # unlike rename, never replaces what appeared meanwhile
             except FileExistsError:
@@ -516,7 +506,7 @@ class SqliteBackend:
             raise StateError("RIVET_STATE_VERIFY_FAILED",
                              f"the copy of {self.path} did not verify ({pragma} {check[:3]}, "
                              f"row counts {got} vs {expected}); nothing was changed", {"path": str(self.path)})
-        _fsync_file(tmp)
+        fsync_file(tmp)
         return got
 
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> Path:

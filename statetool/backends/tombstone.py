@@ -3,7 +3,8 @@
 After a relocation, ``<old dir>/.rivet_state.db`` is replaced, atomically, by a small
 text file that starts with :data:`MAGIC` and holds JSON saying where the state went and
 the ``RIVET_STATE_URL`` to set. The old bytes are kept beside it as
-``.rivet_state.db.relocated-<UTC timestamp>`` (a hard link made before the swap).
+``.rivet_state.db.relocated-<UTC timestamp>`` (a hard link made before the swap). That
+switch is :func:`retire`, for relocate and transfer alike.
 
 Why a file at the old path, and not a marker inside the old database or no file at all:
 
@@ -19,7 +20,8 @@ A process that still has the old database open is another matter: in rollback-jo
 mode SQLite notices the move on its next write (SQLITE_READONLY_DBMOVED), but in WAL mode
 it does not, and an idle connection would go on committing into the old inode. So
 relocate and transfer wait (``--lock-wait``) until no other process holds the file open
-(read from ``/proc/locks``), and refuse otherwise, before and again just before the switch.
+(read from ``/proc/locks``), and refuse otherwise, before and again just before the switch
+(:func:`wait_for_openers`).
 
 The other end of a move, while it is in flight (decisions.md, "Moves: one live place"):
 the new place receives its copy with :data:`IN_FLIGHT_REVISION` in its version table, so
@@ -36,25 +38,31 @@ refused by :func:`refuse_unsafe` before anything is written.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from statetool.backends.durable import CREATE_FLAGS, fsync_dir
+from statetool.backends.faults import fault
+from statetool.backends.proclocks import lock_holders
 from statetool.errors import StateError
-from statetool.location import STATE_FILE
+from statetool.location import STATE_FILE, Location
 from statetool.redact import redact_values
+
+if TYPE_CHECKING:
+    from statetool.backends.base import Step
 
 MAGIC = b"RIVET-STATE-RELOCATED\n"
 #: The version-table value of a move's target until the source is retired (at most 32
 #: characters: alembic's column); never a revision id of any release.
 IN_FLIGHT_REVISION = "move-in-flight"
-#: Exclusive creation that never follows a symlink (the file must not exist at all).
-CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 def read_tombstone(path: Path) -> dict[str, Any] | None:
@@ -132,3 +140,84 @@ def in_flight_error(where: str, conn: Connection) -> StateError:
                       f"{where} is the target of a move from {source} that has not finished: it is not live until "
                       f"the source is retired, and the source stays the live state until then. Finish the move with: "
                       f"{finish}", {"place": where, "from": source, "finish": finish})
+
+
+def require_retirable(location: Location) -> Path:
+    """The file a move retires: the state file, or, when the configured path is a symlink,
+    the file it resolves to (:attr:`Location.real_path`; retiring the link would leave the
+    real file writable: a second live place). Its directory must be writable, as the
+    keep-link and the tombstone are made there: else ``RIVET_STATE_READ_ONLY`` or
+    ``RIVET_STATE_PERMISSION_DENIED`` naming it, before anything is written (SPEC §8a, §9)."""
+    assert location.path is not None
+    source = location.real_path or location.path
+    if not os.access(source.parent, os.W_OK | os.X_OK):
+        via = f" (the real file of the symlink {location.path})" if source != location.path else ""
+        err = fault(source.parent, PermissionError(errno.EACCES, f"{source.parent}{via} is not writable"))
+        assert err is not None
+        raise StateError(err.code, f"{err.message}; the move must retire {source}{via} there and cannot", err.details)
+    return source
+
+
+def stale_tombstones(source: Path) -> list[Path]:
+    """Temporary tombstones a killed move left beside ``source`` (removed by the next run;
+    each must be a regular file: :func:`refuse_unsafe` first)."""
+    return sorted(source.parent.glob(f"{STATE_FILE}.tombstone-*.tmp"))
+
+
+def wait_for_openers(source: Path, lock_wait: float) -> None:
+    """Wait up to ``lock_wait`` seconds until no other process holds the source file open,
+    then refuse (``RIVET_STATE_RUN_IN_PROGRESS``) naming them.
+
+    A connection to a WAL state holds a lock on the file for as long as it is open, even
+    idle, and SQLite notices a moved database only in rollback-journal mode (on opening its
+    journal: SQLITE_READONLY_DBMOVED). Such a process would go on committing into the old
+    place after the switch, rows no one would ever read again. Read from /proc/locks, so
+    nobody is disturbed; where it cannot be read this check is skipped.
+    """
+    deadline = time.monotonic() + lock_wait
+    while True:
+        others = sorted((lock_holders(source) or set()) - {os.getpid()})
+        if not others:
+            return
+        if time.monotonic() >= deadline:
+            raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
+                             f"process(es) {', '.join(f'pid {p}' for p in others)} hold {source} open (an open "
+                             f"SQLite connection); after the move they would go on writing into the old place. "
+                             f"Stop them, or wait until they close it (waited {lock_wait:g} s, --lock-wait)",
+                             {"path": str(source), "pids": others})
+        time.sleep(0.2)
+
+
+def retire(source: Path, doc: dict[str, Any], on_step: Step) -> Path:
+    """Keep the bytes of the state file ``source`` as ``.rivet_state.db.relocated-<UTC>``
+    (a hard link) and put a tombstone holding ``doc`` (``to``, ``state_url``, ``at``,
+    ``by``, ``source_digest``, ``how``; ``kept_as`` is added) at its path in one atomic
+    rename; the old inode's ``-wal``/``-shm`` go. Returns the path the old bytes are kept
+    at. ``on_step`` is told ``kept``, ``tombstoned`` and ``swapped``. Raises
+    ``RIVET_STATE_UNSAFE_FILE`` (something stands at the keep's name)."""
+    directory = source.parent
+    for old in directory.glob(f"{STATE_FILE}.relocated-*"):
+        if old.is_file() and not old.is_symlink() and os.path.samefile(old, source):
+            old.unlink()  # a link an interrupted switch made: the same bytes as the source
+    kept = directory / f"{STATE_FILE}.relocated-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    refuse_unsafe(kept)
+    try:
+        os.link(source, kept, follow_symlinks=False)  # never replaces (nor follows) what is there
+    except FileExistsError:
+        raise unsafe_error(kept, "already exists") from None
+    fsync_dir(directory)
+    on_step("kept")
+    tomb = write_tombstone_tmp(directory, {**doc, "kept_as": str(kept)})
+    on_step("tombstoned")
+    os.replace(tomb, source)
+    fsync_dir(directory)
+    on_step("swapped")
+    remove_companions(source)
+    return kept
+
+
+def remove_companions(source: Path) -> None:
+    """Remove the ``-wal`` and ``-shm`` of the retired file ``source`` (its old inode's;
+    the tombstone now stands there and has none)."""
+    for leftover in (Path(f"{source}-wal"), Path(f"{source}-shm")):
+        leftover.unlink(missing_ok=True)

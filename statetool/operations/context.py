@@ -59,6 +59,10 @@ class Context:
     log: Callable[[str], None] = field(default=lambda _message: None)
     #: TTL of the PostgreSQL leases this invocation takes, in seconds (SPEC §5, ``--lease-ttl``).
     lease_ttl: int = 30
+    #: Told the name of each step a move passes (``relocate.CRASH_POINTS``; a relocation's
+    #: ``copy-page-<n>`` after n pages): a no-op but for the crash tests, whose driver
+    #: (tests/support/crash_driver.py) SIGKILLs its own process at one of them.
+    on_step: Callable[[str], None] = field(default=lambda _step: None)
 
     def __post_init__(self) -> None:
         if not 0 <= self.lock_wait <= MAX_LOCK_WAIT:

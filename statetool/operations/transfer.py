@@ -46,15 +46,15 @@ from sqlalchemy.engine import Connection
 
 from statetool import migrations, schema
 from statetool.backends import open_backend
-from statetool.backends.tombstone import read_tombstone, refuse_unsafe
+from statetool.backends.tombstone import (read_tombstone, refuse_unsafe, require_retirable, stale_tombstones,
+                                          wait_for_openers)
 from statetool.errors import StateError, StateWarning
 from statetool.identity import identity_verdict
 from statetool.location import ENV_VAR, Location, checkpoint_relative_message, resolve_checkpoint, resolve_location
 from statetool.operations.context import Context
 from statetool.operations.preflight import require, run_preflight
 from statetool.operations.probe import read_snapshot, row_counts
-from statetool.operations.relocate import (crash_point, finish_command, require_retirable, retire_source,
-                                           stale_tombstones, wait_for_openers)
+from statetool.operations.relocate import finish_command, retire_source
 from statetool.operations.writes import WHOLE_STATE, WriteSession, guarded_write
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
         if not source.wal_is_empty():
             raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"a writer wrote to {source_path} during the checkpoint")
         digest = source.content_digest()
-        crash_point("digested")
+        ctx.on_step("digested")
         # counted again under the write lock: a run waited for above may have added rows
         counts = _counts(session.conn)
         for copy in result.tables:
@@ -182,15 +182,15 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
         # step 3: the one destination transaction
         with dest.receiving() as conn:
             _fill(ctx, source, session, dest, conn, result, source_key, digest, counts)
-            crash_point("copied")
-        crash_point("committed")
+            ctx.on_step("copied")
+        ctx.on_step("committed")
         # step 4: the switch
         wait_for_openers(source_path, ctx.lock_wait)  # again, at the last instant before the switch
         result.kept_as = retire_source(ctx, source_path, result.destination, result.state_url, digest,
                                        "statetool transfer")
     # step 5: the destination made live
     dest.make_live()
-    crash_point("finished")
+    ctx.on_step("finished")
     result.done = True
     result.message = f"transferred; every task must now run with {ENV_VAR}={result.state_url}"
     return result

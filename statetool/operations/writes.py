@@ -21,7 +21,6 @@ its identity and audit row through the same writers.
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -66,13 +65,9 @@ def _audit_values(ctx: Context, action: str, detail: dict[str, object]) -> dict[
             "detail": json.dumps(redact_values(detail), sort_keys=True, default=lambda v: redact_text(str(v)))}
 
 
-def _write_audit(into: Connection | sqlite3.Connection, ctx: Context, action: str, detail: dict[str, object]) -> None:
-    values = _audit_values(ctx, action, detail)
-    if isinstance(into, sqlite3.Connection):  # a relocation's copy, written before it is linked into place
-        into.execute("INSERT INTO rivet_audit (at, actor, command, action, detail) VALUES (?, ?, ?, ?, ?)",
-                     tuple(values.values()))
-    else:
-        into.execute(sa.insert(schema.audit).values(**values))
+def _write_audit(into: Connection, ctx: Context, action: str, detail: dict[str, object]) -> None:
+    """The one writer of a ``rivet_audit`` row, redacted (:func:`_audit_values`)."""
+    into.execute(sa.insert(schema.audit).values(**_audit_values(ctx, action, detail)))
 
 
 def _write_identity(conn: Connection, ctx: Context, key: str, action: str, old: str | None, reason: str) -> None:
@@ -100,10 +95,10 @@ class WriteSession:
         assert self.preflight.snapshot is not None
         return self.preflight.snapshot
 
-    def audit(self, action: str, detail: dict[str, object], into: Connection | sqlite3.Connection | None = None
-              ) -> None:
+    def audit(self, action: str, detail: dict[str, object], into: Connection | None = None) -> None:
         """Append one row to ``rivet_audit`` (who, when, which command, what), redacted, in
-        this transaction (or in ``into``: the database a move writes, which becomes the state)."""
+        this transaction (or in ``into``: a writing transaction on the database a move
+        writes, which becomes the state)."""
         _write_audit(self.conn if into is None else into, self.ctx, action, detail)
 
     def record_identity(self, key: str, action: str, old: str | None = None, reason: str = "") -> None:

@@ -1,0 +1,234 @@
+"""The SQLite side of a move (``relocate``; SPEC §9, decisions.md "Moves: one live place").
+
+What a move does to SQLite files, step by step, each safe to interrupt at any instant:
+hold writers off (a WAL checkpoint; the write lock is the caller's writing transaction),
+digest the frozen file's pages, copy it with the online backup API into
+``<target>.relocating`` and verify the copy (``quick_check`` or ``integrity_check``,
+every table's row count, the page digest), write into the copy while it is in flight (its
+version reads :data:`~statetool.backends.tombstone.IN_FLIGHT_REVISION`: every opener
+refuses it), link it into place, and at the end make it live. Retiring the source is
+:func:`statetool.backends.tombstone.retire`.
+
+Every state file is named by a :class:`~statetool.location.Location` the resolver made;
+the names of a move's own files (``.relocating`` and its journals) are made here. A copy
+or a target is opened through :class:`~statetool.backends.sqlite.SqliteBackend`, the one
+read-only open and the one writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from statetool import migrations, schema
+from statetool.backends.base import Progress, Step
+from statetool.backends.durable import CREATE_FLAGS, fsync_dir, fsync_file, side_copy
+from statetool.backends.sqlite import SqliteBackend, content_digest
+from statetool.backends.tombstone import IN_FLIGHT_REVISION, stale_tombstones, wait_for_openers
+from statetool.errors import StateError
+from statetool.location import Location
+
+#: The journal files SQLite may keep beside a database file.
+COMPANIONS = ("-journal", "-wal", "-shm")
+
+
+class FileMove:
+    """The files of a move of the SQLite state of ``backend`` (its :attr:`source`: the real
+    file of a symlinked state) into another directory."""
+
+    def __init__(self, backend: SqliteBackend) -> None:
+        location = backend.location
+        assert location.path is not None
+        self.backend = backend
+        #: The file the move copies and retires (:attr:`Location.real_path`).
+        self.source: Path = location.real_path or location.path
+
+    # -- names and leftovers -----------------------------------------------------------
+
+    @staticmethod
+    def copy_path(target: Location) -> Path:
+        """Where the copy is built before it is linked into place: ``<target>.relocating``."""
+        assert target.path is not None
+        return target.path.with_name(f"{target.path.name}.relocating")
+
+    def own_files(self, target: Location) -> list[Path]:
+        """The names a move creates beside ``target`` besides the state itself: what must
+        not be a symlink or a non-regular file (checked before anything is written)."""
+        copy = self.copy_path(target)
+        return [copy, *(Path(f"{copy}{suffix}") for suffix in COMPANIONS)]
+
+    def remove_leftovers(self, target: Location, side_copies: list[Path]) -> None:
+        """Remove what a killed run of this move may have left on either side: the copy and
+        its journals, the checkpoints' ``side_copies``, temporary tombstones (temporary files
+        only, every one checked to be a regular file before)."""
+        for path in self.own_files(target) + side_copies:
+            path.unlink(missing_ok=True)
+        for stale in stale_tombstones(self.source):
+            stale.unlink()
+
+    def discard_target(self, target: Location) -> None:
+        """Remove an in-flight target (never live: nobody could open it) and its journals,
+        to make it again; fsync its directory."""
+        assert target.path is not None and target.directory is not None
+        for suffix in ("", *COMPANIONS):
+            Path(f"{target.path}{suffix}").unlink(missing_ok=True)
+        fsync_dir(target.directory)
+
+    # -- holding writers off ----------------------------------------------------------
+
+    def hold_off_writers(self) -> None:
+        """Before the write lock: wait for every other opener of the source to close it
+        (:func:`~statetool.backends.tombstone.wait_for_openers`), then checkpoint its WAL
+        so the file alone holds every committed row. Raises ``RIVET_STATE_RUN_IN_PROGRESS``
+        and ``RIVET_STATE_FOREIGN_WAL``."""
+        wait_for_openers(self.source, self.backend.lock_wait)
+        self.backend.checkpoint_wal()
+
+    def require_frozen(self) -> None:
+        """Under the write lock: raise ``RIVET_STATE_RUN_IN_PROGRESS`` when a writer added
+        WAL frames between the checkpoint and the lock."""
+        if not self.backend.wal_is_empty():
+            raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
+                             f"a writer wrote to {self.source} during the checkpoint; re-run")
+
+    def digest(self) -> str:
+        """The page digest of the (frozen) source (:func:`~statetool.backends.sqlite.content_digest`)."""
+        return content_digest(self.source)
+
+    # -- the copy ---------------------------------------------------------------------
+
+    def copy_pages(self, conn: Connection, target: Location, progress: Progress, full_verify: bool) -> Path:
+        """Copy the source, frozen by ``conn``'s write lock, into :meth:`copy_path` with the
+        backup API, verified (``quick_check``, or ``integrity_check`` with ``full_verify``;
+        every table's row count) and fsynced; ``progress(pages done, pages)``. Returns the
+        copy's path. Raises ``RIVET_STATE_VERIFY_FAILED``."""
+        copy = self.copy_path(target)
+        os.close(os.open(copy, CREATE_FLAGS, 0o644))  # checked absent or removed: never follows a link
+        self.backend.copy_to(conn, copy, progress, full_verify)
+        return copy
+
+    def verify_pages(self, copy: Path, source_digest: str) -> None:
+        """Raise ``RIVET_STATE_VERIFY_FAILED`` (and remove the copy) unless the copy's page
+        digest equals the source's."""
+        if content_digest(copy) != source_digest:
+            copy.unlink()
+            raise StateError("RIVET_STATE_VERIFY_FAILED", f"the copy at {copy} differs from {self.source}; "
+                             "nothing was changed")
+
+    @contextlib.contextmanager
+    def in_flight(self, copy: Path) -> Iterator[Connection]:
+        """One writing transaction on the copy (not linked into place yet: nobody opens it),
+        for the caller's audit row; before the commit its version becomes
+        :data:`~statetool.backends.tombstone.IN_FLIGHT_REVISION`, after it the file is
+        fsynced. Errors as :meth:`SqliteBackend.writing`'s."""
+        place = Location("sqlite", "declared_dir", "flag", directory=copy.parent, path=copy)
+        with SqliteBackend(place, self.backend.lock_wait).writing("RIVET_STATE_RUN_IN_PROGRESS") as conn:
+            yield conn
+            conn.execute(sa.text(f"UPDATE {schema.VERSION_TABLE} SET version_num = :v"), {"v": IN_FLIGHT_REVISION})
+        fsync_file(copy)
+
+    def link_into_place(self, copy: Path, target: Location, on_step: Step) -> None:
+        """Link the in-flight copy to ``target``'s path (a link never replaces anything),
+        fsync, tell ``on_step("linked")``, then remove the copy's name. Raises
+        ``RIVET_STATE_TARGET_NOT_EMPTY`` when a file appeared there meanwhile."""
+        assert target.path is not None and target.directory is not None
+        try:
+            os.link(copy, target.path)
+        except FileExistsError:
+            raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
+                             f"{target.path} appeared during the copy; nothing was replaced") from None
+        fsync_dir(target.directory)
+        on_step("linked")
+        copy.unlink()
+        fsync_dir(target.directory)
+
+    @contextlib.contextmanager
+    def removed_when_full(self, target: Location, files: list[Path]) -> Iterator[None]:
+        """Copy inside this block: when the target's filesystem fills up (ENOSPC, EDQUOT,
+        SQLITE_FULL), everything the block created there goes again (the copy and its
+        journals, the ``side_copy`` of each of ``files``, each of ``files`` and each folder
+        above it that did not exist before; what was there before stays) and
+        ``RIVET_STATE_DISK_FULL`` is raised naming the target directory."""
+        assert target.directory is not None
+        created = _absent(target.directory, files)
+        try:
+            yield
+        except (OSError, sqlite3.Error, StateError) as err:
+            if not _disk_full(err):
+                raise
+            for path in self.own_files(target) + [side_copy(f) for f in files]:
+                path.unlink(missing_ok=True)
+            for path in sorted(set(created), key=lambda p: len(p.parts), reverse=True):  # files, then their folders
+                with contextlib.suppress(OSError):
+                    if path.is_dir() and not path.is_symlink():
+                        path.rmdir()  # only when empty: what was there before stays
+                    else:
+                        path.unlink()
+            raise StateError("RIVET_STATE_DISK_FULL",
+                             f"the filesystem of {target.directory} is full ({err}); what this run had copied "
+                             f"there was removed, and the state at {self.source} was not changed",
+                             {"directory": str(target.directory)}) from None
+
+    # -- the target -------------------------------------------------------------------
+
+    def relocation_detail(self, target: Location) -> dict[str, object] | None:
+        """The detail of the last ``relocate`` audit row of the state at ``target`` (read
+        through the backend's one read-only open), or None: no such row, a later row of
+        another action, or no readable state there."""
+        audit = schema.audit
+        last = sa.select(sa.func.max(audit.c.id)).where(audit.c.action == "relocate").scalar_subquery()
+        try:
+            with SqliteBackend(target, self.backend.lock_wait).reading() as conn:
+                detail = conn.execute(sa.select(audit.c.detail).where(audit.c.id == last)).scalar()
+                later = conn.execute(sa.select(sa.func.count()).select_from(audit).where(
+                    audit.c.action != "relocate", audit.c.id > last)).scalar()
+        except StateError:
+            return None
+        if detail is None or later:
+            return None
+        doc = json.loads(detail)
+        return doc if isinstance(doc, dict) else None
+
+    def finish_target(self, target: Location) -> None:
+        """Make the relocated copy at ``target`` live (the source is retired): its version
+        goes from :data:`~statetool.backends.tombstone.IN_FLIGHT_REVISION` back to head;
+        fsynced. Idempotent."""
+        assert target.path is not None
+        db = sqlite3.connect(target.path, isolation_level=None)
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute(f"UPDATE {schema.VERSION_TABLE} SET version_num = ? WHERE version_num = ?",
+                       (migrations.head(), IN_FLIGHT_REVISION))
+            db.execute("COMMIT")
+        finally:
+            db.close()
+        fsync_file(target.path)
+
+
+def _disk_full(err: BaseException) -> bool:
+    """True for "no space left" from the OS (ENOSPC, EDQUOT), from SQLite (SQLITE_FULL), or
+    as the backend's ``RIVET_STATE_DISK_FULL``."""
+    if isinstance(err, StateError):
+        return err.code == "RIVET_STATE_DISK_FULL"
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    code = getattr(err, "sqlite_errorcode", None)
+    return (code is not None and code & 0xFF == 13) or "database or disk is full" in str(err)
+
+
+def _absent(directory: Path, files: list[Path]) -> list[Path]:
+    """Each of ``files``, and each folder above it inside ``directory``, that does not exist
+    yet: what a copy that fails half-way must remove again."""
+    absent: list[Path] = []
+    for path in files:
+        while path != directory and directory in path.parents and not os.path.lexists(path):
+            absent.append(path)
+            path = path.parent
+    return absent

@@ -1,0 +1,74 @@
+"""Run ``relocate`` or ``transfer`` in a real process that SIGKILLs itself at one named step
+(the crash tests of tests/test_relocate.py and tests/test_transfer.py).
+
+The hook is the operation's own: :attr:`statetool.operations.context.Context.on_step` is
+told each step's name (``relocate.CRASH_POINTS``, ``copy-page-<n>``); this driver builds
+the Context the CLI would, with an ``on_step`` that kills the process at ``POINT``.
+Nothing in statetool reads the environment for it. As a script::
+
+    python tests/support/crash_driver.py POINT -c CONFIG [--state-url URL] [--lock-wait S] \
+        relocate --to DIR [--full-verify] [--create-dir]
+    python tests/support/crash_driver.py POINT -c CONFIG transfer --to URL
+
+It exits 3 when the operation ended without passing ``POINT`` (a wrong name, or a path that
+does not pass there); a failure of the operation is its traceback and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+DRIVER = Path(__file__).resolve()
+
+
+def run_killed_at(point: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run this driver in a subprocess (no ``RIVET_STATE_URL``, like ``conftest.run_cli``):
+    the move of ``args`` (statetool's own arguments), killed at ``point``."""
+    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
+    return subprocess.run([sys.executable, str(DRIVER), point, *args], env=env, text=True, capture_output=True,
+                          timeout=timeout)
+
+
+def main(argv: list[str]) -> int:
+    from statetool.location import DEFAULT_CONFIG
+    from statetool.operations.context import Context
+    from statetool.redact import command_line
+
+    point, args = argv[0], argv[1:]
+    parser = argparse.ArgumentParser(prog="crash_driver")
+    parser.add_argument("-c", "--config", type=Path, default=Path(DEFAULT_CONFIG))
+    parser.add_argument("--state-url")
+    parser.add_argument("--lock-wait", type=float, default=600.0)
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    relocate = verbs.add_parser("relocate")
+    relocate.add_argument("--to", required=True)
+    relocate.add_argument("--full-verify", action="store_true")
+    relocate.add_argument("--create-dir", action="store_true")
+    verbs.add_parser("transfer").add_argument("--to", required=True)
+    options = parser.parse_args(args)
+
+    def on_step(name: str) -> None:
+        if name == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    ctx = Context(options.config, options.state_url, dict(os.environ), options.lock_wait,
+                  command_line(["statetool", *args]), on_step=on_step)
+    if options.verb == "relocate":
+        from statetool.operations.relocate import relocate as move
+
+        move(ctx, options.to, create_dir=options.create_dir, full_verify=options.full_verify)
+    else:
+        from statetool.operations.transfer import transfer
+
+        transfer(ctx, options.to)
+    sys.stderr.write(f"crash_driver: the {options.verb} ended without passing {point}\n")
+    return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
