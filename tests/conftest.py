@@ -165,3 +165,19 @@ def tree_digest(directory: Path) -> dict[str, str]:
         if path.is_file():
             out[str(path.relative_to(directory))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
+
+
+# -- the one backend fixture: every contract test runs on SQLite and on PostgreSQL ---------
+
+from support.backends import BACKENDS, StateBackend  # noqa: E402 - this block stands alone at the end
+
+
+@pytest.fixture(params=[pytest.param(kind, marks=[pytest.mark.postgres] if kind == "postgres" else [])
+                        for kind in BACKENDS])
+def state_backend(request: pytest.FixtureRequest, tmp_path: Path) -> StateBackend:
+    """The state location of one run of a contract test, once per backend (ids ``sqlite``,
+    ``postgres``; the PostgreSQL run is marked ``postgres`` and gets a fresh schema from
+    :func:`pg_url`). Nothing is created: the test writes its config into ``pipeline``."""
+    if request.param == "postgres":
+        return StateBackend.postgres(tmp_path, request.getfixturevalue("pg_url"))
+    return StateBackend.sqlite(tmp_path)

@@ -12,6 +12,9 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
+from collections.abc import Container
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ import typer.main
 from conftest import describe, run_cli, write_config
 from statetool.cli import app
 from statetool.errors import EXIT_CODES, REGISTRY, WARNINGS
+from support import markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -31,42 +35,19 @@ GUIDE = DOCS / "setup-guides" / "upgrading-a-state.md"
 README = ROOT / "README.md"
 PACKAGE = ROOT / "statetool"
 
-_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
-_FENCE = re.compile(r"^```(\S*)\s*$")
 
-
-# -- markdown helpers -----------------------------------------------------------------
-
-
-def prose(text: str) -> str:
-    """The text without its fenced blocks."""
-    kept: list[str] = []
-    inside = False
-    for line in text.splitlines():
-        if line.strip().startswith("```"):
-            inside = not inside
-        elif not inside:
-            kept.append(line)
-    return "\n".join(kept)
+# -- markdown helpers (the page itself is read by support.markdown) ---------------------
 
 
 def sections(text: str) -> dict[str, str]:
     """``{heading text without backticks: body}``; a body runs until the next heading of
     the same or a higher level, so a section includes its subsections."""
-    heads: list[tuple[int, int, str]] = []
     lines = text.splitlines()
-    inside = False
-    for i, line in enumerate(lines):
-        if line.strip().startswith("```"):
-            inside = not inside
-            continue
-        match = None if inside else _HEADING.match(line)
-        if match:
-            heads.append((i, len(match.group(1)), match.group(2).replace("`", "")))
+    heads = markdown.parse(text).headings
     out: dict[str, str] = {}
-    for n, (start, level, title) in enumerate(heads):
-        end = next((s for s, lv, _ in heads[n + 1:] if lv <= level), len(lines))
-        out[title] = "\n".join(lines[start + 1:end])
+    for n, head in enumerate(heads):
+        end = next((h.line - 1 for h in heads[n + 1:] if h.level <= head.level), len(lines))
+        out[head.title.replace("`", "")] = "\n".join(lines[head.line:end])
     return out
 
 
@@ -75,30 +56,6 @@ def slug(title: str) -> str:
     text = title.replace("`", "").strip().lower()
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")
-
-
-def fenced_blocks(text: str) -> list[tuple[str, str, str]]:
-    """``[(info string, h2 heading above it, code)]`` of every fenced block, in order."""
-    blocks: list[tuple[str, str, str]] = []
-    h2 = ""
-    current: list[str] | None = None
-    info = ""
-    for line in text.splitlines():
-        stripped = line.strip()
-        if current is not None:
-            if stripped == "```":
-                blocks.append((info, h2, "\n".join(current)))
-                current = None
-            else:
-                current.append(line)
-            continue
-        fence = _FENCE.match(stripped)
-        if fence:
-            info, current = fence.group(1), []
-        elif line.startswith("## "):
-            h2 = line[3:].strip()
-    assert current is None, "an unclosed fenced block"
-    return blocks
 
 
 def collapse(text: str) -> str:
@@ -265,7 +222,44 @@ def test_json_errors_object_keys_are_documented(tmp_path: Path) -> None:
     assert documented == set(obj), f"documented keys {sorted(documented)} vs emitted {sorted(obj)}"
 
 
-# -- links and layering -----------------------------------------------------------------
+# -- the markdown reader every docs test uses ---------------------------------------------
+
+
+def test_the_markdown_reader_refuses_an_unclosed_fence() -> None:
+    with pytest.raises(markdown.UnclosedFence, match=r"guide\.md: the ``` fence opened on line 3"):
+        markdown.parse("# Guide\n\n```sh\necho never closed\n", "guide.md")
+    with pytest.raises(markdown.UnclosedFence, match="line 1"):
+        markdown.parse("````text\n```\n", "guide.md")  # a shorter fence does not close a longer one
+
+
+def test_the_markdown_reader_keeps_each_block_with_the_headings_above_it() -> None:
+    page = markdown.parse(textwrap.dedent("""\
+        # Guide
+        ## First ##
+        ~~~sh
+        ```
+        not a close
+        ~~~
+        ### Deeper
+          ```text title
+          indented
+          ```
+        ## Second
+        ``` `not a fence`
+        ```python
+        ```
+        """))
+    got = [(b.lang, b.info, b.section, b.under(3), b.line, b.code) for b in page.blocks]
+    assert got == [("sh", "sh", "First", "", 3, "```\nnot a close"),
+                   ("text", "text title", "First", "Deeper", 8, "indented"),
+                   ("python", "python", "Second", "", 13, "")], got
+    assert [(h.line, h.level, h.title) for h in page.headings] == [(1, 1, "Guide"), (2, 2, "First"),
+                                                                    (7, 3, "Deeper"), (11, 2, "Second")]
+    assert page.prose.splitlines() == ["# Guide", "## First ##", "### Deeper", "## Second", "``` `not a fence`"]
+    assert [b.code for b in page.sh_blocks()] == ["```\nnot a close"]
+
+
+# -- links ------------------------------------------------------------------------------
 
 
 def _markdown_files() -> list[Path]:
@@ -274,7 +268,7 @@ def _markdown_files() -> list[Path]:
 
 @pytest.mark.parametrize("page", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_and_anchors_resolve(page: Path) -> None:
-    for target in re.findall(r"\]\(([^)\s]+)\)", prose(page.read_text())):
+    for target in re.findall(r"\]\(([^)\s]+)\)", markdown.read(page).prose):
         if re.match(r"^[a-z]+://", target) or target.startswith("mailto:"):
             continue
         file_part, _, anchor = target.partition("#")
@@ -285,17 +279,45 @@ def test_relative_links_and_anchors_resolve(page: Path) -> None:
             assert anchor in anchors, f"{page.name}: no heading in {dest.name} for #{anchor}"
 
 
+# -- layering: docs/architecture.md's table, and the import graph it promises -----------
+
 LAYERS = ("facts", "storage", "operations", "faces")
+
+#: What code above the storage layer may import from ``statetool/backends/``, each with its
+#: reason. Every other module there speaks SQLite or PostgreSQL (a driver, a file format,
+#: catalog SQL, a lease mechanism), and the layers above never see which backend they have
+#: (STYLE §4, issue 11 item 1).
+STORAGE_INTERFACE = {
+    "statetool.backends": "open_backend / open_leases: the one place a backend is chosen",
+    "statetool.backends.base": "the Backend and LeaseStore protocols and the value types they return",
+    "statetool.backends.faults": "an OSError (read-only mount, denied permission, full disk) as its registered "
+                                 "code: a fault of the filesystem under any file an operation touches",
+    "statetool.backends.processes": "is a lease holder alive, by pid and start time: one rule for both lease "
+                                    "mechanisms",
+}
+
+#: Database drivers and SQLAlchemy's dialect packages: only backend modules import them.
+DRIVERS = ("sqlite3", "psycopg", "psycopg2", "psycopg_pool", "sqlalchemy.dialects")
+
+#: Modules above storage that may name a backend anyway, each with its reason.
+BACKEND_AWARE = {
+    "statetool.example": "builds a legacy SQLite file byte for byte as revision 0001's release wrote it: "
+                         "SQLite is what it makes, not a state it guards",
+}
 
 
 def _layer_table() -> dict[str, list[str]]:
-    table: dict[str, list[str]] = {}
+    """``{layer: the entries of its row}`` from the one layer table of docs/architecture.md;
+    fails when a layer has no row or more than one."""
+    rows: dict[str, list[list[str]]] = {}
     for line in ARCHITECTURE_MD.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 2 and cells[0] in LAYERS:
-            table[cells[0]] = re.findall(r"`([^`]+)`", cells[1])
-    assert set(table) == set(LAYERS), f"docs/architecture.md's layer table lists {sorted(table)}"
-    return table
+            rows.setdefault(cells[0], []).append(re.findall(r"`([^`]+)`", cells[1]))
+    assert set(rows) == set(LAYERS), f"docs/architecture.md's layer table lists {sorted(rows)}"
+    twice = sorted(layer for layer, found in rows.items() if len(found) > 1)
+    assert not twice, f"docs/architecture.md places modules in more than one row of layer(s) {twice}"
+    return {layer: found[0] for layer, found in rows.items()}
 
 
 def _module_of(path: Path) -> str:
@@ -306,48 +328,202 @@ def _module_of(path: Path) -> str:
     return ".".join(parts)
 
 
+def _package_files() -> dict[str, Path]:
+    """``{dotted module name: file}`` of every statetool module (the alembic scripts excluded)."""
+    return {_module_of(p): p for p in sorted(PACKAGE.rglob("*.py")) if "_alembic" not in p.parts}
+
+
+@dataclass(frozen=True)
+class Imported:
+    """One imported name: ``name`` is dotted and absolute (``from a import b`` gives ``a.b``,
+    whether ``b`` is a module or not), ``line`` is 1-based, ``type_only`` is true under
+    ``if TYPE_CHECKING:``."""
+
+    line: int
+    name: str
+    type_only: bool
+
+
+def imports_of(source: str, module: str, *, package: bool) -> list[Imported]:
+    """Every import statement anywhere in ``source``: at the top, inside functions and
+    classes, under ``try`` and ``if`` (``TYPE_CHECKING`` included, flagged). ``module`` is
+    the source's dotted name and ``package`` whether it is a package's ``__init__``, so that
+    relative imports resolve."""
+    base = module.split(".") if package else module.split(".")[:-1]
+    found: list[Imported] = []
+
+    def visit(node: ast.AST, type_only: bool) -> None:
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for child in node.body:
+                visit(child, True)
+            for child in node.orelse:
+                visit(child, type_only)
+            return
+        if isinstance(node, ast.Import):
+            found.extend(Imported(node.lineno, alias.name, type_only) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            origin = ".".join([*base[:len(base) - node.level + 1], *([node.module] if node.module else [])]) \
+                if node.level else node.module or ""
+            found.extend(Imported(node.lineno, f"{origin}.{alias.name}", type_only) for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child, type_only)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def _package_imports() -> dict[str, list[Imported]]:
+    """``{module: its imports}`` for every statetool module."""
+    return {module: imports_of(path.read_text(), module, package=path.name == "__init__.py")
+            for module, path in _package_files().items()}
+
+
+def _owner(name: str, known: Container[str]) -> str | None:
+    """The longest module of ``known`` that ``name`` lies in (``a.b.c`` -> ``a.b`` when only
+    that exists), or None when it names none of them."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _where(files: dict[str, Path], module: str, item: Imported) -> str:
+    """``statetool/x.py:LINE`` of ``item`` in ``module``, flagged when under TYPE_CHECKING."""
+    return f"{files[module].relative_to(ROOT)}:{item.line}" + (" (under TYPE_CHECKING)" if item.type_only else "")
+
+
+def test_the_import_reader_sees_function_local_type_checking_and_relative_imports() -> None:
+    source = textwrap.dedent("""\
+        import sqlite3
+        from typing import TYPE_CHECKING
+        from . import sibling
+        from ..errors import StateError
+        if TYPE_CHECKING:
+            from statetool.backends.sqlite import SqliteBackend
+        else:
+            import json
+        def later():
+            from statetool.backends.postgres import PostgresBackend
+        class Holder:
+            def method(self):
+                try:
+                    import psycopg
+                except ImportError:
+                    pass
+        """)
+    got = [(i.line, i.name, i.type_only) for i in imports_of(source, "statetool.operations.thing", package=False)]
+    assert got == [(1, "sqlite3", False), (2, "typing.TYPE_CHECKING", False),
+                   (3, "statetool.operations.sibling", False), (4, "statetool.errors.StateError", False),
+                   (6, "statetool.backends.sqlite.SqliteBackend", True), (8, "json", False),
+                   (10, "statetool.backends.postgres.PostgresBackend", False), (14, "psycopg", False)], got
+    assert [i.name for i in imports_of("from . import x\n", "statetool.backends", package=True)] == \
+        ["statetool.backends.x"]
+
+
+def test_the_layer_table_of_docs_architecture_md_is_the_only_place_modules_are_placed() -> None:
+    _layer_table()  # one row per layer there
+    for page in _markdown_files():
+        if page == ARCHITECTURE_MD:
+            continue
+        for number, line in enumerate(markdown.read(page).prose.splitlines(), 1):
+            first = line.strip().strip("|").split("|")[0].strip()
+            assert not (line.lstrip().startswith("|") and first in LAYERS), \
+                f"{page.relative_to(ROOT)} places modules in layer '{first}' (prose line {number}): " \
+                "only docs/architecture.md's table does"
+
+
 def test_every_module_sits_in_one_layer_and_imports_only_downward() -> None:
     table = _layer_table()
-    files = [p for p in sorted(PACKAGE.rglob("*.py")) if "_alembic" not in p.parts]
+    files = _package_files()
     layer_of: dict[str, int] = {}
-    for path in files:
+    for module, path in files.items():
         rel = path.relative_to(PACKAGE).as_posix()
         places = [LAYERS.index(layer) for layer, entries in table.items()
                   for entry in entries if rel == entry or (entry.endswith("/") and rel.startswith(entry))]
         assert len(places) == 1, f"statetool/{rel} is placed in {len(places)} layers of docs/architecture.md"
-        layer_of[_module_of(path)] = places[0]
-
-    def target_layer(name: str) -> int | None:
-        while name and name not in layer_of:
-            name = name.rpartition(".")[0]
-        return layer_of.get(name)
+        layer_of[module] = places[0]
 
     wrong = []
-    for path in files:
-        importer = _module_of(path)
-        for node in ast.walk(ast.parse(path.read_text())):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [f"{node.module}.{a.name}" for a in node.names]
-            for name in names:
-                if not name.startswith("statetool"):
-                    continue
-                got = target_layer(name)
-                if got is not None and got > layer_of[importer]:
-                    wrong.append(f"{importer} ({LAYERS[layer_of[importer]]}) imports {name} ({LAYERS[got]})")
+    for importer, items in _package_imports().items():
+        for item in items:
+            target = _owner(item.name, files)
+            if target is not None and layer_of[target] > layer_of[importer]:
+                wrong.append(f"{_where(files, importer, item)}: {importer} ({LAYERS[layer_of[importer]]}) imports "
+                             f"{item.name} ({LAYERS[layer_of[target]]})")
     assert not wrong, "imports against the layering of docs/architecture.md:\n" + "\n".join(wrong)
+
+
+def test_the_package_has_no_import_cycle_not_even_through_function_local_imports() -> None:
+    """Every import is an edge: one inside a function hides a cycle from the interpreter,
+    not from the design, and so does one under ``TYPE_CHECKING``: a type named there is
+    still a module the importer cannot be read or moved without. An annotation that needs
+    a backend's shape names the protocol in ``backends/base.py`` instead. (Importing
+    ``a.b`` also runs package ``a``; that parent edge is not counted: Python always
+    finishes a package's ``__init__`` first, so it never forms a cycle by itself.)"""
+    files = _package_files()
+    graph: dict[str, dict[str, Imported]] = {}
+    for importer, items in _package_imports().items():
+        graph[importer] = {}
+        for item in items:
+            target = _owner(item.name, files)
+            if target and target != importer:
+                graph[importer].setdefault(target, item)
+    assert "statetool.operations.leasing" in graph and graph["statetool.operations.writes"], "graph not read"
+
+    cycles: list[str] = []
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                loop = path[path.index(target):] + [target]
+                steps = (f"{a} -> {b}  ({_where(files, a, graph[a][b])})" for a, b in zip(loop, loop[1:]))
+                cycles.append("\n  ".join(steps))
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert not cycles, "import cycles in statetool:\n" + "\n".join(f"- {c}" for c in cycles)
+
+
+def test_no_operation_imports_a_database_driver_or_a_concrete_backend() -> None:
+    """Above the storage layer (operations and faces), the only storage modules imported
+    are :data:`STORAGE_INTERFACE`, and no database driver is imported at all; imports
+    under ``TYPE_CHECKING`` count too (naming ``SqliteBackend`` in an annotation is
+    knowing which backend one has). :data:`BACKEND_AWARE` lists the exceptions."""
+    table = _layer_table()
+    above = tuple(entry for layer in ("operations", "faces") for entry in table[layer])
+    files = _package_files()
+    offenders = []
+    for importer, items in _package_imports().items():
+        rel = files[importer].relative_to(PACKAGE).as_posix()
+        if importer in BACKEND_AWARE or not any(rel == e or (e.endswith("/") and rel.startswith(e)) for e in above):
+            continue
+        for item in items:
+            target = _owner(item.name, files)
+            if any(item.name == d or item.name.startswith(f"{d}.") for d in DRIVERS):
+                offenders.append(f"{_where(files, importer, item)}: {importer} imports {item.name} (a database driver)")
+            elif target and target.startswith("statetool.backends") and target not in STORAGE_INTERFACE:
+                offenders.append(f"{_where(files, importer, item)}: {importer} imports {item.name} "
+                                 f"(concrete backend module {target})")
+    assert not offenders, ("code above storage sees a backend (allowed from statetool/backends/: "
+                           f"{', '.join(sorted(STORAGE_INTERFACE))}):\n" + "\n".join(offenders))
 
 
 # -- (c) the upgrade runbook runs for real ---------------------------------------------
 
 
 def _guide_blocks(postgres: bool) -> list[str]:
-    blocks = fenced_blocks(GUIDE.read_text())
+    blocks = markdown.read(GUIDE).blocks
     assert blocks, "the upgrade guide has no command blocks"
-    assert {info for info, _, _ in blocks} == {"sh"}, "every block of the upgrade guide is a runnable ```sh block"
-    return [code for _, h2, code in blocks if ("PostgreSQL" in h2) == postgres]
+    assert {b.info for b in blocks} == {"sh"}, "every block of the upgrade guide is a runnable ```sh block"
+    return [b.code for b in blocks if ("PostgreSQL" in b.section) == postgres]
 
 
 def _guide_env(state_url: str | None) -> dict[str, str]:
@@ -408,59 +584,9 @@ def test_upgrade_guide_postgres_blocks_run_in_order(tmp_path: Path, pg_url: str)
 def test_readme_first_block_installs_and_runs_the_main_job_then_the_tests() -> None:
     text = README.read_text()
     assert text.startswith("# statetool\n")
-    info, _, code = fenced_blocks(text)[0]
-    lines = [line for line in code.splitlines() if line.strip()]
-    assert info == "sh"
+    first = markdown.parse(text, README.name).blocks[0]
+    lines = [line for line in first.code.splitlines() if line.strip()]
+    assert first.info == "sh"
     assert len(lines) == 2, f"README's first block should hold exactly two commands, has {len(lines)}"
     assert "pip install" in lines[0] and "examples/main-job.sh" in lines[0]
     assert "pip install" in lines[1] and "pytest" in lines[1]
-
-
-def _import_graph() -> dict[str, set[str]]:
-    """Module -> the statetool modules it imports anywhere: at the top, inside functions,
-    under ``TYPE_CHECKING``. A function-local import is still an edge: moving an import
-    into a function hides a cycle from the interpreter, not from the design."""
-    files = {_module_of(p): p for p in sorted(PACKAGE.rglob("*.py")) if "_alembic" not in p.parts}
-
-    def owner(name: str) -> str | None:
-        while name and name not in files:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    graph: dict[str, set[str]] = {}
-    for module, path in files.items():
-        edges: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [f"{node.module}.{a.name}" for a in node.names]
-            else:
-                continue
-            edges |= {t for t in map(owner, (n for n in names if n.startswith("statetool"))) if t and t != module}
-        graph[module] = edges
-    return graph
-
-
-def test_the_package_has_no_import_cycle_not_even_through_function_local_imports() -> None:
-    graph = _import_graph()
-    assert "statetool.operations.leasing" in graph and graph["statetool.operations.writes"], "graph not read"
-    cycles: list[list[str]] = []
-    state: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(module: str) -> None:
-        state[module] = 1
-        path.append(module)
-        for target in sorted(graph[module]):
-            if state.get(target) == 1:
-                cycles.append(path[path.index(target):] + [target])
-            elif target not in state:
-                visit(target)
-        path.pop()
-        state[module] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module)
-    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)

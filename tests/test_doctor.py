@@ -38,6 +38,7 @@ from statetool.operations.exports import reset as reset_export
 from statetool.operations.migrate import migrate
 from statetool.operations.relocate import relocate
 from statetool.runtime import StateStore
+from support import markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDES = ROOT / "docs" / "setup-guides"
@@ -777,20 +778,7 @@ def test_doctor_checkpoints_and_check_change_nothing(config: Path, tmp_path: Pat
 
 def sh_blocks(page: Path) -> list[tuple[str, str]]:
     """``[(h2 heading, code)]`` of every ```sh block of a guide."""
-    out, h2, current = [], "", None
-    for line in page.read_text().splitlines():
-        if current is not None:
-            if line.strip() == "```":
-                out.append((h2, "\n".join(current)))
-                current = None
-            else:
-                current.append(line)
-        elif line.strip() == "```sh":
-            current = []
-        elif line.startswith("## "):
-            h2 = line[3:].strip()
-    assert current is None, f"{page.name}: an unclosed block"
-    return out
+    return [(block.section, block.code) for block in markdown.read(page).sh_blocks()]
 
 
 def run_block(code: str, cwd: Path, env: dict[str, str], page: Path, heading: str) -> None:
@@ -919,16 +907,8 @@ DIAGNOSING_SCENARIOS = {
 def _text_codes(page: Path) -> dict[str, set[str]]:
     """``{h2 heading: codes shown in its ```text blocks}`` (what doctor "looks like")."""
     out: dict[str, set[str]] = {}
-    h2, inside = "", False
-    for line in page.read_text().splitlines():
-        if line.strip() == "```text":
-            inside = True
-        elif inside and line.strip() == "```":
-            inside = False
-        elif inside:
-            out.setdefault(h2, set()).update(re.findall(r"\[(RIVET_[A-Z_]+)\]", line))
-        elif line.startswith("## "):
-            h2 = line[3:].strip()
+    for block in markdown.read(page).blocks_in("text"):
+        out.setdefault(block.section, set()).update(re.findall(r"\[(RIVET_[A-Z_]+)\]", block.code))
     return out
 
 

@@ -41,6 +41,7 @@ from statetool.example import build_legacy_state
 from statetool.operations.create import init
 from statetool.operations.exports import set_cursor
 from statetool.runtime import StateStore
+from support.backends import StateBackend
 from test_leases import (RUN_KEY, TOUCH, LeaseRun, State, error_object,  # noqa: F401
                          pg_state, spawn, sqlite_state, state, wait_for)
 from test_migrate import pg_dump, split_pg_url
@@ -70,15 +71,9 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def make_state(backend: str, tmp_path: Path, request: pytest.FixtureRequest, *, exports: str | None = None,
-               initialise: bool = True) -> State:
+def make_state(backend: StateBackend, *, exports: str | None = None, initialise: bool = True) -> State:
     """A state beside a config in ``tmp_path/pipeline`` (SQLite) or in a fresh PostgreSQL schema."""
-    config = write_config(tmp_path / "pipeline", exports=exports)
-    if backend == "postgres":
-        pg_url = request.getfixturevalue("pg_url")
-        st = State(backend, config, {"RIVET_STATE_URL": pg_url}, pg_url)
-    else:
-        st = State(backend, config, {})
+    st = State(backend.kind, write_config(backend.pipeline, exports=exports), backend.env, backend.url)
     if initialise:
         init(st.context())
     return st
@@ -222,9 +217,8 @@ def big_legacy_state(path: Path) -> None:
         db.close()
 
 
-def test_a_run_during_a_migration_is_refused_at_once_or_waits_until_the_migration_ended(
-        tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    st = make_state("sqlite", tmp_path, request, exports=TWO_EXPORTS, initialise=False)
+def test_a_run_during_a_migration_is_refused_at_once_or_waits_until_the_migration_ended(tmp_path: Path) -> None:
+    st = make_state(StateBackend.sqlite(tmp_path), exports=TWO_EXPORTS, initialise=False)
     db_path = st.directory / STATE_FILE
     big_legacy_state(db_path)
     assert query(st, "SELECT count(*) FROM rivet_runs") == [(600_000,)]
@@ -382,10 +376,9 @@ def test_a_refused_postgres_acquire_writes_no_row(pg_state: State, spawn: Callab
 # -- 1d. check beside a live lease ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_check_reports_a_live_lease_as_a_warning_that_strict_fails(
-        backend: str, tmp_path: Path, request: pytest.FixtureRequest, spawn: Callable[..., LeaseRun]) -> None:
-    st = make_state(backend, tmp_path, request, exports=ONLY_ORDERS)
+        state_backend: StateBackend, spawn: Callable[..., LeaseRun]) -> None:
+    st = make_state(state_backend, exports=ONLY_ORDERS)
     set_cursor(st.context(), "orders", "2026-01-31")  # progress: no "no progress" warning
     proc = st.cli("check", "--strict")
     assert proc.returncode == 0, "the baseline must pass --strict, or the test proves nothing\n" + describe(proc)
@@ -428,7 +421,7 @@ def test_open_refuses_a_missing_state_in_an_empty_declared_directory_and_creates
 def _lived_before(kind: str, tmp_path: Path, spawn: Callable[..., LeaseRun]) -> tuple[Path, str]:
     """A pipeline directory where a state lived and is now missing, with only ``kind`` of
     evidence left, made by the real commands. Returns ``(config, what the error names)``."""
-    st = make_state("sqlite", tmp_path, None, exports=TWO_EXPORTS)  # type: ignore[arg-type]
+    st = make_state(StateBackend.sqlite(tmp_path), exports=TWO_EXPORTS)
     directory = st.directory
     if kind == "backup":
         set_cursor(st.context(), "orders", "2026-01-31")  # a verified backup first
@@ -472,9 +465,8 @@ def test_open_with_create_refuses_a_place_where_a_state_lived_before(
     assert not (config.parent / STATE_FILE).exists()
 
 
-def test_open_with_create_at_a_relocated_place_is_refused_relocated(tmp_path: Path,
-                                                                     request: pytest.FixtureRequest) -> None:
-    st = make_state("sqlite", tmp_path, request, exports=TWO_EXPORTS)
+def test_open_with_create_at_a_relocated_place_is_refused_relocated(tmp_path: Path) -> None:
+    st = make_state(StateBackend.sqlite(tmp_path), exports=TWO_EXPORTS)
     moved = tmp_path / "moved"
     proc = st.cli("relocate", "--to", str(moved), "--create-dir")
     assert proc.returncode == 0, describe(proc)

@@ -19,6 +19,7 @@ from statetool.operations.create import init
 from statetool.operations.identity_ops import adopt, rekey
 from statetool.operations.migrate import migrate
 from statetool.runtime import StateStore
+from support.backends import StateBackend
 
 SCOPES = ("declared_dir", "beside_config", "shared")
 
@@ -205,21 +206,27 @@ def test_each_identity_warning_has_one_text_for_reads_and_writes() -> None:
     assert identity_warning(identity_verdict(OURS_KEY, OURS_KEY, "shared", True), "/srv/rivet", False) is None
 
 
-def make_scope(name: str, tmp_path: Path, request: pytest.FixtureRequest) -> Scope:
-    pipeline = tmp_path / "pipeline"
-    pipeline.mkdir()
-    config = pipeline / "rivet.yaml"
-    config.write_text(CONFIG)
+def _backend_of(name: str, tmp_path: Path, request: pytest.FixtureRequest) -> StateBackend:
+    """The backend of scope ``name``: a declared SQLite directory, SQLite beside the config,
+    or a PostgreSQL schema (the shared store)."""
     if name == "declared_dir":
-        state_dir = tmp_path / "state"
-        state_dir.mkdir()
-        return Scope(name, config, f"sqlite:{state_dir}", state_dir)
+        (tmp_path / "state").mkdir()
+        return StateBackend.sqlite(tmp_path, declared=tmp_path / "state")
     if name == "beside_config":
-        return Scope(name, config, None, pipeline)
-    return Scope(name, config, request.getfixturevalue("pg_url"), None)
+        return StateBackend.sqlite(tmp_path)
+    return StateBackend.postgres(tmp_path, request.getfixturevalue("pg_url"))
 
 
-@pytest.fixture(params=SCOPES)
+def make_scope(name: str, tmp_path: Path, request: pytest.FixtureRequest) -> Scope:
+    backend = _backend_of(name, tmp_path, request)
+    backend.pipeline.mkdir()
+    config = backend.pipeline / "rivet.yaml"
+    config.write_text(CONFIG)
+    return Scope(name, config, backend.url, backend.state_dir)
+
+
+@pytest.fixture(params=[pytest.param(name, marks=[pytest.mark.postgres] if name == "shared" else [])
+                        for name in SCOPES])
 def scope(request: pytest.FixtureRequest, tmp_path: Path) -> Scope:
     return make_scope(request.param, tmp_path, request)
 

@@ -42,6 +42,8 @@ from statetool.operations.context import Context
 from statetool.operations.inspect import info
 from statetool.operations.leasing import acquire, list_leases, this_holder
 from statetool.operations.migrate import migrate
+from support import markdown
+from support.backends import StateBackend
 
 RUN_KEY = "chunk-run:orders"
 SIDECAR_NAME = "chunk-run%3Aorders"
@@ -153,13 +155,8 @@ class State:
         return [{"actor": a, "command": c, "action": act, "detail": json.loads(d)} for a, c, act, d in rows]
 
 
-def _make_state(backend: str, tmp_path: Path, request: pytest.FixtureRequest, *, init: bool = True) -> State:
-    config = write_config(tmp_path / "pipeline")
-    if backend == "postgres":
-        pg_url = request.getfixturevalue("pg_url")
-        state = State(backend, config, {"RIVET_STATE_URL": pg_url}, pg_url)
-    else:
-        state = State(backend, config, {})
+def _make_state(backend: StateBackend, *, init: bool = True) -> State:
+    state = State(backend.kind, write_config(backend.pipeline), backend.env, backend.url)
     if init:  # what `statetool init` runs, in-process: a CLI start per test would double the runtime
         from statetool.operations.create import init as create
 
@@ -167,20 +164,20 @@ def _make_state(backend: str, tmp_path: Path, request: pytest.FixtureRequest, *,
     return state
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def state(request: pytest.FixtureRequest, tmp_path: Path) -> State:
+@pytest.fixture
+def state(state_backend: StateBackend) -> State:
     """A fresh state at head on each backend."""
-    return _make_state(request.param, tmp_path, request)
+    return _make_state(state_backend)
 
 
 @pytest.fixture
-def sqlite_state(request: pytest.FixtureRequest, tmp_path: Path) -> State:
-    return _make_state("sqlite", tmp_path, request)
+def sqlite_state(tmp_path: Path) -> State:
+    return _make_state(StateBackend.sqlite(tmp_path))
 
 
 @pytest.fixture
-def pg_state(request: pytest.FixtureRequest, tmp_path: Path) -> State:
-    return _make_state("postgres", tmp_path, request)
+def pg_state(tmp_path: Path, pg_url: str) -> State:
+    return _make_state(StateBackend.postgres(tmp_path, pg_url))
 
 
 # -- holders ----------------------------------------------------------------------------
@@ -738,15 +735,15 @@ def test_postgres_holder_whose_pid_was_reused_reads_as_stale_at_once(pg_state: S
 # -- other commands beside a live lease -----------------------------------------------------
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def older_state(request: pytest.FixtureRequest, tmp_path: Path) -> State:
+@pytest.fixture
+def older_state(state_backend: StateBackend) -> State:
     """A state below head: a legacy SQLite file (leases dir beside it), or PostgreSQL moved down to 0002."""
-    if request.param == "sqlite":
-        state = _make_state("sqlite", tmp_path, request, init=False)
+    if state_backend.kind == "sqlite":
+        state = _make_state(state_backend, init=False)
         build_legacy_state(state.directory / ".rivet_state.db",
                            [("orders", "incremental"), ("order_lines", "chunked")], runs=60)
         return state
-    state = _make_state("postgres", tmp_path, request)
+    state = _make_state(state_backend)
     migrate(state.context(), to="0002", allow_data_loss=True)
     return state
 
@@ -819,7 +816,7 @@ def test_info_and_check_show_the_live_holder(state: State, spawn: Callable[..., 
 
 
 def _guide_blocks() -> list[str]:
-    return re.findall(r"^```sh\n(.*?)^```", GUIDE.read_text(), flags=re.S | re.M)
+    return [block.code for block in markdown.read(GUIDE).sh_blocks()]
 
 
 def test_scheduler_guide_exists_with_sh_blocks() -> None:

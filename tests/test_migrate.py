@@ -31,6 +31,7 @@ from conftest import describe, run_cli, tree_digest, write_config
 from statetool import migrations, schema
 from statetool.operations.context import Context
 from statetool.operations.migrate import migrate
+from support.backends import StateBackend
 
 HEAD = "0004"
 SOURCE_KEY = "postgresql://db.internal:5432/sales"
@@ -270,13 +271,10 @@ def build_state(target: Target, revision: str, *, legacy: bool = False, newer_da
         engine.dispose()
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+@pytest.fixture
+def target(state_backend: StateBackend) -> Target:
     """A state location with nothing there yet: SQLite beside the config, or a fresh PG schema."""
-    config = write_config(tmp_path / "pipeline", exports=EXPORTS_YAML)
-    if request.param == "sqlite":
-        return Target("sqlite", config)
-    return Target("postgres", config, request.getfixturevalue("pg_url"))
+    return Target(state_backend.kind, write_config(state_backend.pipeline, exports=EXPORTS_YAML), state_backend.url)
 
 
 def cli(target: Target, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

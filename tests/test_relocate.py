@@ -43,6 +43,7 @@ from statetool.example import main as build_example
 from statetool.operations.context import Context
 from statetool.operations.preflight import run_preflight
 from statetool.runtime import StateStore
+from support import markdown
 from support.crash_driver import run_killed_at
 
 REPO = Path(__file__).resolve().parent.parent
@@ -871,15 +872,11 @@ def test_the_relocation_audit_row_in_the_target_is_redacted(tmp_path: Path, smal
 # 7. The local-worker guide, run as written
 # --------------------------------------------------------------------------------------
 
-def sh_blocks(markdown: str) -> list[str]:
-    return re.findall(r"^```sh\n(.*?)^```", markdown, flags=re.S | re.M)
-
-
 def test_local_worker_guide_commands_run_as_written(tmp_path: Path, small: Template) -> None:
     """Every ```sh block of docs/setup-guides/local-worker.md, in order, in one shell, in the
     pipeline directory (state beside the config), with STATE_DIR the mounted directory the
     guide asks the reader to set; statetool on PATH."""
-    blocks = sh_blocks(GUIDE.read_text())
+    blocks = [block.code for block in markdown.read(GUIDE).sh_blocks()]
     assert len(blocks) >= 5, "the guide lost its command blocks"
     config = small.copy_to(tmp_path)
     state_dir = tmp_path / "srv" / "rivet" / "state"

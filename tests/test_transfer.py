@@ -30,6 +30,7 @@ import pytest
 
 from conftest import PG_PASSWORD, describe, run_cli, tree_digest, write_config
 from statetool.backends.tombstone import IN_FLIGHT_REVISION
+from support import markdown
 from support.crash_driver import run_killed_at
 
 pytestmark = pytest.mark.postgres
@@ -850,19 +851,10 @@ def test_dry_run_changes_nothing_and_prints_tables_rows_bytes_checkpoints_and_th
 
 
 def _fenced_sh(text: str) -> list[str]:
-    blocks, current = [], None
-    for line in text.splitlines():
-        if current is not None:
-            if line.strip() == "```":
-                blocks.append("\n".join(current))
-                current = None
-            else:
-                current.append(line)
-        elif line.strip().startswith("```"):
-            assert line.strip() == "```sh", f"every block of {GUIDE.name} is a runnable ```sh block: {line}"
-            current = []
-    assert current is None
-    return blocks
+    blocks = markdown.parse(text, GUIDE.name).blocks
+    for block in blocks:
+        assert block.info == "sh", f"every block of {GUIDE.name} is a runnable ```sh block: line {block.line}"
+    return [block.code for block in blocks]
 
 
 def test_the_moving_guide_commands_run_in_order(tmp_path: Path, admin: str, pg_server: dict[str, str]) -> None:
