@@ -13,6 +13,10 @@ import sqlalchemy as sa
 #: The version table of every path (online, offline ``--sql``, stamping), never alembic's
 #: default ``alembic_version`` (SPEC §10); alembic/env.py reads it from here.
 VERSION_TABLE = "rivet_state_version"
+#: The version-table value of a move's target until the source is retired (decisions.md,
+#: "Moves: one live place"): every opener refuses it (``RIVET_STATE_MOVE_IN_FLIGHT``) on
+#: both backends. At most 32 characters (alembic's column); never a revision id of any release.
+IN_FLIGHT_REVISION = "move-in-flight"
 #: The PostgreSQL lease table (revision 0002) and the last fencing token of every key
 #: (revision 0004); raw SQL in backends/postgres_leases.py, so no Core table here.
 LEASE_TABLE = "rivet_leases"

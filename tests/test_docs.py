@@ -285,16 +285,26 @@ LAYERS = ("facts", "storage", "operations", "faces")
 
 #: What code above the storage layer may import from ``statetool/backends/``, each with its
 #: reason. Every other module there speaks SQLite or PostgreSQL (a driver, a file format,
-#: catalog SQL, a lease mechanism), and the layers above never see which backend they have
-#: (STYLE §4, issue 11 item 1).
+#: catalog SQL, a lease mechanism, the tombstone and the other files of a move), and the
+#: layers above never see which backend they have (STYLE §4, issue 11 item 1): a step that
+#: only one backend has is reached through an object the interface hands out
+#: (``file_move(backend)``, typed by the ``FileMoves`` protocol). docs/architecture.md
+#: ("storage") states the same rule.
 STORAGE_INTERFACE = {
-    "statetool.backends": "open_backend / open_leases: the one place a backend is chosen",
-    "statetool.backends.base": "the Backend and LeaseStore protocols and the value types they return",
+    "statetool.backends": "the entry points: open_backend / open_leases (the one place a backend is chosen), "
+                          "file_move (the move of a state file), orphan_companions and tombstone_at (what is "
+                          "beside or at a location, None where the backend has no files)",
+    "statetool.backends.base": "the protocols (Backend, LeaseStore, the transfer's two ends, FileMoves) and the "
+                               "value types they return",
     "statetool.backends.faults": "an OSError (read-only mount, denied permission, full disk) as its registered "
                                  "code: a fault of the filesystem under any file an operation touches",
     "statetool.backends.processes": "is a lease holder alive, by pid and start time: one rule for both lease "
                                     "mechanisms",
+    "statetool.backends.durable": "fsync and the verified copy of a plain file: a move carries the CDC "
+                                  "checkpoints, plain files under either backend; no database in it (the SQLite "
+                                  "backend writes its own files through it too, which is why it sits here)",
 }
+
 
 #: Database drivers and SQLAlchemy's dialect packages: only backend modules import them.
 DRIVERS = ("sqlite3", "psycopg", "psycopg2", "psycopg_pool", "sqlalchemy.dialects")

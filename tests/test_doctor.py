@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from conftest import describe, run_cli, write_config
-from statetool.backends import mounts
+from statetool import mounts
 from statetool.errors import EXIT_CODES, failure_class, worst
 from statetool.example import build_legacy_state
 from statetool.location import STATE_FILE

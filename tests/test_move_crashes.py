@@ -27,10 +27,11 @@ from pathlib import Path
 import pytest
 
 from conftest import describe, run_cli, tree_digest, write_config
-from statetool.backends.tombstone import IN_FLIGHT_REVISION, read_tombstone
+from statetool.backends.tombstone import read_tombstone
 from statetool.backends.tombstone import MAGIC as TOMBSTONE_MAGIC
 from statetool.errors import StateError
 from statetool.runtime import StateStore
+from statetool.schema import IN_FLIGHT_REVISION
 
 STATE = ".rivet_state.db"
 CHECKPOINT = Path("checkpoints") / "order_events.json"

@@ -36,13 +36,14 @@ from urllib.parse import quote
 import pytest
 
 from conftest import describe, run_cli, tree_digest, write_config
-from statetool.backends.tombstone import IN_FLIGHT_REVISION, read_tombstone
+from statetool.backends.tombstone import read_tombstone
 from statetool.errors import StateError
 from statetool.example import build_legacy_state
 from statetool.example import main as build_example
 from statetool.operations.context import Context
 from statetool.operations.preflight import run_preflight
 from statetool.runtime import StateStore
+from statetool.schema import IN_FLIGHT_REVISION
 from support import markdown
 from support.crash_driver import run_killed_at
 

@@ -29,7 +29,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import pytest
 
 from conftest import PG_PASSWORD, describe, run_cli, tree_digest, write_config
-from statetool.backends.tombstone import IN_FLIGHT_REVISION
+from statetool.schema import IN_FLIGHT_REVISION
 from support import markdown
 from support.crash_driver import run_killed_at
 

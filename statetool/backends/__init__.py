@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from statetool.location import Location
 
 if TYPE_CHECKING:
-    from statetool.backends.base import Backend, LeaseStore
+    from statetool.backends.base import Backend, FileMoves, LeaseStore
     from statetool.backends.sqlite_file import Orphans
-    from statetool.backends.moves import FileMove
 
 
 def open_backend(location: Location, lock_wait: float = 600.0) -> Backend:
@@ -52,10 +51,24 @@ def orphan_companions(location: Location) -> Orphans | None:
     return beside_file(location.path)
 
 
-def file_move(backend: Backend) -> FileMove:
-    """The primitives that move the state file of ``backend`` into another directory
-    (statetool/backends/moves.py). Only for a backend whose ``relocatable`` is True:
-    the caller refuses the others with its own message (``RIVET_STATE_BACKEND_UNSUPPORTED``)."""
+def tombstone_at(location: Location) -> dict[str, Any] | None:
+    """Where the state that was at ``location`` went: what the tombstone a move left
+    there says (``to``, ``state_url``, ``at``, ``by``, ``kept_as``, ...), read without
+    opening a database; None when no tombstone is there, and always for PostgreSQL, whose
+    state is never retired in place."""
+    if location.backend != "sqlite":
+        return None
+    from statetool.backends.tombstone import read_tombstone
+
+    assert location.path is not None
+    return read_tombstone(location.path)
+
+
+def file_move(backend: Backend) -> FileMoves:
+    """The steps that move the state file of ``backend`` into another directory and retire
+    it with a tombstone (statetool/backends/moves.py). Only for a backend whose
+    ``relocatable`` is True (so also a transfer's source, whose ``sends_transfer`` is): the
+    caller refuses the others with its own message (``RIVET_STATE_BACKEND_UNSUPPORTED``)."""
     from statetool.backends.sqlite import SqliteBackend
     from statetool.backends.moves import FileMove
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -147,8 +147,9 @@ class Backend(Protocol):
     #: The PostgreSQL schema of the state, None for SQLite.
     schema: str | None
     #: True when the state is one file that a move copies page for page and retires in
-    #: place with a tombstone (SQLite: :func:`statetool.backends.file_move`). PostgreSQL
-    #: has no such file: its state is a schema on a shared server, which pg_dump moves.
+    #: place with a tombstone (SQLite; its :class:`FileMoves` from
+    #: :func:`statetool.backends.file_move`). PostgreSQL has no such file: its state is a
+    #: schema on a shared server, which pg_dump moves.
     relocatable: bool
 
     # -- capabilities: each difference that code above the backends acts on, named once with
@@ -285,3 +286,83 @@ class TransferDestination(Backend, Protocol):
     def make_live(self) -> None:
         """Turn an in-flight copy into the live state (its version back to head), in a
         transaction of its own; nothing to do when it is live already or nothing is there."""
+
+
+class FileMoves(Protocol):
+    """The steps that move a state file into another directory and retire it at its old
+    place (SPEC §9; decisions.md, "Moves: one live place"): what ``relocate`` and
+    ``transfer`` call, in the order of their docstrings, on the object
+    :func:`statetool.backends.file_move` returns for a :attr:`Backend.relocatable` backend.
+    Each raises what its implementation (statetool/backends/moves.py) documents."""
+
+    #: The file the move copies and retires: the real file of a symlinked state.
+    source: Path
+
+    # -- the source, before and at the switch
+
+    def tombstone(self) -> dict[str, Any] | None:
+        """What the source's tombstone says (``to``, ``state_url``, ``kept_as``, ...), or
+        None while a state is there."""
+
+    def stale_tombstones(self) -> list[Path]:
+        """The temporary tombstones a killed move left beside the source."""
+
+    def refuse_unsafe(self, *paths: Path) -> None:
+        """``RIVET_STATE_UNSAFE_FILE`` for a symlink or a non-regular file among ``paths``."""
+
+    def require_retirable(self) -> None:
+        """Refuse a source whose directory cannot take the tombstone (``RIVET_STATE_READ_ONLY``,
+        ``RIVET_STATE_PERMISSION_DENIED``)."""
+
+    def wait_for_openers(self) -> None:
+        """Return once no other process holds the source open (``RIVET_STATE_RUN_IN_PROGRESS``
+        after ``lock_wait``)."""
+
+    def hold_off_writers(self) -> None:
+        """Before the write lock: no other opener, and the source's WAL checkpointed."""
+
+    def require_frozen(self) -> None:
+        """Under the write lock: no WAL frame was added since the checkpoint."""
+
+    def digest(self) -> str:
+        """The page digest (sha256, hex) of the frozen source."""
+
+    def retire(self, doc: dict[str, Any], on_step: Step) -> Path:
+        """The switch: the source's bytes kept, a tombstone holding ``doc`` at its path;
+        returns where the bytes are kept."""
+
+    def remove_companions(self) -> None:
+        """Remove the ``-wal``/``-shm`` of the retired source."""
+
+    # -- the copy and the target
+
+    def own_files(self, target: Location) -> list[Path]:
+        """The files the move creates beside ``target`` besides the state itself."""
+
+    def remove_leftovers(self, target: Location, side_copies: list[Path]) -> None:
+        """Remove what a killed run left on either side (and ``side_copies``)."""
+
+    def discard_target(self, target: Location) -> None:
+        """Remove an in-flight target that was never live, to make it again."""
+
+    def copy_pages(self, conn: Connection, target: Location, progress: Progress, full_verify: bool) -> Path:
+        """The verified copy of the source (frozen by ``conn``) beside ``target``; its path."""
+
+    def verify_pages(self, copy: Path, source_digest: str) -> None:
+        """``RIVET_STATE_VERIFY_FAILED`` unless ``copy`` has the source's page digest."""
+
+    def in_flight(self, copy: Path) -> AbstractContextManager[Connection]:
+        """A writing transaction on ``copy`` that leaves it marked in flight."""
+
+    def link_into_place(self, copy: Path, target: Location, on_step: Step) -> None:
+        """Link ``copy`` to ``target``'s path, never replacing anything."""
+
+    def removed_when_full(self, target: Location, files: list[Path]) -> AbstractContextManager[None]:
+        """Around the copy: on a full target filesystem, what it created goes
+        (``RIVET_STATE_DISK_FULL``)."""
+
+    def relocation_detail(self, target: Location) -> dict[str, object] | None:
+        """The detail of the last ``relocate`` audit row of the state at ``target``, or None."""
+
+    def finish_target(self, target: Location) -> None:
+        """Make the copy at ``target`` live: its version back to head."""

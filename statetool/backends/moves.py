@@ -5,9 +5,11 @@ hold writers off (a WAL checkpoint; the write lock is the caller's writing trans
 digest the frozen file's pages, copy it with the online backup API into
 ``<target>.relocating`` and verify the copy (``quick_check`` or ``integrity_check``,
 every table's row count, the page digest), write into the copy while it is in flight (its
-version reads :data:`~statetool.backends.tombstone.IN_FLIGHT_REVISION`: every opener
-refuses it), link it into place, and at the end make it live. Retiring the source is
-:func:`statetool.backends.tombstone.retire`.
+version reads :data:`~statetool.schema.IN_FLIGHT_REVISION`: every opener
+refuses it), link it into place, and at the end make it live. The source's side (its
+tombstone, the checks before the switch, the switch itself) is
+statetool/backends/tombstone.py, reached through the same object: code above the backends
+sees :class:`FileMove` only as :class:`~statetool.backends.base.FileMoves`.
 
 Every state file is named by a :class:`~statetool.location.Location` the resolver made;
 the names of a move's own files (``.relocating`` and its journals) are made here. A copy
@@ -24,6 +26,8 @@ import os
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
@@ -31,7 +35,8 @@ from statetool import migrations, schema
 from statetool.backends.base import Progress, Step
 from statetool.backends.durable import CREATE_FLAGS, fsync_dir, fsync_file, side_copy
 from statetool.backends.sqlite import SqliteBackend, content_digest
-from statetool.backends.tombstone import IN_FLIGHT_REVISION, stale_tombstones, wait_for_openers
+from statetool.backends.tombstone import (read_tombstone, refuse_unsafe, remove_companions, require_retirable, retire,
+                                          stale_tombstones, wait_for_openers)
 from statetool.errors import StateError
 from statetool.location import Location
 
@@ -70,7 +75,7 @@ class FileMove:
         only, every one checked to be a regular file before)."""
         for path in self.own_files(target) + side_copies:
             path.unlink(missing_ok=True)
-        for stale in stale_tombstones(self.source):
+        for stale in self.stale_tombstones():
             stale.unlink()
 
     def discard_target(self, target: Location) -> None:
@@ -85,10 +90,9 @@ class FileMove:
 
     def hold_off_writers(self) -> None:
         """Before the write lock: wait for every other opener of the source to close it
-        (:func:`~statetool.backends.tombstone.wait_for_openers`), then checkpoint its WAL
-        so the file alone holds every committed row. Raises ``RIVET_STATE_RUN_IN_PROGRESS``
-        and ``RIVET_STATE_FOREIGN_WAL``."""
-        wait_for_openers(self.source, self.backend.lock_wait)
+        (:meth:`wait_for_openers`), then checkpoint its WAL so the file alone holds every
+        committed row. Raises ``RIVET_STATE_RUN_IN_PROGRESS`` and ``RIVET_STATE_FOREIGN_WAL``."""
+        self.wait_for_openers()
         self.backend.checkpoint_wal()
 
     def require_frozen(self) -> None:
@@ -126,12 +130,13 @@ class FileMove:
     def in_flight(self, copy: Path) -> Iterator[Connection]:
         """One writing transaction on the copy (not linked into place yet: nobody opens it),
         for the caller's audit row; before the commit its version becomes
-        :data:`~statetool.backends.tombstone.IN_FLIGHT_REVISION`, after it the file is
+        :data:`~statetool.schema.IN_FLIGHT_REVISION`, after it the file is
         fsynced. Errors as :meth:`SqliteBackend.writing`'s."""
         place = Location("sqlite", "declared_dir", "flag", directory=copy.parent, path=copy)
         with SqliteBackend(place, self.backend.lock_wait).writing("RIVET_STATE_RUN_IN_PROGRESS") as conn:
             yield conn
-            conn.execute(sa.text(f"UPDATE {schema.VERSION_TABLE} SET version_num = :v"), {"v": IN_FLIGHT_REVISION})
+            conn.execute(sa.text(f"UPDATE {schema.VERSION_TABLE} SET version_num = :v"),
+                         {"v": schema.IN_FLIGHT_REVISION})
         fsync_file(copy)
 
     def link_into_place(self, copy: Path, target: Location, on_step: Step) -> None:
@@ -176,6 +181,48 @@ class FileMove:
                              f"there was removed, and the state at {self.source} was not changed",
                              {"directory": str(target.directory)}) from None
 
+    # -- the source: its tombstone and the switch (statetool/backends/tombstone.py) -----
+
+    def tombstone(self) -> dict[str, Any] | None:
+        """The tombstone at the source (``to``, ``state_url``, ``kept_as``, ...): where an
+        earlier move of this state went; None while the source is a state."""
+        return read_tombstone(self.source)
+
+    def stale_tombstones(self) -> list[Path]:
+        """The temporary tombstones a killed move left beside the source (each to be
+        checked with :meth:`refuse_unsafe` before it is removed)."""
+        return stale_tombstones(self.source)
+
+    @staticmethod
+    def refuse_unsafe(*paths: Path) -> None:
+        """Raise ``RIVET_STATE_UNSAFE_FILE`` for the first of ``paths`` (files a move
+        creates or removes) that is a symlink or not a regular file
+        (:func:`~statetool.backends.tombstone.refuse_unsafe`)."""
+        refuse_unsafe(*paths)
+
+    def require_retirable(self) -> None:
+        """Refuse, before anything is written, a source whose directory cannot take the
+        keep-link and the tombstone: ``RIVET_STATE_READ_ONLY`` or
+        ``RIVET_STATE_PERMISSION_DENIED`` (:func:`~statetool.backends.tombstone.require_retirable`)."""
+        require_retirable(self.backend.location)
+
+    def wait_for_openers(self) -> None:
+        """Wait up to the backend's ``lock_wait`` seconds until no other process holds the
+        source open, then raise ``RIVET_STATE_RUN_IN_PROGRESS`` naming them
+        (:func:`~statetool.backends.tombstone.wait_for_openers`)."""
+        wait_for_openers(self.source, self.backend.lock_wait)
+
+    def retire(self, doc: dict[str, Any], on_step: Step) -> Path:
+        """The switch: keep the source's bytes beside it and put a tombstone holding ``doc``
+        at its path in one atomic rename (:func:`~statetool.backends.tombstone.retire`;
+        ``on_step`` told ``kept``, ``tombstoned``, ``swapped``). Returns where the old
+        bytes are kept. Raises ``RIVET_STATE_UNSAFE_FILE``."""
+        return retire(self.source, doc, on_step)
+
+    def remove_companions(self) -> None:
+        """Remove the ``-wal`` and ``-shm`` the retired source's old inode left."""
+        remove_companions(self.source)
+
     # -- the target -------------------------------------------------------------------
 
     def relocation_detail(self, target: Location) -> dict[str, object] | None:
@@ -198,14 +245,14 @@ class FileMove:
 
     def finish_target(self, target: Location) -> None:
         """Make the relocated copy at ``target`` live (the source is retired): its version
-        goes from :data:`~statetool.backends.tombstone.IN_FLIGHT_REVISION` back to head;
+        goes from :data:`~statetool.schema.IN_FLIGHT_REVISION` back to head;
         fsynced. Idempotent."""
         assert target.path is not None
         db = sqlite3.connect(target.path, isolation_level=None)
         try:
             db.execute("BEGIN IMMEDIATE")
             db.execute(f"UPDATE {schema.VERSION_TABLE} SET version_num = ? WHERE version_num = ?",
-                       (migrations.head(), IN_FLIGHT_REVISION))
+                       (migrations.head(), schema.IN_FLIGHT_REVISION))
             db.execute("COMMIT")
         finally:
             db.close()

@@ -22,10 +22,9 @@ from statetool import migrations
 from statetool.backends import postgres_copy
 from statetool.backends.base import Progress
 from statetool.backends.postgres_faults import driver_error, ident, rights_problem
-from statetool.backends.tombstone import IN_FLIGHT_REVISION
 from statetool.errors import StateError
 from statetool.location import Location
-from statetool.schema import VERSION_TABLE
+from statetool.schema import IN_FLIGHT_REVISION, VERSION_TABLE
 
 if TYPE_CHECKING:
     from statetool.backends.copy_text import Block, Loaded
@@ -229,12 +228,12 @@ class PostgresBackend:
         postgres_copy.drop_tables(conn, self.table_names(conn))
 
     def in_flight(self, conn: Connection) -> bool:
-        """True when the version table reads :data:`~statetool.backends.tombstone.IN_FLIGHT_REVISION`."""
+        """True when the version table reads :data:`~statetool.schema.IN_FLIGHT_REVISION`."""
         return conn.execute(sa.text(f"SELECT count(*) FROM {VERSION_TABLE} WHERE version_num = :v"),
                             {"v": IN_FLIGHT_REVISION}).scalar() == 1
 
     def mark_in_flight(self, conn: Connection) -> None:
-        """Set the version to :data:`~statetool.backends.tombstone.IN_FLIGHT_REVISION` in
+        """Set the version to :data:`~statetool.schema.IN_FLIGHT_REVISION` in
         ``conn``'s transaction: every open refuses (``RIVET_STATE_MOVE_IN_FLIGHT``) until
         :meth:`make_live`."""
         conn.execute(sa.text(f"UPDATE {VERSION_TABLE} SET version_num = :v"), {"v": IN_FLIGHT_REVISION})

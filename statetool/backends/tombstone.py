@@ -24,9 +24,9 @@ relocate and transfer wait (``--lock-wait``) until no other process holds the fi
 (:func:`wait_for_openers`).
 
 The other end of a move, while it is in flight (decisions.md, "Moves: one live place"):
-the new place receives its copy with :data:`IN_FLIGHT_REVISION` in its version table, so
-every opener refuses it (this release with ``RIVET_STATE_MOVE_IN_FLIGHT``, naming the
-command that finishes the move; an older release sees a revision it does not know) until
+the new place receives its copy with :data:`statetool.schema.IN_FLIGHT_REVISION` in its
+version table, so every opener refuses it (this release with ``RIVET_STATE_MOVE_IN_FLIGHT``,
+naming the command that finishes the move; an older release sees a revision it does not know) until
 the source is retired; only then is the version set back to head. At no instant are two
 places live.
 
@@ -46,9 +46,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
-from sqlalchemy.engine import Connection
-
 from statetool.backends.durable import CREATE_FLAGS, fsync_dir
 from statetool.backends.faults import fault
 from statetool.backends.proclocks import lock_holders
@@ -60,9 +57,6 @@ if TYPE_CHECKING:
     from statetool.backends.base import Step
 
 MAGIC = b"RIVET-STATE-RELOCATED\n"
-#: The version-table value of a move's target until the source is retired (at most 32
-#: characters: alembic's column); never a revision id of any release.
-IN_FLIGHT_REVISION = "move-in-flight"
 
 
 def read_tombstone(path: Path) -> dict[str, Any] | None:
@@ -120,26 +114,6 @@ def refuse_unsafe(*paths: Path) -> None:
             raise unsafe_error(path, f"is a symlink (to {os.readlink(path)})")
         if os.path.lexists(path) and not path.is_file():
             raise unsafe_error(path, "is not a regular file")
-
-
-def in_flight_error(where: str, conn: Connection) -> StateError:
-    """``RIVET_STATE_MOVE_IN_FLIGHT`` for the target ``where`` of an unfinished move, read
-    on ``conn`` (its last ``relocate``/``transfer`` audit row names the source and the
-    command that finishes the move)."""
-    row = conn.execute(sa.text("SELECT detail FROM rivet_audit WHERE action IN ('relocate', 'transfer') "
-                               "ORDER BY id DESC LIMIT 1")).first()
-    detail: dict[str, Any] = {}
-    if row is not None:
-        try:
-            loaded = json.loads(row[0])
-        except ValueError:
-            loaded = {}
-        detail = loaded if isinstance(loaded, dict) else {}
-    source, finish = detail.get("from", "?"), detail.get("finish", "the same relocate or transfer again")
-    return StateError("RIVET_STATE_MOVE_IN_FLIGHT",
-                      f"{where} is the target of a move from {source} that has not finished: it is not live until "
-                      f"the source is retired, and the source stays the live state until then. Finish the move with: "
-                      f"{finish}", {"place": where, "from": source, "finish": finish})
 
 
 def require_retirable(location: Location) -> Path:

@@ -28,11 +28,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from statetool.backends import open_leases, orphan_companions
-from statetool.backends.mounts import mount_of
 from statetool.config import Export
 from statetool.errors import EXIT_CODES, REGISTRY, WARNINGS, StateError, StateWarning, unit_failure, worst
 from statetool.identity import identity_message, identity_verdict, identity_warning
 from statetool.location import ENV_VAR, Location, resolve_checkpoint
+from statetool.mounts import mount_of
 from statetool.operations.checkpoints import checkpoint_warning
 from statetool.operations.context import Context
 from statetool.operations.probe import ResumePoint, Snapshot, last_resets, read_snapshot, resume_points
@@ -142,7 +142,7 @@ def _age(iso: str | None) -> float | None:
 
 def _directory_reasons(location: Location) -> list[Reason]:
     """Step 3: a declared directory that is missing, empty (a new or the wrong volume), or on
-    an ephemeral or a network filesystem (:func:`statetool.backends.mounts.mount_of`)."""
+    an ephemeral or a network filesystem (:func:`statetool.mounts.mount_of`)."""
     if location.scope != "declared_dir":
         return []
     directory = location.directory

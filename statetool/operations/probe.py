@@ -18,7 +18,6 @@ from sqlalchemy.engine import Connection
 
 from statetool import migrations, schema
 from statetool.backends.base import Backend
-from statetool.backends.tombstone import IN_FLIGHT_REVISION, in_flight_error
 from statetool.errors import StateError
 
 
@@ -93,6 +92,26 @@ class Snapshot:
         return any(e.has_progress for e in self.exports.values())
 
 
+def _in_flight_error(where: str, conn: Connection) -> StateError:
+    """``RIVET_STATE_MOVE_IN_FLIGHT`` for the target ``where`` of an unfinished move, read
+    on ``conn`` (its last ``relocate``/``transfer`` audit row names the source and the
+    command that finishes the move)."""
+    row = conn.execute(sa.text("SELECT detail FROM rivet_audit WHERE action IN ('relocate', 'transfer') "
+                               "ORDER BY id DESC LIMIT 1")).first()
+    detail: dict[str, Any] = {}
+    if row is not None:
+        try:
+            loaded = json.loads(row[0])
+        except ValueError:
+            loaded = {}
+        detail = loaded if isinstance(loaded, dict) else {}
+    source, finish = detail.get("from", "?"), detail.get("finish", "the same relocate or transfer again")
+    return StateError("RIVET_STATE_MOVE_IN_FLIGHT",
+                      f"{where} is the target of a move from {source} that has not finished: it is not live until "
+                      f"the source is retired, and the source stays the live state until then. Finish the move with: "
+                      f"{finish}", {"place": where, "from": source, "finish": finish})
+
+
 def read_snapshot(backend: Backend, conn: Connection, *, integrity: bool = True, progress: bool = True) -> Snapshot:
     """Read the state on a read-only ``conn``.
 
@@ -119,8 +138,8 @@ def read_snapshot(backend: Backend, conn: Connection, *, integrity: bool = True,
         versions = [r[0] for r in conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).all()]
         revision = versions[0] if len(versions) == 1 else ",".join(versions) or None
         legacy = False
-        if revision == IN_FLIGHT_REVISION:  # the target of an unfinished move (backends/tombstone.py)
-            raise in_flight_error(where, conn)
+        if revision == schema.IN_FLIGHT_REVISION:  # the target of an unfinished move
+            raise _in_flight_error(where, conn)
     elif schema.LEGACY_TABLES <= tables:
         revision, legacy = None, True
     else:

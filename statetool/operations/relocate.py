@@ -31,9 +31,10 @@ source's digest is unchanged, and is made again otherwise (it was never live); a
 tombstone that already names the target means done (the target is made live if a kill
 came between 6 and 7).
 
-Each step is a call into the storage layer (statetool/backends/moves.py for the
-SQLite files, statetool/backends/tombstone.py for the switch); this module holds their
-order. The steps are announced to :attr:`Context.on_step` by the names of
+Each step is a call on the move of the state file (a
+:class:`~statetool.backends.base.FileMoves` from :func:`statetool.backends.file_move`:
+statetool/backends/moves.py and, for the switch, statetool/backends/tombstone.py); this
+module holds their order. The steps are announced to :attr:`Context.on_step` by the names of
 :data:`CRASH_POINTS` (and ``copy-page-<n>`` after n pages of the copy): a no-op, but for
 the crash tests, which SIGKILL the process at one of them.
 """
@@ -46,22 +47,18 @@ import shlex
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from statetool.backends import file_move
+from statetool.backends.base import FileMoves
 from statetool.backends.durable import copy_verified, holds_other_bytes, side_copy
 from statetool.backends.faults import WRITE_MARGIN, refuse_unwritable
-from statetool.backends.tombstone import (read_tombstone, refuse_unsafe, remove_companions, require_retirable,
-                                          retire, stale_tombstones, wait_for_openers)
 from statetool.errors import StateError
 from statetool.location import Location, resolve_checkpoint, resolve_location
 from statetool.operations.context import Context, now_iso
 from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import export_names, row_counts
 from statetool.operations.writes import WHOLE_STATE, WriteSession, guarded_write
-
-if TYPE_CHECKING:
-    from statetool.backends.moves import FileMove
 
 #: The steps a relocation announces to :attr:`Context.on_step`, in the order it passes
 #: them (``copy-page-<n>`` come between ``locked`` and ``digested``). ``kept``,
@@ -130,7 +127,7 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
                          "relocate moves a SQLite state; to move a PostgreSQL state use pg_dump")
     move = file_move(backend)
     target = _target(ctx, move, to, create_dir, dry_run=True)  # created below, once the source passed
-    tomb = read_tombstone(move.source)
+    tomb = move.tombstone()
     if tomb is not None and tomb.get("to") == str(target.path):
         return _already_relocated(move, target, tomb, dry_run)
     # 1. pre-flight of the source and the target
@@ -161,8 +158,8 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
             else:
                 _copy_checkpoints(result.checkpoints)
         # 6. switch: the source retired (again waiting for openers, at the last instant)
-        wait_for_openers(move.source, ctx.lock_wait)
-        result.kept_as = retire_source(ctx, move.source, result.target, result.state_url, result.source_digest,
+        move.wait_for_openers()
+        result.kept_as = retire_source(ctx, move, result.target, result.state_url, result.source_digest,
                                        "statetool relocate")
     # 7. make the target live
     move.finish_target(target)
@@ -174,7 +171,7 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
 
 # -- 1. pre-flight ------------------------------------------------------------------------
 
-def _target(ctx: Context, move: FileMove, to: str, create: bool, dry_run: bool) -> Location:
+def _target(ctx: Context, move: FileMoves, to: str, create: bool, dry_run: bool) -> Location:
     """The state location ``sqlite:<to>`` (the resolver's), its directory checked the same
     way by a dry run and a real run (which creates it with ``--create-dir``); a dry run or a
     refusal creates nothing. Refused with ``RIVET_STATE_TARGET_NOT_EMPTY`` when it is where
@@ -208,23 +205,23 @@ def _target(ctx: Context, move: FileMove, to: str, create: bool, dry_run: bool) 
     return target
 
 
-def _already_relocated(move: FileMove, target: Location, tomb: dict[str, Any], dry_run: bool) -> RelocateResult:
+def _already_relocated(move: FileMoves, target: Location, tomb: dict[str, Any], dry_run: bool) -> RelocateResult:
     """The re-run of a relocation whose switch was done: "already relocated". A run killed
     after the switch is finished here (the target made live, leftovers removed)."""
     assert target.path is not None
-    refuse_unsafe(*move.own_files(target), *stale_tombstones(move.source))
+    move.refuse_unsafe(*move.own_files(target), *move.stale_tombstones())
     if not dry_run:
         if target.path.is_file() and not target.path.is_symlink():
             move.finish_target(target)
         move.remove_leftovers(target, [])
-        remove_companions(move.source)
+        move.remove_companions()
     return RelocateResult(str(move.source), tomb["to"], target.state_url, 0, {}, [], "none", dry_run, True, True,
                           tomb.get("kept_as"), tomb.get("source_digest"),
                           f"already relocated to {target.directory}; every task must run with "
                           f"RIVET_STATE_URL={target.state_url}")
 
 
-def _pre_flight(ctx: Context, move: FileMove, target: Location, dry_run: bool
+def _pre_flight(ctx: Context, move: FileMoves, target: Location, dry_run: bool
                 ) -> tuple[Preflight, dict[str, object] | None, RelocateResult, list[str]]:
     """Every check of the source and the target (a dry run the same), before anything is
     written: the pre-flight, the plan (row counts, checkpoints, the exports whose run leases
@@ -234,19 +231,19 @@ def _pre_flight(ctx: Context, move: FileMove, target: Location, dry_run: bool
     assert target.path is not None and target.directory is not None
     # The source's own integrity is proven by the copy instead: page digests equal, and
     # the copy passes quick_check. Per-export progress is not needed, only export names.
-    require_retirable(ctx.location)  # these before the pre-flight
-    refuse_unsafe(*move.own_files(target), *stale_tombstones(move.source))
+    move.require_retirable()  # these before the pre-flight
+    move.refuse_unsafe(*move.own_files(target), *move.stale_tombstones())
     pf = run_preflight(ctx, for_write=True, progress=False, integrity=False)
     snap = require(pf)
     resume = _check_target(ctx, move, target) if target.directory.is_dir() else None
-    with move.backend.reading() as conn:
+    with ctx.backend().reading() as conn:
         tables = row_counts(conn, snap.tables)
         exports = sorted({e.name for e in ctx.config.exports} | export_names(conn))
     result = RelocateResult(
         str(move.source), str(target.path), target.state_url, move.source.stat().st_size, tables,
         _checkpoints(ctx, target), f"the run lease of every export ({len(exports)}) and the SQLite write lock",
         dry_run=dry_run, resumed=resume is not None)
-    check_checkpoints(result.checkpoints, resuming=resume is not None)
+    check_checkpoints(move, result.checkpoints, resuming=resume is not None)
     room = next(p for p in (target.directory, *target.directory.parents) if p.is_dir())
     refuse_unwritable(target.path if room == target.directory else room, directories=(room,),
                       need=2 * result.size_bytes + WRITE_MARGIN +
@@ -255,13 +252,13 @@ def _pre_flight(ctx: Context, move: FileMove, target: Location, dry_run: bool
     return pf, resume, result, exports
 
 
-def _check_target(ctx: Context, move: FileMove, target: Location) -> dict[str, object] | None:
+def _check_target(ctx: Context, move: FileMoves, target: Location) -> dict[str, object] | None:
     """Refuse a target that holds anything but this source's own unfinished relocation
     (in flight: never live); return that relocation's audit detail to resume it."""
     assert target.path is not None
     if not os.path.lexists(target.path):
         return None
-    refuse_unsafe(target.path)
+    move.refuse_unsafe(target.path)
     target_ctx = Context(ctx.config_path, target.state_url, ctx.env, ctx.lock_wait, ctx.command)
     pf = run_preflight(target_ctx)
     foreign = next((c for c in pf.checks if c.code == "RIVET_STATE_FOREIGN"), None)
@@ -296,25 +293,25 @@ def _checkpoints(ctx: Context, target: Location) -> list[CheckpointMove]:
     return moves
 
 
-def check_checkpoints(moves: list[CheckpointMove], resuming: bool) -> None:
+def check_checkpoints(move: FileMoves, checkpoints: list[CheckpointMove], resuming: bool) -> None:
     """Refuse, before anything is written (a dry run the same), a checkpoint target that
     already holds other bytes (``RIVET_STATE_TARGET_NOT_EMPTY``; an interrupted relocation
     of this source may overwrite its own), or a symlink / non-regular file where a
     checkpoint or its temporary copy goes (``RIVET_STATE_UNSAFE_FILE``)."""
-    for move in moves:
-        if not move.present:
+    for checkpoint in checkpoints:
+        if not checkpoint.present:
             continue
-        target = Path(move.target)
-        refuse_unsafe(target, side_copy(target))
-        if not resuming and holds_other_bytes(target, Path(move.source)):
+        target = Path(checkpoint.target)
+        move.refuse_unsafe(target, side_copy(target))
+        if not resuming and holds_other_bytes(target, Path(checkpoint.source)):
             raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
-                             f"{target} already exists with other content (checkpoint of export {move.export}); "
+                             f"{target} already exists with other content (checkpoint of export {checkpoint.export}); "
                              "move it aside (or remove it if it is stale) and re-run", {"path": str(target)})
 
 
 # -- 2. hold off writers ------------------------------------------------------------------
 
-def _hold_off_writers(ctx: Context, stack: contextlib.ExitStack, move: FileMove, pf: Preflight,
+def _hold_off_writers(ctx: Context, stack: contextlib.ExitStack, move: FileMoves, pf: Preflight,
                       exports: list[str]) -> WriteSession:
     """Every run lease of ``exports``, then (no other opener, the WAL checkpointed) the
     SQLite write lock, held until ``stack`` closes: the file alone holds every committed
@@ -332,7 +329,7 @@ def _hold_off_writers(ctx: Context, stack: contextlib.ExitStack, move: FileMove,
     return session
 
 
-def _resumable(ctx: Context, move: FileMove, target: Location, resume: dict[str, object],
+def _resumable(ctx: Context, move: FileMoves, target: Location, resume: dict[str, object],
                result: RelocateResult, digesting: Future[str]) -> dict[str, object] | None:
     """``resume`` when the source's digest is what this source's relocation in flight
     recorded (straight to the switch); else None, the copy in flight removed. The source
@@ -348,7 +345,7 @@ def _resumable(ctx: Context, move: FileMove, target: Location, resume: dict[str,
 
 # -- 3. to 5. copy, verify, checkpoints, audit, link --------------------------------------
 
-def _copy_and_verify(ctx: Context, move: FileMove, session: WriteSession, target: Location, result: RelocateResult,
+def _copy_and_verify(ctx: Context, move: FileMoves, session: WriteSession, target: Location, result: RelocateResult,
                      full_verify: bool, source_digest: Future[str]) -> Path:
     """The verified copy of the frozen source beside the target (the backup API; its
     page digest equal to the source's). Returns its path."""
@@ -374,7 +371,7 @@ def _copy_checkpoints(moves: list[CheckpointMove]) -> None:
             copy_verified(Path(move.source), Path(move.target))
 
 
-def _audit_in_flight(ctx: Context, session: WriteSession, move: FileMove, copy: Path, target: Location,
+def _audit_in_flight(ctx: Context, session: WriteSession, move: FileMoves, copy: Path, target: Location,
                      result: RelocateResult) -> None:
     """The ``relocate`` audit row in the copy (from, to, source digest, the command that
     finishes the move, the checkpoints), redacted like every audit row, and the copy
@@ -396,10 +393,11 @@ def finish_command(ctx: Context, verb: str) -> str:
     return f"statetool -c {shlex.quote(os.path.abspath(ctx.config_path))}{url} {verb}"
 
 
-def retire_source(ctx: Context, source: Path, to: str, state_url: str, digest: str | None, how: str) -> str:
-    """Keep the source's bytes as ``.rivet_state.db.relocated-<UTC>`` and put a tombstone
-    at its path in one atomic rename (:func:`statetool.backends.tombstone.retire`; the
-    steps ``kept``, ``tombstoned``, ``swapped`` told to ``ctx.on_step``). Shared by
-    relocate and transfer. Returns the path the old bytes are kept at."""
-    return str(retire(source, {"to": to, "state_url": state_url, "at": now_iso(), "by": ctx.actor,
-                               "source_digest": digest, "how": how}, ctx.on_step))
+def retire_source(ctx: Context, move: FileMoves, to: str, state_url: str, digest: str | None, how: str) -> str:
+    """Keep the bytes of ``move``'s source as ``.rivet_state.db.relocated-<UTC>`` and put a
+    tombstone at its path in one atomic rename (:meth:`FileMoves.retire
+    <statetool.backends.base.FileMoves.retire>`; the steps ``kept``, ``tombstoned``,
+    ``swapped`` told to ``ctx.on_step``). Shared by relocate and transfer. Returns the path
+    the old bytes are kept at."""
+    return str(move.retire({"to": to, "state_url": state_url, "at": now_iso(), "by": ctx.actor,
+                            "source_digest": digest, "how": how}, ctx.on_step))

@@ -16,8 +16,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from statetool.backends import open_backend
-from statetool.backends.tombstone import read_tombstone
+from statetool.backends import open_backend, tombstone_at
 from statetool.errors import StateError
 from statetool.location import STATE_FILE, Location, resolve_location
 from statetool.operations.context import Context
@@ -45,16 +44,18 @@ def _candidate(location: Location) -> dict[str, Any] | None:
     it names holds; None when it is not a state."""
     assert location.path is not None
     path = location.path
-    tomb = read_tombstone(path)
+    tomb = tombstone_at(location)
     if tomb is not None:
         found = {"path": str(path), "kind": "relocated", "moved_to": tomb.get("to"), "state_url": tomb.get("state_url")}
         target = tomb.get("to")
-        if isinstance(target, str) and os.path.isabs(target) and read_tombstone(Path(target)) is None:
+        if isinstance(target, str) and os.path.isabs(target):
             moved = _declared(Path(target).parent)
-            state = _candidate(moved) if moved.path == Path(target) and os.path.isfile(target) else None
-            # What the state it names holds (identity, last run, progress), when it is a readable file.
-            for key in ("identity", "revision", "last_run_finished_at", "exports_with_cursor"):
-                found[key] = state.get(key) if state else None
+            named = moved.path == Path(target)  # the state file of a declared directory, as a move names it
+            if not (named and tombstone_at(moved) is not None):  # a tombstone there: a chain is not followed
+                state = _candidate(moved) if named and os.path.isfile(target) else None
+                # What the state it names holds (identity, last run, progress), when it is a readable file.
+                for key in ("identity", "revision", "last_run_finished_at", "exports_with_cursor"):
+                    found[key] = state.get(key) if state else None
         return found
     try:
         backend = open_backend(location, _LOCK_WAIT)
@@ -91,7 +92,7 @@ def search(ctx: Context, key: str) -> list[dict[str, Any]]:
         found.append(candidate)
 
     consider(beside, same_identity_only=False)
-    here = read_tombstone(ctx.location.path) if ctx.location.path is not None else None
+    here = tombstone_at(ctx.location)
     if here is not None and isinstance(here.get("to"), str) and os.path.isabs(here["to"]):
         moved = _declared(Path(here["to"]).parent)
         if moved.path == Path(here["to"]):

@@ -28,8 +28,9 @@ the schema, the copy, never live, is dropped and made again). A re-run after 4 f
 tombstone naming the destination: "already transferred" (exit 0), finishing step 5.
 
 Every difference between the two stores is the backends' (``sends_transfer``,
-``accepts_transfer`` and the protocols of :mod:`statetool.backends.base`): this module
-holds the order of the steps only.
+``accepts_transfer`` and the protocols of :mod:`statetool.backends.base`; the source's file
+is checked and retired through its :class:`~statetool.backends.base.FileMoves`, the steps
+relocate's switch uses): this module holds the order of the steps only.
 """
 
 from __future__ import annotations
@@ -45,9 +46,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from statetool import migrations, schema
-from statetool.backends import open_backend
-from statetool.backends.tombstone import (read_tombstone, refuse_unsafe, require_retirable, stale_tombstones,
-                                          wait_for_openers)
+from statetool.backends import file_move, open_backend
 from statetool.errors import StateError, StateWarning
 from statetool.identity import identity_verdict
 from statetool.location import ENV_VAR, Location, checkpoint_relative_message, resolve_checkpoint, resolve_location
@@ -58,7 +57,7 @@ from statetool.operations.relocate import finish_command, retire_source
 from statetool.operations.writes import WHOLE_STATE, WriteSession, guarded_write
 
 if TYPE_CHECKING:
-    from statetool.backends.base import TransferDestination, TransferSource
+    from statetool.backends.base import FileMoves, TransferDestination, TransferSource
 
 #: Tables copied, parents first; ``id`` columns of the append-only tables are not copied
 #: (the destination assigns its own, so a shared schema's rows never collide).
@@ -131,15 +130,14 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     """
     source = _source(ctx)
     dest = _destination(ctx, to)
-    location = ctx.location
-    assert location.real_path is not None
-    source_path = location.real_path  # a symlinked state: its real file is retired
-    tomb = read_tombstone(source_path)
+    move = file_move(source)  # the source's file, retired at the switch
+    source_path = move.source  # a symlinked state: its real file is retired
+    tomb = move.tombstone()
     if tomb is not None and tomb.get("to") == dest.location.display:
-        return _already_transferred(dest, source_path, tomb, dry_run)
+        return _already_transferred(dest, move, tomb, dry_run)
     # step 1: the pre-flight of both places
-    require_retirable(location)  # before the pre-flight
-    refuse_unsafe(*stale_tombstones(source_path))
+    move.require_retirable()  # before the pre-flight
+    move.refuse_unsafe(*move.stale_tombstones())
     # per-export progress is not needed (only which exports the state knows, read below):
     # on a large state that read costs seconds
     pf = run_preflight(ctx, for_write=True, progress=False)
@@ -160,17 +158,14 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
                          f"{ENV_VAR}={result.state_url}"
         return result
     exports = sorted({e.name for e in ctx.config.exports} | in_state)
-    for stale in stale_tombstones(source_path):  # a kill before the switch left it
+    for stale in move.stale_tombstones():  # a kill before the switch left it
         stale.unlink()
-
-    def hold_off_writers() -> None:
-        wait_for_openers(source_path, ctx.lock_wait)
-        source.checkpoint_wal()
 
     # step 2: writers held off the source
     with contextlib.ExitStack() as stack:
         session = stack.enter_context(guarded_write(ctx, WHOLE_STATE, preflight=pf, exports=exports, claim=False,
-                                                    prepare=hold_off_writers, lock_code="RIVET_STATE_RUN_IN_PROGRESS"))
+                                                    prepare=move.hold_off_writers,
+                                                    lock_code="RIVET_STATE_RUN_IN_PROGRESS"))
         if not source.wal_is_empty():
             raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"a writer wrote to {source_path} during the checkpoint")
         digest = source.content_digest()
@@ -185,8 +180,8 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
             ctx.on_step("copied")
         ctx.on_step("committed")
         # step 4: the switch
-        wait_for_openers(source_path, ctx.lock_wait)  # again, at the last instant before the switch
-        result.kept_as = retire_source(ctx, source_path, result.destination, result.state_url, digest,
+        move.wait_for_openers()  # again, at the last instant before the switch
+        result.kept_as = retire_source(ctx, move, result.destination, result.state_url, digest,
                                        "statetool transfer")
     # step 5: the destination made live
     dest.make_live()
@@ -305,14 +300,15 @@ def _fill(ctx: Context, source: TransferSource, session: WriteSession, dest: Tra
     dest.mark_in_flight(conn)  # every open of the destination refuses until the source is retired
 
 
-def _already_transferred(dest: TransferDestination, source: Path, tomb: dict[str, Any], dry_run: bool
+def _already_transferred(dest: TransferDestination, move: FileMoves, tomb: dict[str, Any], dry_run: bool
                          ) -> TransferResult:
     """The re-run of a transfer whose switch was done: exit 0, "already transferred". A
     run killed after the switch is finished here (the destination made live, the old
     inode's ``-wal``/``-shm`` and temporary files removed)."""
+    source = move.source
     if not dry_run:
-        for leftover in [Path(f"{source}-wal"), Path(f"{source}-shm"), *stale_tombstones(source)]:
-            refuse_unsafe(leftover)
+        for leftover in [Path(f"{source}-wal"), Path(f"{source}-shm"), *move.stale_tombstones()]:
+            move.refuse_unsafe(leftover)
             leftover.unlink(missing_ok=True)
         dest.make_live()
     url = dest.location.state_url

@@ -4,6 +4,9 @@ A declared state directory on the container's own filesystem (overlay, tmpfs) is
 with the container; one on a network filesystem makes ``flock`` and SQLite's WAL only as
 reliable as that filesystem (https://www.sqlite.org/wal.html: WAL does not work over a
 network filesystem).
+
+Facts only: reads the host's mount table, opens no state and changes nothing (``doctor``
+reports it for a declared directory, whether or not a state is there yet).
 """
 
 from __future__ import annotations
