@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from conftest import describe, run_cli, write_config
+from support import describe, error_object, run_cli, write_config
 from statetool.backends import mounts
 from statetool.example import build_legacy_state
 from statetool.location import STATE_FILE
@@ -437,7 +437,7 @@ def test_unknown_export_is_refused_by_name(config: Path) -> None:
     build_state(config, checkpoint_dir=config.parent)
     proc = run_cli("-c", str(config), "--json-errors", "doctor", "--export", "nope")
     assert proc.returncode == 1, describe(proc)
-    assert json.loads(proc.stderr.strip().splitlines()[-1])["code"] == "RIVET_EXPORT_UNKNOWN"
+    assert error_object(proc)["code"] == "RIVET_EXPORT_UNKNOWN"
 
 
 # -- CDC checkpoints -------------------------------------------------------------------------
