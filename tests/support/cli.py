@@ -8,7 +8,8 @@ runs are as independent as processes. :func:`run_cli_process` runs the installed
 (``python -m statetool``) as a real process, for the tests where the process is what is
 tested: a signal, a crash or SIGKILL, a lease held by another process, another user
 (``runuser``), stdin or a terminal, exit by ``os._exit``, or ``leases run -- CMD``, which
-forks a child. docs/decisions.md "The test suite: in-process runs, xdist" has the rule.
+forks a child. docs/decisions.md "The test suite: in-process runs, shared states, two
+workers" has the rule.
 """
 
 from __future__ import annotations
