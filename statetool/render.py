@@ -19,13 +19,23 @@ from rich.text import Text
 
 from statetool.errors import StateError
 
-# Not a terminal (a log, CI) and no COLUMNS: wide enough that paths and the one line an
-# operator must copy (RIVET_STATE_URL=...) are never cut mid-token at rich's default 80.
-# markup=False: paths, URLs, cursors and messages are the user's text, and "[/x]" in them
-# is no style tag (SPEC §8a); styles are given as Text objects instead.
-out = Console(highlight=False, soft_wrap=False, markup=False,
-              width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+def out() -> Console:
+    """A console on the current ``sys.stdout``, made per call: each invocation (also one
+    run in-process by the tests) gets the stdout, width and ``NO_COLOR`` it runs with.
+
+    Not a terminal (a log, CI) and no COLUMNS: wide enough that paths and the one line an
+    operator must copy (RIVET_STATE_URL=...) are never cut mid-token at rich's default 80.
+    markup=False: paths, URLs, cursors and messages are the user's text, and "[/x]" in them
+    is no style tag (SPEC §8a); styles are given as Text objects instead.
+    """
+    return Console(highlight=False, soft_wrap=False, markup=False,
+                   width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
+
+
+def err() -> Console:
+    """A console on the current ``sys.stderr``, made per call (as :func:`out`)."""
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 #: C0 and C1 control characters and DEL, each shown as an escape: text read from a state
@@ -56,8 +66,8 @@ def human(renderer: Callable[[dict[str, Any]], None], doc: dict[str, Any]) -> No
 
 def print_error(error: StateError) -> None:
     """``Error: …`` and ``Try: …`` on stderr (the ``--json-errors`` line is cli.py's)."""
-    err.print(Text.assemble(("Error", "bold red"), f" [{error.code}]: {visible(error.message)}"))
-    err.print(f"Try: {error.entry.action}")
+    err().print(Text.assemble(("Error", "bold red"), f" [{error.code}]: {visible(error.message)}"))
+    err().print(f"Try: {error.entry.action}")
 
 
 def print_failure_line(code: str, message: str, error: StateError | None = None,
@@ -73,8 +83,8 @@ def print_failure_line(code: str, message: str, error: StateError | None = None,
 def print_warnings(warnings: list[dict[str, str]]) -> None:
     """Each warning on stderr: ``Warning [CODE]: message`` and its action."""
     for w in warnings:
-        err.print(Text.assemble(("Warning", "yellow"), f" [{w['code']}]: {w['message']}"))
-        err.print(f"  Try: {w['action']}")
+        err().print(Text.assemble(("Warning", "yellow"), f" [{w['code']}]: {w['message']}"))
+        err().print(f"  Try: {w['action']}")
 
 
 @contextlib.contextmanager
@@ -83,7 +93,7 @@ def rich_progress(description: str) -> Iterator[Callable[[int, int], None]]:
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as bar:
+                  console=err(), transient=True) as bar:
         task = bar.add_task(description, total=None)
 
         def update(done: int, total: int) -> None:
@@ -113,13 +123,13 @@ def info(doc: dict[str, Any]) -> None:
     """``statetool info`` for people."""
     loc, rev, ident = doc["location"], doc["revision"], doc["identity"]
     real = [("real file", loc["real_path"])] if loc.get("real_path") not in (None, loc["path"]) else []
-    out.print(_kv("State", [("location", loc["display"]), *real, ("backend", loc["backend"]),
+    out().print(_kv("State", [("location", loc["display"]), *real, ("backend", loc["backend"]),
                             ("scope", loc["scope"]), ("set by", loc["origin"])]))
     pending = ", ".join(rev["pending"]) or "none"
     current = "legacy (no version table)" if rev["legacy"] else rev["current"]
-    out.print(_kv("Revision", [("current", current), ("head", rev["head"]), ("pending", pending),
+    out().print(_kv("Revision", [("current", current), ("head", rev["head"]), ("pending", pending),
                                ("status", rev["status"])]))
-    out.print(_kv("Identity", [("recorded", ident["recorded"]), ("computed", ident["computed"] or "(unknown)"),
+    out().print(_kv("Identity", [("recorded", ident["recorded"]), ("computed", ident["computed"] or "(unknown)"),
                                ("verdict", ident["verdict"]), ("", ident["message"])]))
     exports(doc["exports"])
     if doc.get("leases"):
@@ -139,7 +149,7 @@ def exports(rows: list[dict[str, Any]]) -> None:
         table.add_row(name, _fmt(row.get("mode")), _fmt(row.get("cursor")), _fmt(last.get("started_at")),
                       _fmt(last.get("status")), f"{row['runs_total']} ({row['runs_succeeded']}/{row['runs_failed']})",
                       chunks)
-    out.print(table)
+    out().print(table)
 
 
 def export_list(doc: dict[str, Any]) -> None:
@@ -157,7 +167,7 @@ def export_detail(doc: dict[str, Any]) -> None:
     for run in doc["recent_runs"]:
         table.add_row(run["run_id"], run["status"], run["started_at"], _fmt(run["finished_at"]), _fmt(run["rows"]),
                       _fmt(run["files"]), _fmt(run["error"]))
-    out.print(table)
+    out().print(table)
     print_warnings(doc.get("warnings", []))
 
 
@@ -172,11 +182,11 @@ def check(doc: dict[str, Any]) -> None:
     for row in doc["checks"]:
         style = _STATUS_STYLE[row["status"]]
         table.add_row(row["id"], Text(row["status"], style=style), _fmt(row["code"]), row["message"])
-    out.print(table)
+    out().print(table)
     failing = [r for r in doc["checks"] if r["status"] in ("fail", "warn") and r["action"]]
     for row in failing:
-        out.print(f"Try ({row['id']}): {row['action']}")
-    out.print(Text("ok", style="green") if doc["ok"] else Text("not ok", style="bold red"))
+        out().print(f"Try ({row['id']}): {row['action']}")
+    out().print(Text("ok", style="green") if doc["ok"] else Text("not ok", style="bold red"))
 
 
 def migrate(doc: dict[str, Any]) -> None:
@@ -192,13 +202,13 @@ def migrate(doc: dict[str, Any]) -> None:
         table.add_row(step["id"], step["description"],
                       ", ".join(f"{t} ({n})" for t, n in step["rebuilds"].items()) or "-",
                       ", ".join(f"{t} ({n})" for t, n in step["loses"].items()) or "-")
-    out.print(table)
+    out().print(table)
     if doc.get("backup"):
-        out.print(f"backup: {doc['backup']}")
+        out().print(f"backup: {doc['backup']}")
     if doc.get("verified_rows"):
-        out.print("verified: integrity ok, row counts equal (" +
+        out().print("verified: integrity ok, row counts equal (" +
                   ", ".join(f"{t} {n}" for t, n in doc["verified_rows"].items()) + ")")
-    out.print(doc["message"])
+    out().print(doc["message"])
     print_warnings(doc.get("warnings", []))
 
 
@@ -212,24 +222,24 @@ def leases(doc: dict[str, Any]) -> None:
         table.add_row(row["key"], Text(row["state"], style=style), _fmt(row["holder_pid"]), _fmt(row["host"]),
                       _fmt(row["user"]), _fmt(row["acquired_at"]), _fmt(row["heartbeat_age"]), _fmt(row["ttl_left"]),
                       _fmt(row["command"]))
-    out.print(table)
+    out().print(table)
     if not doc["leases"]:
-        out.print("no lease has ever been taken on this state")
+        out().print("no lease has ever been taken on this state")
 
 
 def relocate(doc: dict[str, Any]) -> None:
     """``statetool relocate`` for people: the plan, then the outcome."""
-    out.print(_kv("Relocation", [("from", doc["source"]), ("to", doc["target"]), ("size (bytes)", doc["size_bytes"]),
+    out().print(_kv("Relocation", [("from", doc["source"]), ("to", doc["target"]), ("size (bytes)", doc["size_bytes"]),
                                  ("writers held off by", doc["lock"]), ("every task must set",
                                                                        f"RIVET_STATE_URL={doc['state_url']}")]))
     if doc["tables"]:
-        out.print(_kv("Tables (rows)", list(doc["tables"].items())))
+        out().print(_kv("Tables (rows)", list(doc["tables"].items())))
     for move in doc["checkpoints"]:
         state = f"{move['bytes']} bytes" if move["present"] else "MISSING"
-        out.print(f"checkpoint {move['export']}: {move['source']} -> {move['target']} ({state})")
+        out().print(f"checkpoint {move['export']}: {move['source']} -> {move['target']} ({state})")
     if doc.get("kept_as"):
-        out.print(f"old bytes kept as {doc['kept_as']}")
-    out.print(doc["message"])
+        out().print(f"old bytes kept as {doc['kept_as']}")
+    out().print(doc["message"])
 
 
 def _annotation_escape(text: str) -> str:
@@ -250,10 +260,10 @@ def github_annotations(rows: list[dict[str, Any]], to_stderr: bool) -> None:
 def doctor(doc: dict[str, Any]) -> None:
     """``statetool doctor`` for people: one block per export, verdict first."""
     state = doc["state"]
-    out.print(_kv("State", [("location", state["location"]["display"]), ("set by", state["set_by"]),
+    out().print(_kv("State", [("location", state["location"]["display"]), ("set by", state["set_by"]),
                             ("every task must share", state["every_task_must_share"])]))
     for candidate in state.get("candidates", []):
-        out.print(f"  possible state: {json.dumps(candidate, sort_keys=True)}")
+        out().print(f"  possible state: {json.dumps(candidate, sort_keys=True)}")
     lines = []  # plain text: thousands of exports print in well under a second
     for export in doc["exports"]:
         line = f"{export['name']} ({export['mode']}): " + ("resumes" if export["verdict"] == "resumes" else "FIRST RUN")
@@ -277,25 +287,25 @@ def checkpoints(doc: dict[str, Any]) -> None:
         position = row["error"] or (json.dumps(row["position"]) if row["position"] is not None else "-")
         table.add_row(row["export"], row["engine"], _fmt(row["path"]), row["why"], _fmt(row["present"]),
                       _fmt(row["size_bytes"]), _fmt(row["age_seconds"]), position)
-    out.print(table)
+    out().print(table)
     print_warnings(doc["warnings"])
 
 
 def transfer(doc: dict[str, Any]) -> None:
     """``statetool transfer`` for people: the plan, then the outcome."""
-    out.print(_kv("Transfer", [("from", doc["source"]), ("to", doc["destination"]), ("size (bytes)", doc["size_bytes"]),
+    out().print(_kv("Transfer", [("from", doc["source"]), ("to", doc["destination"]), ("size (bytes)", doc["size_bytes"]),
                                ("every task must set", f"RIVET_STATE_URL={doc['state_url']}")]))
     table = Table(title="Tables", title_justify="left")
     for col in ("table", "rows", "verified"):
         table.add_column(col)
     for row in doc["tables"]:
         table.add_row(row["table"], str(row["rows"]), _fmt(row["verified"]))
-    out.print(table)
+    out().print(table)
     for cp in doc["checkpoints"]:
-        out.print(f"checkpoint {cp['export']}: {cp['configured']} -> set cdc.checkpoint to {cp['set_to']}")
+        out().print(f"checkpoint {cp['export']}: {cp['configured']} -> set cdc.checkpoint to {cp['set_to']}")
     if doc.get("kept_as"):
-        out.print(f"old SQLite bytes kept as {doc['kept_as']}")
-    out.print(doc["message"])
+        out().print(f"old SQLite bytes kept as {doc['kept_as']}")
+    out().print(doc["message"])
     print_warnings(doc.get("warnings", []))
 
 
@@ -306,13 +316,13 @@ def revisions(doc: dict[str, Any]) -> None:
         table.add_column(col)
     for row in doc["revisions"]:
         table.add_row(row["id"], row["description"], _fmt(row["applied"]))
-    out.print(table)
+    out().print(table)
 
 
 def key_values(title: str, doc: dict[str, Any]) -> None:
     """A flat result (init, identity, exports changes) as a two-column table."""
-    out.print(_kv(title, [(k, v) for k, v in doc.items() if k != "warnings" and not isinstance(v, dict)]))
+    out().print(_kv(title, [(k, v) for k, v in doc.items() if k != "warnings" and not isinstance(v, dict)]))
     for key, value in doc.items():
         if isinstance(value, dict) and value:
-            out.print(_kv(f"{title}: {key}", list(value.items())))
+            out().print(_kv(f"{title}: {key}", list(value.items())))
     print_warnings(doc.get("warnings", []))

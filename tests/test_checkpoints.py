@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from conftest import describe, run_cli, tree_digest, write_config
+from support import describe, run_cli, tree_digest, write_config
 from statetool.location import (
     FILE_CHECKPOINT_ENGINES,
     checkpoint_relative_message,

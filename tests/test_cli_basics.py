@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import describe, run_cli
+from support import describe, run_cli
 
 
 def test_init_then_info_on_sqlite_beside_config(config: Path) -> None:

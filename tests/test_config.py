@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import describe, run_cli, write_config
+from support import describe, error_object, run_cli, write_config
 from statetool.config import load_config
 from statetool.errors import StateError
 from statetool.identity import state_key
@@ -304,7 +304,7 @@ def test_export_without_a_name_is_refused_at_the_export(tmp_path: Path) -> None:
 def test_cli_without_a_config_in_the_working_directory_fails_config_not_found(tmp_path: Path) -> None:
     proc = run_cli("info", "--json-errors", cwd=tmp_path)
     assert proc.returncode == 1, describe(proc)
-    error = json.loads(proc.stderr.strip().splitlines()[-1])
+    error = error_object(proc)
     assert error["code"] == "RIVET_CONFIG_NOT_FOUND", describe(proc)
     assert str(tmp_path / "rivet.yaml") in error["message"], describe(proc)
     assert list(tmp_path.iterdir()) == [], describe(proc)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import typer.main
 
-from conftest import describe, run_cli, write_config
+from support import describe, error_object, run_cli, write_config
 from statetool.cli import app
 from statetool.errors import EXIT_CODES, REGISTRY, WARNINGS
 from support import markdown
@@ -216,7 +216,7 @@ def test_exit_classes_table_matches_the_registry() -> None:
 def test_json_errors_object_keys_are_documented(tmp_path: Path) -> None:
     proc = run_cli("--json-errors", "--state-url", "nowhere://x", "info", cwd=tmp_path)
     assert proc.returncode == 1, describe(proc)
-    obj = json.loads(proc.stderr.strip().splitlines()[-1])
+    obj = error_object(proc)
     body = sections(ERRORS_MD.read_text())["The --json-errors object"]
     documented = set(re.findall(r"^\| `(\w+)` \|", body, re.M))
     assert documented == set(obj), f"documented keys {sorted(documented)} vs emitted {sorted(obj)}"

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from conftest import describe, run_cli, write_config
+from support import describe, error_object, markdown, run_cli, write_config
 from statetool import mounts
 from statetool.errors import EXIT_CODES, failure_class, worst
 from statetool.example import build_legacy_state
@@ -38,7 +38,6 @@ from statetool.operations.exports import reset as reset_export
 from statetool.operations.migrate import migrate
 from statetool.operations.relocate import relocate
 from statetool.runtime import StateStore
-from support import markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDES = ROOT / "docs" / "setup-guides"
@@ -439,7 +438,7 @@ def test_unknown_export_is_refused_by_name(config: Path) -> None:
     build_state(config, checkpoint_dir=config.parent)
     proc = run_cli("-c", str(config), "--json-errors", "doctor", "--export", "nope")
     assert proc.returncode == 1, describe(proc)
-    assert json.loads(proc.stderr.strip().splitlines()[-1])["code"] == "RIVET_EXPORT_UNKNOWN"
+    assert error_object(proc)["code"] == "RIVET_EXPORT_UNKNOWN"
 
 
 # -- CDC checkpoints -------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 
 import statetool
-from conftest import describe, run_cli, tree_digest, write_config
+from support import describe, error_object, run_cli, run_cli_as_needed, run_cli_process, tree_digest, write_config
 from statetool.errors import REGISTRY
 from statetool.location import LEASE_DIR, STATE_FILE
 
@@ -175,7 +175,7 @@ def place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[.
             view.mkdir()
             _mount("--bind", "-o", "ro", str(source), str(view))
             cleanups.append(lambda: subprocess.run(["umount", str(view)], check=True))
-            return Place(view / "pipeline" / config.name, run_cli, view / "empty")
+            return Place(view / "pipeline" / config.name, run_cli_as_needed, view / "empty")
         if kind == "full-disk":
             disk = tmp_path / "disk"
             disk.mkdir()
@@ -184,7 +184,7 @@ def place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[.
             config = _build(disk / "pipeline", revision=revision, identity=identity)
             (disk / "empty").mkdir()
             _fill(disk)
-            return Place(config, run_cli, disk / "empty")
+            return Place(config, run_cli_as_needed, disk / "empty")
         runner = request.getfixturevalue("as_nobody")
         shared = Path(tempfile.mkdtemp(prefix="statetool-matrix-"))
         cleanups.append(lambda: shutil.rmtree(shared, ignore_errors=True))
@@ -350,13 +350,13 @@ exports:
     for command in ("check", "doctor"):
         proc = run_cli("-c", str(config), "--json-errors", command)
         assert proc.returncode == 5, describe(proc)
-        error = json.loads(proc.stderr.strip().splitlines()[-1])
+        error = error_object(proc)
         failed = sorted((f["export"], f["code"]) for f in error["failures"])
         assert failed == [("a_events", "RIVET_STATE_CHECKPOINT_MISSING"), ("b_events", "RIVET_STATE_CHECKPOINT_MISSING")], \
             f"{command}\n{describe(proc)}"
         assert error["code"] == "RIVET_STATE_CHECKPOINT_MISSING" and all("failures" not in f for f in error["failures"])
     proc = run_cli("-c", str(config), "--json-errors", "exports", "set-cursor", "nosuch", "x")
-    assert json.loads(proc.stderr.strip().splitlines()[-1])["failures"] == [], describe(proc)
+    assert error_object(proc)["failures"] == [], describe(proc)
     write_config(config.parent, exports="""\
 exports:
   - name: orders
@@ -366,7 +366,7 @@ exports:
 """)
     proc = run_cli("-c", str(config), "--json-errors", "doctor")
     assert proc.returncode == 5, describe(proc)
-    error = json.loads(proc.stderr.strip().splitlines()[-1])
+    error = error_object(proc)
     assert [(f["export"], f["code"]) for f in error["failures"]] == [("renamed", "RIVET_EXPORT_NO_PROGRESS")], \
         describe(proc)
 
@@ -392,9 +392,9 @@ def test_a_symlink_where_an_own_file_belongs_is_refused_by_every_write_and_its_t
     link.symlink_to(victim)
     before = tree_digest(config.parent), os.readlink(link)
     for what, args in {**WRITES, "migrate": ("migrate", "--to", "0002", "--allow-data-loss")}.items():
-        proc = run_cli("-c", str(config), "--json-errors", "--lock-wait", "0", *args)
+        proc = run_cli_as_needed("-c", str(config), "--json-errors", "--lock-wait", "0", *args)
         assert proc.returncode == 5, f"{what} with a symlink at {own}\n{describe(proc)}"
-        error = json.loads(proc.stderr.strip().splitlines()[-1])
+        error = error_object(proc)
         assert error["code"] == "RIVET_STATE_UNSAFE_FILE" and own.split("/")[-1] in error["message"], describe(proc)
         assert victim.read_bytes() == b"precious bytes\n", f"{what} wrote through the symlink at {own}"
         assert (tree_digest(config.parent), os.readlink(link)) == before, f"{what} changed the directory"
@@ -439,9 +439,9 @@ def test_another_copys_wal_beside_the_state_is_refused_by_every_write_and_never_
               "migrate": ("migrate", "--to", "0002", "--allow-data-loss"),
               "relocate": ("relocate", "--to", str(target)), "transfer": ("transfer", "--to", pg_url)}
     for what, args in writes.items():
-        proc = run_cli("-c", str(config), "--json-errors", "--lock-wait", "0", *args)
+        proc = run_cli_as_needed("-c", str(config), "--json-errors", "--lock-wait", "0", *args)
         assert proc.returncode == 5, f"{what} beside a foreign -wal\n{describe(proc)}"
-        error = json.loads(proc.stderr.strip().splitlines()[-1])
+        error = error_object(proc)
         assert error["code"] == "RIVET_STATE_FOREIGN_WAL" and f"{STATE_FILE}-wal" in error["message"], describe(proc)
         assert tree_digest(config.parent) == before, f"{what} changed the directory"
         assert list(target.iterdir()) == [], f"{what} left {list(target.iterdir())}"
@@ -480,7 +480,7 @@ def test_a_state_this_user_may_not_read_is_permission_denied_never_missing_nor_a
                 continue  # it reads the lease folder only, which nobody may read: a true listing
             proc = as_nobody("-c", str(config), "--json-errors", *args, env={"RIVET_STATE_URL": url})
             assert proc.returncode == 1, f"{args} ({blocked})\n{describe(proc)}"
-            error = json.loads(proc.stderr.strip().splitlines()[-1])
+            error = error_object(proc)
             assert error["code"] == "RIVET_STATE_PERMISSION_DENIED", f"{args} ({blocked})\n{describe(proc)}"
             assert "nobody" in error["message"] and "FIRST RUN" not in proc.stdout + proc.stderr, describe(proc)
         proc = as_nobody("-c", str(config), "--json", "check", env={"RIVET_STATE_URL": url})
@@ -500,7 +500,7 @@ def test_a_config_that_is_not_a_regular_file_is_refused_at_once(tmp_path: Path) 
     for config, kind in ((fifo, "a FIFO"), (zero, "a device")):
         proc = run_cli("-c", str(config), "--json-errors", "info", timeout=30)
         assert proc.returncode == 1, describe(proc)
-        error = json.loads(proc.stderr.strip().splitlines()[-1])
+        error = error_object(proc)
         assert error["code"] == "RIVET_CONFIG_INVALID" and kind in error["message"], describe(proc)
 
 
@@ -512,7 +512,7 @@ def test_a_config_this_user_may_not_read_is_permission_denied_not_a_usage_error(
         config.chmod(0)
         proc = as_nobody("-c", str(config), "--json-errors", "info")
         assert proc.returncode == 1, describe(proc)
-        error = json.loads(proc.stderr.strip().splitlines()[-1])
+        error = error_object(proc)
         assert error["code"] == "RIVET_STATE_PERMISSION_DENIED" and str(config) in error["message"], describe(proc)
     finally:
         shutil.rmtree(shared, ignore_errors=True)
@@ -539,7 +539,7 @@ def test_a_migration_the_disk_has_no_room_for_is_refused_before_anything_is_writ
         for args in (("migrate", "--dry-run"), ("migrate",)):
             proc = run_cli("-c", str(config), "--json-errors", *args)
             assert proc.returncode == 1, describe(proc)
-            error = json.loads(proc.stderr.strip().splitlines()[-1])
+            error = error_object(proc)
             assert error["code"] == "RIVET_STATE_DISK_FULL" and "copies" in error["message"], describe(proc)
             assert (tree_digest(config.parent), sorted(p.name for p in config.parent.iterdir())) == before, args
     finally:
@@ -555,9 +555,9 @@ def test_leases_run_refuses_an_export_name_with_control_characters_and_leaves_no
     before = sorted(p.name for p in (config.parent / LEASE_DIR).iterdir()) if (config.parent / LEASE_DIR).is_dir() \
         else []
     for name in ("z\x1b[2Jz\ny", "a\x9bb"):
-        proc = run_cli("-c", str(config), "--json-errors", "leases", "run", "--export", name, "--", "true")
+        proc = run_cli_process("-c", str(config), "--json-errors", "leases", "run", "--export", name, "--", "true")
         assert proc.returncode == 1, describe(proc)
-        assert json.loads(proc.stderr.strip().splitlines()[-1])["code"] == "RIVET_STATE_LEASE_KEY_INVALID"
+        assert error_object(proc)["code"] == "RIVET_STATE_LEASE_KEY_INVALID"
         after = sorted(p.name for p in (config.parent / LEASE_DIR).iterdir()) \
             if (config.parent / LEASE_DIR).is_dir() else []
         assert after == before, after

@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from conftest import describe, run_cli, tree_digest, write_config
+from support import describe, error_object, run_cli_process, tree_digest, write_config
 from statetool import migrations
 from statetool.errors import StateError
 from statetool.example import build_legacy_state
@@ -42,7 +42,7 @@ from statetool.operations.create import init
 from statetool.operations.exports import set_cursor
 from statetool.runtime import StateStore
 from support.backends import StateBackend
-from test_leases import (RUN_KEY, TOUCH, LeaseRun, State, error_object,  # noqa: F401
+from test_leases import (RUN_KEY, TOUCH, LeaseRun, State,  # noqa: F401
                          pg_state, spawn, sqlite_state, state, wait_for)
 from test_migrate import pg_dump, split_pg_url
 
@@ -259,8 +259,8 @@ def test_a_run_during_a_migration_is_refused_at_once_or_waits_until_the_migratio
 
         # 3. A run with --lock-wait 0: refused at once, naming the migration.
         refused_marker = tmp_path / "refused-ran"
-        proc = st.cli("--lock-wait", "0", "--json-errors", "leases", "run", "--export", "orders", "--",
-                      sys.executable, "-c", TOUCH, str(refused_marker))
+        proc = st.cli_process("--lock-wait", "0", "--json-errors", "leases", "run", "--export", "orders", "--",
+                              sys.executable, "-c", TOUCH, str(refused_marker))
         assert proc.returncode == 2, ("a run started during the migration was not refused (did the migration end "
                                       "first? then the state is too small)\n" + describe(proc))
         refused_busy(proc, migration.pid)
@@ -364,7 +364,8 @@ def test_a_refused_postgres_acquire_writes_no_row(pg_state: State, spawn: Callab
     holder leaves every row of the state as it was, the fencing token counter included."""
     holder = hold(pg_state, spawn, "orders")
     tokens = query(pg_state, "SELECT key, token FROM rivet_lease_tokens ORDER BY key")
-    proc = pg_state.cli("--lock-wait", "0", "--json-errors", "leases", "run", "--export", "orders", "--", "true")
+    proc = pg_state.cli_process("--lock-wait", "0", "--json-errors", "leases", "run", "--export", "orders", "--",
+                                "true")
     refused_busy(proc, holder.pid)
     proc = pg_state.cli("--lock-wait", "0", "--json-errors", "exports", "set-cursor", "orders", "2026-06-01")
     refused_busy(proc, holder.pid)
@@ -440,7 +441,7 @@ def _lived_before(kind: str, tmp_path: Path, spawn: Callable[..., LeaseRun]) -> 
         assert st.leases()[RUN_KEY]["state"] == "stale"
         evidence = str(directory / LEASES_DIR)
     elif kind == "released lease record":
-        proc = st.cli("leases", "run", "--export", "orders", "--", "true")
+        proc = st.cli_process("leases", "run", "--export", "orders", "--", "true")
         assert proc.returncode == 0, describe(proc)
         evidence = str(directory / LEASES_DIR)
     else:
@@ -523,8 +524,8 @@ def test_leases_run_in_an_empty_declared_directory_is_missing_and_creates_nothin
     empty = tmp_path / "state"
     empty.mkdir()
     marker = tmp_path / "ran"
-    proc = run_cli("-c", str(config), "--state-url", f"sqlite:{empty}", "--json-errors", "leases", "run",
-                   "--export", "orders", "--", sys.executable, "-c", TOUCH, str(marker))
+    proc = run_cli_process("-c", str(config), "--state-url", f"sqlite:{empty}", "--json-errors", "leases", "run",
+                           "--export", "orders", "--", sys.executable, "-c", TOUCH, str(marker))
     refused(proc, "RIVET_STATE_MISSING", 5)
     assert list(empty.iterdir()) == []
     assert not marker.exists()
@@ -537,8 +538,8 @@ def test_leases_run_at_a_relocated_old_place_is_relocated_and_creates_nothing(
     assert proc.returncode == 0, describe(proc)
     before = tree_digest(sqlite_state.directory)
     marker = tmp_path / "ran"
-    proc = sqlite_state.cli("--json-errors", "leases", "run", "--export", "orders", "--",
-                            sys.executable, "-c", TOUCH, str(marker))
+    proc = sqlite_state.cli_process("--json-errors", "leases", "run", "--export", "orders", "--",
+                                    sys.executable, "-c", TOUCH, str(marker))
     err = refused(proc, "RIVET_STATE_RELOCATED", 5)
     assert str(moved) in err["message"], err
     assert tree_digest(sqlite_state.directory) == before
@@ -660,8 +661,8 @@ def test_a_run_of_an_export_the_whole_state_write_does_not_know_gives_its_lease_
 
         # leases run, --lock-wait 0: refused at once, naming the whole-state writer
         marker = tmp_path / "late-ran"
-        proc = state.cli("--lock-wait", "0", "--json-errors", "leases", "run", "--export", "late_export", "--",
-                         sys.executable, "-c", TOUCH, str(marker))
+        proc = state.cli_process("--lock-wait", "0", "--json-errors", "leases", "run", "--export", "late_export", "--",
+                                 sys.executable, "-c", TOUCH, str(marker))
         refused_busy(proc, writer.pid)
         assert not marker.exists()
         assert state.leases().get(late_key, {"state": "free"})["state"] != "live"  # given back
@@ -725,8 +726,8 @@ def test_a_run_refused_beside_a_whole_state_write_creates_no_lease_file(
         wait_for(lambda: ready.exists() or writer.poll() is not None, "the whole-state writer to hold")
         assert ready.exists(), writer.communicate()
         before = sorted(p.name for p in sqlite_state.leases_dir.iterdir())
-        proc = sqlite_state.cli("--lock-wait", "0", "--json-errors", "leases", "run", "--export", "late_export",
-                                "--", "true")
+        proc = sqlite_state.cli_process("--lock-wait", "0", "--json-errors", "leases", "run", "--export", "late_export",
+                                        "--", "true")
         refused_busy(proc, writer.pid)
         assert sorted(p.name for p in sqlite_state.leases_dir.iterdir()) == before
     finally:

@@ -6,7 +6,6 @@ Each test names the class of fault it closes; the inputs are the ones operators 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sqlite3
@@ -17,13 +16,9 @@ from typing import Any
 
 import pytest
 
-from conftest import describe, run_cli, tree_digest, write_config
+from support import describe, error_object, run_cli, run_cli_as_needed, run_cli_process, tree_digest, write_config
 from statetool.errors import StateError
 from statetool.operations.context import MAX_LOCK_WAIT, Context
-
-
-def _error(proc: object) -> dict[str, object]:
-    return json.loads(proc.stderr.strip().splitlines()[-1])  # type: ignore[attr-defined]
 
 
 @pytest.fixture
@@ -51,8 +46,8 @@ def test_a_symlink_where_a_lease_file_belongs_is_refused_and_its_target_is_never
         leases.symlink_to(elsewhere)
     before = tree_digest(state.parent)
     for args in (("exports", "set-cursor", "orders", "2026-01-01"), ("leases", "run", "--export", "orders", "--", "true")):
-        proc = run_cli("-c", str(state), "--json-errors", "--lock-wait", "0", *args)
-        assert proc.returncode == 5 and _error(proc)["code"] == "RIVET_STATE_UNSAFE_FILE", describe(proc)
+        proc = run_cli_as_needed("-c", str(state), "--json-errors", "--lock-wait", "0", *args)
+        assert proc.returncode == 5 and error_object(proc)["code"] == "RIVET_STATE_UNSAFE_FILE", describe(proc)
         assert victim.read_text() == "precious\n", describe(proc)
         assert tree_digest(state.parent) == before, describe(proc)
 
@@ -60,9 +55,9 @@ def test_a_symlink_where_a_lease_file_belongs_is_refused_and_its_target_is_never
 def test_a_lease_folder_that_is_a_plain_file_is_refused_unsafe_not_internal(state: Path) -> None:
     (state.parent / ".rivet_state.leases").write_text("not a folder\n")
     before = tree_digest(state.parent)
-    proc = run_cli("-c", str(state), "--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders",
-                   "--", "true")
-    assert proc.returncode == 5 and _error(proc)["code"] == "RIVET_STATE_UNSAFE_FILE", describe(proc)
+    proc = run_cli_process("-c", str(state), "--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders",
+                           "--", "true")
+    assert proc.returncode == 5 and error_object(proc)["code"] == "RIVET_STATE_UNSAFE_FILE", describe(proc)
     assert tree_digest(state.parent) == before
 
 
@@ -70,9 +65,9 @@ def test_a_fifo_where_a_lease_file_belongs_is_refused_without_blocking(state: Pa
     leases = state.parent / ".rivet_state.leases"
     leases.mkdir(exist_ok=True)
     os.mkfifo(leases / "chunk-run%3Aorders")
-    proc = run_cli("-c", str(state), "--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders",
-                   "--", "true", timeout=30)
-    assert proc.returncode == 5 and _error(proc)["code"] == "RIVET_STATE_UNSAFE_FILE", describe(proc)
+    proc = run_cli_process("-c", str(state), "--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders",
+                           "--", "true", timeout=30)
+    assert proc.returncode == 5 and error_object(proc)["code"] == "RIVET_STATE_UNSAFE_FILE", describe(proc)
 
 
 def test_text_that_looks_like_markup_is_printed_as_it_is_and_never_crashes(state: Path) -> None:
@@ -92,9 +87,9 @@ def test_text_that_looks_like_markup_is_printed_as_it_is_and_never_crashes(state
 
 
 def test_a_lock_wait_past_its_documented_maximum_is_refused_as_usage(state: Path) -> None:
-    proc = run_cli("-c", str(state), "--json-errors", "--lock-wait", "3000000", "leases", "run", "--export", "orders",
-                   "--", "true")
-    assert proc.returncode == 1 and _error(proc)["code"] == "RIVET_CLI_USAGE", describe(proc)
+    proc = run_cli_process("-c", str(state), "--json-errors", "--lock-wait", "3000000", "leases", "run", "--export",
+                           "orders", "--", "true")
+    assert proc.returncode == 1 and error_object(proc)["code"] == "RIVET_CLI_USAGE", describe(proc)
     with pytest.raises(StateError) as err:
         Context(state, lock_wait=MAX_LOCK_WAIT + 1)
     assert err.value.code == "RIVET_CLI_USAGE" and "7 days" in err.value.message
@@ -133,7 +128,7 @@ def test_another_copys_wal_beside_a_rollback_journal_state_is_never_merged_by_a_
                   "postgresql://db.moved:5432/sales"), ("exports", "reset", "orders")):
         proc = run_cli("-c", str(state), "--json-errors", "--lock-wait", "0", *args)
         assert proc.returncode == 5, describe(proc)
-        err = _error(proc)
+        err = error_object(proc)
         assert err["code"] == "RIVET_STATE_FOREIGN_WAL" and f"{path}-wal" in str(err["message"]), describe(proc)
         assert tree_digest(state.parent) == before, f"{args} changed the state or its directory"
     db = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
@@ -158,8 +153,8 @@ def test_a_wal_of_another_page_size_beside_a_wal_state_is_refused_by_a_write(sta
     db.close()
     before = tree_digest(state.parent)
     proc = run_cli("-c", str(state), "--json-errors", "exports", "set-cursor", "orders", "2026-01-01")
-    assert proc.returncode == 5 and _error(proc)["code"] == "RIVET_STATE_FOREIGN_WAL", describe(proc)
-    assert "8192" in str(_error(proc)["message"]), describe(proc)
+    assert proc.returncode == 5 and error_object(proc)["code"] == "RIVET_STATE_FOREIGN_WAL", describe(proc)
+    assert "8192" in str(error_object(proc)["message"]), describe(proc)
     assert tree_digest(state.parent) == before
 
 
@@ -175,8 +170,8 @@ def test_files_of_a_former_state_beside_a_missing_one_are_never_applied_to_a_new
     shutil.copyfile(state, other)
     before = tree_digest(other.parent)
     proc = run_cli("-c", str(other), "--json-errors", "init")
-    assert proc.returncode == 5 and _error(proc)["code"] == "RIVET_STATE_TARGET_NOT_EMPTY", describe(proc)
-    assert f".rivet_state.db{leftover}" in str(_error(proc)["message"]), describe(proc)
+    assert proc.returncode == 5 and error_object(proc)["code"] == "RIVET_STATE_TARGET_NOT_EMPTY", describe(proc)
+    assert f".rivet_state.db{leftover}" in str(error_object(proc)["message"]), describe(proc)
     from statetool.runtime import StateStore
 
     with pytest.raises(StateError) as err:
@@ -224,9 +219,9 @@ def test_writes_on_a_read_only_mount_are_read_only_errors_that_change_nothing(re
                  ("leases", "run", "--export", "orders", "--", "true"),
                  ("identity", "rekey", "--old", "postgresql://db.internal:5432/sales", "--new",
                   "postgresql://db.moved:5432/sales")):
-        proc = run_cli("-c", str(read_only), "--json-errors", "--lock-wait", "0", *args)
+        proc = run_cli_as_needed("-c", str(read_only), "--json-errors", "--lock-wait", "0", *args)
         assert proc.returncode == 1, describe(proc)
-        err = _error(proc)
+        err = error_object(proc)
         assert (err["code"], err["retryable"]) == ("RIVET_STATE_READ_ONLY", False), describe(proc)
         assert tree_digest(read_only.parent) == before, args
     proc = run_cli("-c", str(read_only), "check")
@@ -256,7 +251,7 @@ def test_an_empty_cursor_or_one_with_control_characters_is_refused_and_nothing_c
                                                                                        cursor: str) -> None:
     before = tree_digest(state.parent)
     proc = run_cli("-c", str(state), "--json-errors", "exports", "set-cursor", "orders", cursor)
-    assert proc.returncode == 1 and _error(proc)["code"] == "RIVET_CLI_USAGE", describe(proc)
+    assert proc.returncode == 1 and error_object(proc)["code"] == "RIVET_CLI_USAGE", describe(proc)
     assert "\x1b" not in proc.stderr
     assert tree_digest(state.parent) == before
 
@@ -276,6 +271,6 @@ def test_doctor_json_errors_prints_the_error_object_of_its_worst_verdict(tmp_pat
     config = write_config(tmp_path / "pipeline")  # no state: every export would be a first run
     proc = run_cli("-c", str(config), "--json-errors", "doctor")
     assert proc.returncode == 5, describe(proc)
-    err = _error(proc)
+    err = error_object(proc)
     assert err["code"] == "RIVET_STATE_MISSING" and err["exit_code"] == 5, describe(proc)
     assert set(err) >= {"error", "exit_class", "code", "kind", "class", "exit_code", "retryable", "action", "message"}

@@ -10,6 +10,7 @@ tree before and after proves that nothing changed beside the state.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import describe, run_cli, tree_digest, write_config
+from support import CliRun, describe, error_object, run_cli, tree_digest, write_config
 from statetool.example import build_legacy_state
 from statetool.runtime import StateStore
 
@@ -61,12 +62,18 @@ class Interrupted:
     journal of a ``StateStore`` transaction (new cursor, thousands of runs) killed before
     its commit."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, copy_of: Path | None = None) -> None:
+        """The layout in ``root``: new (configs written, empty state directory), or a copy
+        of the tree an earlier one left in ``copy_of``."""
         self.root = root
         self.state_dir = root / "state"
-        self.state_dir.mkdir()
-        self.config = write_config(root / "pipeline", source_url=SOURCE_A, exports=EXPORTS)
-        self.other = write_config(root / "other", source_url=SOURCE_B, exports=EXPORTS)
+        self.config, self.other = root / "pipeline" / "rivet.yaml", root / "other" / "rivet.yaml"
+        if copy_of is not None:
+            shutil.copytree(copy_of, root, symlinks=True, dirs_exist_ok=True)
+        else:
+            self.state_dir.mkdir()
+            self.config = write_config(root / "pipeline", source_url=SOURCE_A, exports=EXPORTS)
+            self.other = write_config(root / "other", source_url=SOURCE_B, exports=EXPORTS)
         self.env = {"RIVET_STATE_URL": f"sqlite:{self.state_dir}"}
         self.db = self.state_dir / STATE
 
@@ -117,17 +124,25 @@ class Interrupted:
         assert journal.is_file() and journal.read_bytes()[:8] == JOURNAL_MAGIC, listing(self.state_dir)
         assert self.db.read_bytes() != before, "the killed writer should have spilled pages into the state"
 
-    def cli(self, *args: str, config: Path | None = None) -> subprocess.CompletedProcess[str]:
+    def cli(self, *args: str, config: Path | None = None) -> CliRun:
         return run_cli("-c", str(config or self.config), *args, env=self.env)
 
 
+@pytest.fixture(scope="module")
+def interrupted_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tree of one :class:`Interrupted` state, built once per module (killing a
+    writer mid-transaction takes seconds): tests get copies."""
+    root = tmp_path_factory.mktemp("interrupted")
+    Interrupted(root).build()
+    return root
+
+
 @pytest.fixture
-def interrupted(tmp_path: Path) -> Interrupted:
-    return Interrupted(tmp_path).build()
-
-
-def _error(proc: subprocess.CompletedProcess[str]) -> dict[str, object]:
-    return json.loads(proc.stderr.strip().splitlines()[-1])
+def interrupted(interrupted_template: Path, tmp_path: Path) -> Interrupted:
+    """A copy of the module's interrupted state of its own (hot journal included)."""
+    it = Interrupted(tmp_path, copy_of=interrupted_template)
+    assert Path(f"{it.db}-journal").is_file(), listing(it.state_dir)
+    return it
 
 
 READS = {
@@ -227,7 +242,7 @@ def test_a_foreign_hot_journal_state_is_refused_by_every_write_byte_identical(in
     before, files = tree_digest(interrupted.root), listing(interrupted.root)
     proc = interrupted.cli("--json-errors", *_args(interrupted.root, FOREIGN_WRITES[name]), config=interrupted.other)
     assert proc.returncode == 5, describe(proc)
-    assert _error(proc)["code"] in ("RIVET_STATE_FOREIGN", "RIVET_STATE_IDENTITY_MISMATCH"), describe(proc)
+    assert error_object(proc)["code"] in ("RIVET_STATE_FOREIGN", "RIVET_STATE_IDENTITY_MISMATCH"), describe(proc)
     assert Path(f"{interrupted.db}-journal").exists(), describe(proc)
     assert listing(interrupted.root) == files, describe(proc)
     assert tree_digest(interrupted.root) == before, describe(proc)
@@ -248,7 +263,7 @@ def test_an_unknown_newer_revision_with_a_hot_journal_is_refused_byte_identical(
     before, files = tree_digest(tmp_path), listing(tmp_path)
     proc = it.cli("--json-errors", *_args(tmp_path, command))
     assert proc.returncode == 3, describe(proc)
-    assert _error(proc)["code"] == "RIVET_STATE_SCHEMA_NEWER", describe(proc)
+    assert error_object(proc)["code"] == "RIVET_STATE_SCHEMA_NEWER", describe(proc)
     assert listing(tmp_path) == files, describe(proc)
     assert tree_digest(tmp_path) == before, describe(proc)
 

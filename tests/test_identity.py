@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import describe, run_cli, tree_digest
+from support import describe, error_object, run_cli, tree_digest
 from statetool.errors import StateError
 from statetool.identity import identity_message, identity_verdict, identity_warning, state_key
 from statetool.operations.context import Context
@@ -250,10 +250,6 @@ def foreign_state(scope: Scope) -> None:
     assert scope.recorded() == [OTHER_KEY]
 
 
-def last_json_error(proc) -> dict:
-    return json.loads(proc.stderr.strip().splitlines()[-1])
-
-
 def check_row(proc, check_id: str) -> dict:
     return next(c for c in json.loads(proc.stdout)["checks"] if c["id"] == check_id)
 
@@ -368,7 +364,7 @@ def test_foreign_state_in_declared_dir_is_refused_byte_identical(tmp_path: Path,
     for command in (("exports", "reset", "orders"),):  # every other write: test_refusals.py
         proc = run_cli("-c", str(scope.config), *command, "--json-errors", env=scope.env(OURS))
         assert proc.returncode == 5, describe(proc)
-        error = last_json_error(proc)
+        error = error_object(proc)
         assert error["code"] == "RIVET_STATE_FOREIGN", describe(proc)
         assert str(scope.state_dir) in error["message"] and OTHER_KEY in error["message"], describe(proc)
         assert "choose another state directory" in error["action"], describe(proc)
@@ -425,7 +421,7 @@ def test_rekey_refuses_a_wrong_old_key_and_changes_nothing(tmp_path: Path, reque
     proc = run_cli("-c", str(scope.config), "identity", "rekey", "--old", "postgresql://elsewhere:5432/sales",
                    "--new", OURS_KEY, "--json-errors", env=scope.env(OURS))
     assert proc.returncode == 5, describe(proc)
-    error = last_json_error(proc)
+    error = error_object(proc)
     assert error["code"] == "RIVET_STATE_IDENTITY_MISMATCH", describe(proc)
     assert OTHER_KEY in error["message"], describe(proc)
     assert scope.fingerprint() == before, describe(proc)

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from conftest import describe
+from support import describe, error_object, process_env
 from statetool.backends.processes import alive, process_started
 from statetool.errors import StateError
 from statetool.runtime import StateStore
@@ -43,10 +43,8 @@ from test_leases import (  # noqa: F401 - fixtures are used by name
     RUN_KEY,
     LeaseRun,
     State,
-    _cli_env,
     _pg_dsn,
     dead_pid,
-    error_object,
     pg_state,
     spawn,
     sqlite_state,
@@ -401,7 +399,7 @@ def test_no_two_holders_ever_overlap_and_tokens_only_grow_under_sigkill_chaos(
     else:
         assert state.pg_url is not None
         target = json.dumps(list(_pg_dsn(state.pg_url)))
-    env = _cli_env(state.env)
+    env = process_env(state.env)
     logs = tmp_path / "logs"
     logs.mkdir()
 
@@ -688,7 +686,7 @@ def test_a_stalled_postgres_holder_taken_over_writes_nothing_and_gets_lease_lost
     err_log = tmp_path / "stalled.err"
     with open(err_log, "wb") as fh:
         stalled = subprocess.Popen([sys.executable, "-c", STALLED, str(pg_state.config), str(ready), str(go),
-                                    str(result)], env=_cli_env(pg_state.env), stdout=fh, stderr=fh)
+                                    str(result)], env=process_env(pg_state.env), stdout=fh, stderr=fh)
     try:
         wait_for(lambda: ready.exists() or stalled.poll() is not None, "the holder to take the lease")
         assert ready.exists(), err_log.read_text()
@@ -696,7 +694,7 @@ def test_a_stalled_postgres_holder_taken_over_writes_nothing_and_gets_lease_lost
         os.kill(stalled.pid, signal.SIGSTOP)  # stalls: no heartbeat, no write
         try:
             # Another process (this one) waits for the TTL to run out and takes the lease over.
-            store = StateStore.open(pg_state.config, env=_cli_env(pg_state.env), lock_wait=60)
+            store = StateStore.open(pg_state.config, env=process_env(pg_state.env), lock_wait=60)
             with store.run("orders", "incremental") as run:
                 assert run.token is not None and run.token > first["token"], (run.token, first)
                 assert alive(stalled.pid, None), "the stalled holder must still exist for this test"
@@ -758,7 +756,7 @@ def test_leases_run_stalled_past_its_ttl_and_taken_over_stops_its_command_and_ex
 
         os.kill(wrapper.pid, signal.SIGSTOP)  # the wrapper only: its command keeps running
         try:
-            store = StateStore.open(pg_state.config, env=_cli_env(pg_state.env), lock_wait=60)
+            store = StateStore.open(pg_state.config, env=process_env(pg_state.env), lock_wait=60)
             with store.run("orders", "incremental") as run:
                 assert run.token is not None and run.token > old_token, (run.token, old_token)
                 os.kill(wrapper.pid, signal.SIGCONT)
@@ -938,8 +936,8 @@ def test_sqlite_a_lease_taken_after_its_sidecar_was_removed_never_reuses_a_token
     """SPEC §5: every acquisition's token is monotonic per key. An operator who deletes a
     "stale lock file" under .rivet_state.leases/ must not make the next holder draw a token
     an earlier (here: still running) holder already has."""
-    first = StateStore.open(sqlite_state.config, env=_cli_env({}), lock_wait=0)
-    second = StateStore.open(sqlite_state.config, env=_cli_env({}), lock_wait=0)
+    first = StateStore.open(sqlite_state.config, env=process_env({}), lock_wait=0)
+    second = StateStore.open(sqlite_state.config, env=process_env({}), lock_wait=0)
     tokens = []
     for _ in range(3):
         with first.run("orders", "incremental") as run:
@@ -971,8 +969,8 @@ def test_postgres_takeover_blocked_by_a_row_lock_still_honours_lock_wait(pg_stat
         locker.execute("SELECT 1 FROM rivet_leases WHERE key = %s FOR SHARE", (RUN_KEY,))
         try:
             # 15 s is a hang detector for a command told to refuse at once, not a speed limit.
-            proc = pg_state.cli("--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders", "--",
-                                "true", timeout=15)
+            proc = pg_state.cli_process("--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders",
+                                        "--", "true", timeout=15)
         except subprocess.TimeoutExpired:
             pytest.fail("statetool --lock-wait 0 leases run was still blocked after 15 s on the lease row's lock")
         assert proc.returncode == 2, describe(proc)

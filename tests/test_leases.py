@@ -32,7 +32,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
 
-from conftest import describe, run_cli, tree_digest, write_config
+from support import CliRun, describe, error_object, process_env, run_cli, run_cli_process, tree_digest, write_config
 from statetool.backends.base import Holder, LeaseInfo
 from statetool.backends.processes import alive, process_started
 from statetool.backends.proclocks import lock_holders
@@ -76,13 +76,6 @@ TOUCH = "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text('ran')"
 # -- states -----------------------------------------------------------------------------
 
 
-def _cli_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    env.update({"COLUMNS": "200", "NO_COLOR": "1"})
-    env.update(extra)
-    return env
-
-
 def _pg_dsn(pg_url: str) -> tuple[str, str]:
     """``(libpq URL without ?schema=, schema)`` of a test state URL."""
     parts = urlsplit(pg_url)
@@ -113,8 +106,11 @@ class State:
     def sidecar(self) -> Path:
         return self.leases_dir / SIDECAR_NAME
 
-    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def cli(self, *args: str, timeout: float = 120) -> CliRun:
         return run_cli("-c", str(self.config), *args, env=self.env, timeout=timeout)
+
+    def cli_process(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return run_cli_process("-c", str(self.config), *args, env=self.env, timeout=timeout)
 
     def argv(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "statetool", "-c", str(self.config), *args]
@@ -122,11 +118,11 @@ class State:
     def popen(self, *args: str, **kwargs: Any) -> subprocess.Popen[str]:
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.PIPE)
-        return subprocess.Popen(self.argv(*args), env=_cli_env(self.env), text=True, start_new_session=True,
+        return subprocess.Popen(self.argv(*args), env=process_env(self.env), text=True, start_new_session=True,
                                 **kwargs)
 
     def context(self, lock_wait: float = 0.0) -> Context:
-        return Context(config_path=self.config, env=_cli_env(self.env), lock_wait=lock_wait)
+        return Context(config_path=self.config, env=process_env(self.env), lock_wait=lock_wait)
 
     def leases(self) -> dict[str, dict[str, Any]]:
         """``{key: lease doc}`` as the library lists them (no lock taken)."""
@@ -260,13 +256,6 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., LeaseRun]]:
                 pass
 
 
-def error_object(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    """The ``--json-errors`` object on stderr (the last JSON line)."""
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("{")]
-    assert lines, describe(proc)
-    return json.loads(lines[-1])  # type: ignore[no-any-return]
-
-
 def dead_pid() -> int:
     """The pid of a process that has ended and been reaped."""
     proc = subprocess.Popen(["true"])
@@ -302,7 +291,7 @@ def test_eight_processes_taking_one_lease_count_exactly_and_never_overlap(state:
     counter, log, go = tmp_path / "counter", tmp_path / "holders.log", tmp_path / "go"
     counter.write_text("0")
     workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(state.config), str(counter), str(log), str(go),
-                                 str(rounds)], env=_cli_env(state.env), stdout=subprocess.PIPE,
+                                 str(rounds)], env=process_env(state.env), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for _ in range(processes)]
     go.touch()
     for worker in workers:
@@ -335,7 +324,7 @@ def test_sigkilled_holder_never_blocks_the_next_taker(state: State, spawn: Calla
     row = state.leases()[RUN_KEY]
     assert (row["state"], row["holder_pid"]) == ("stale", holder.pid)
     # --lock-wait 0 refuses any live holder at once, so success proves no wait was needed.
-    proc = state.cli("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
     assert proc.returncode == 0, describe(proc)
     assert "waiting" not in proc.stderr, describe(proc)
 
@@ -361,7 +350,7 @@ def test_postgres_holder_on_another_host_is_taken_over_only_after_its_ttl(pg_sta
     ttl = 4
     ready = tmp_path / "ready"
     holder = subprocess.Popen([sys.executable, "-c", OTHER_HOST_HOLDER, str(pg_state.config), str(ready), str(ttl)],
-                              env=_cli_env(pg_state.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              env=process_env(pg_state.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: ready.exists() or holder.poll() is not None, "the other-host holder")
         assert ready.exists(), holder.communicate()
@@ -396,8 +385,8 @@ def test_waiter_behind_a_live_holder_times_out_with_lock_timeout_after_lock_wait
     holder.wait_ready()
     marker = tmp_path / "waiter-ran"
     started = time.monotonic()
-    proc = state.cli("--json-errors", "leases", "run", "--export", "orders", "--lock-wait", "2", "--",
-                     sys.executable, "-c", TOUCH, str(marker))
+    proc = state.cli_process("--json-errors", "leases", "run", "--export", "orders", "--lock-wait", "2", "--",
+                             sys.executable, "-c", TOUCH, str(marker))
     elapsed = time.monotonic() - started
     assert proc.returncode == 2, describe(proc)
     err = error_object(proc)
@@ -415,8 +404,8 @@ def test_waiter_with_lock_wait_zero_is_refused_run_in_progress_at_once(
     holder = spawn(state)
     holder.wait_ready()
     marker = tmp_path / "waiter-ran"
-    proc = state.cli("leases", "run", "--export", "orders", "--json-errors", "--lock-wait", "0", "--",
-                     sys.executable, "-c", TOUCH, str(marker))
+    proc = state.cli_process("leases", "run", "--export", "orders", "--json-errors", "--lock-wait", "0", "--",
+                             sys.executable, "-c", TOUCH, str(marker))
     assert proc.returncode == 2, describe(proc)
     err = error_object(proc)
     assert (err["code"], err["retryable"], err["exit_code"]) == ("RIVET_STATE_RUN_IN_PROGRESS", True, 2), err
@@ -442,7 +431,7 @@ def test_listing_in_a_tight_loop_never_disturbs_a_waiter_and_takes_no_lock(
 
     def cli_loop() -> None:
         while not stop.is_set():
-            listings.append(state.cli("--json", "leases"))
+            listings.append(state.cli_process("--json", "leases"))
 
     # Phase 1, held: every listing sees the holder live, the kernel's lock table shows the
     # holder's lock only, and the waiter keeps waiting.
@@ -519,7 +508,7 @@ def test_listing_sqlite_leases_makes_no_lock_system_call(sqlite_state: State, sp
     holder.wait_ready()
     trace = tmp_path / "trace"
     proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=flock,fcntl", "-o", str(trace),
-                           *sqlite_state.argv("--json", "leases")], env=_cli_env({}), capture_output=True, text=True)
+                           *sqlite_state.argv("--json", "leases")], env=process_env({}), capture_output=True, text=True)
     assert proc.returncode == 0, describe(proc)
     assert json.loads(proc.stdout)["leases"][0]["state"] == "live"
     calls = trace.read_text()
@@ -630,7 +619,7 @@ def test_lease_key_with_slashes_dots_quotes_and_non_ascii_stays_inside_the_sidec
     finally:
         for lease in held:
             lease.release()
-    proc = state.cli("leases", "run", "--export", "../../outside", "--", "true")
+    proc = state.cli_process("leases", "run", "--export", "../../outside", "--", "true")
     assert proc.returncode == 0, describe(proc)
     proc = state.cli("--json", "leases")
     assert proc.returncode == 0, describe(proc)
@@ -650,7 +639,7 @@ def test_lease_key_with_slashes_dots_quotes_and_non_ascii_stays_inside_the_sidec
 
 
 def test_sqlite_lease_key_too_long_for_a_file_name_is_refused_as_usage(sqlite_state: State) -> None:
-    proc = sqlite_state.cli("--json-errors", "leases", "run", "--export", "x" * 300, "--", "true")
+    proc = sqlite_state.cli_process("--json-errors", "leases", "run", "--export", "x" * 300, "--", "true")
     assert proc.returncode == 1, describe(proc)
     assert error_object(proc)["code"] == "RIVET_CLI_USAGE"
     assert not any(sqlite_state.leases_dir.iterdir()) if sqlite_state.leases_dir.exists() else True
@@ -669,14 +658,14 @@ def test_leases_run_forwards_the_signal_exits_with_the_command_code_and_releases
     assert holder.proc.returncode == 7, f"{out}\n{err}"
     assert Path(str(holder.ready) + ".signal").read_text() == str(int(signum))
     assert state.leases().get(RUN_KEY, {"state": "free"})["state"] == "free"
-    proc = state.cli("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
     assert proc.returncode == 0, describe(proc)
 
 
 def test_leases_run_exits_with_the_command_exit_code(state: State) -> None:
-    proc = state.cli("leases", "run", "--export", "orders", "--", sys.executable, "-c", "raise SystemExit(9)")
+    proc = state.cli_process("leases", "run", "--export", "orders", "--", sys.executable, "-c", "raise SystemExit(9)")
     assert proc.returncode == 9, describe(proc)
-    proc = state.cli("leases", "run", "--export", "orders", "--", "sh", "-c", "kill -TERM $$")
+    proc = state.cli_process("leases", "run", "--export", "orders", "--", "sh", "-c", "kill -TERM $$")
     assert proc.returncode == 128 + signal.SIGTERM, describe(proc)
     assert state.leases().get(RUN_KEY, {"state": "free"})["state"] == "free"
 
@@ -692,7 +681,7 @@ def test_a_sigkilled_wrapper_takes_its_command_with_it_and_only_then_frees_the_l
     # without the lease (on PostgreSQL the lease row's heartbeat belongs to the wrapper).
     wait_for(lambda: not alive(command_pid, None), f"command {command_pid} to die with its wrapper", timeout=10)
     assert state.leases()[RUN_KEY]["state"] == "stale"
-    proc = state.cli("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
     assert proc.returncode == 0, describe(proc)
 
 
@@ -712,13 +701,14 @@ def test_postgres_row_of_a_dead_wrapper_whose_command_lives_on_this_host_stays_l
         _insert_row(pg_state, pid=dead_pid(), started=None, child=command.pid,
                     child_started=process_started(command.pid), heartbeat_age="1 hour")
         assert pg_state.leases()[RUN_KEY]["state"] == "live"  # no heartbeat for an hour, but the work runs
-        proc = pg_state.cli("--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+        proc = pg_state.cli_process("--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders", "--",
+                                    "true")
         assert proc.returncode == 2 and error_object(proc)["code"] == "RIVET_STATE_RUN_IN_PROGRESS", describe(proc)
     finally:
         command.kill()
         command.wait()
     assert pg_state.leases()[RUN_KEY]["state"] == "stale"
-    proc = pg_state.cli("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    proc = pg_state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
     assert proc.returncode == 0, describe(proc)
 
 
@@ -728,7 +718,7 @@ def test_postgres_holder_whose_pid_was_reused_reads_as_stale_at_once(pg_state: S
     _insert_row(pg_state, pid=me, started=(process_started(me) or 0) + 1, child=None, child_started=None,
                 heartbeat_age="0 seconds")
     assert pg_state.leases()[RUN_KEY]["state"] == "stale"
-    proc = pg_state.cli("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    proc = pg_state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
     assert proc.returncode == 0, describe(proc)
 
 
@@ -790,8 +780,8 @@ def test_exports_reset_takes_the_run_lease_of_its_export(state: State, spawn: Ca
 
 def test_a_command_that_takes_the_same_lease_itself_is_refused_under_leases_run(state: State) -> None:
     """The guide's "Which runs to wrap": the wrapper's own lease is busy for its command."""
-    proc = state.cli("leases", "run", "--export", "orders", "--", *state.argv("--json-errors", "--lock-wait", "0",
-                                                                              "exports", "reset", "orders"))
+    proc = state.cli_process("leases", "run", "--export", "orders", "--",
+                             *state.argv("--json-errors", "--lock-wait", "0", "exports", "reset", "orders"))
     assert proc.returncode == 2, describe(proc)
     assert error_object(proc)["code"] == "RIVET_STATE_RUN_IN_PROGRESS", describe(proc)
     proc = state.cli("--lock-wait", "0", "exports", "reset", "orders")  # unwrapped, it runs
@@ -831,7 +821,7 @@ def test_scheduler_guide_exists_with_sh_blocks() -> None:
 
 def test_every_sh_command_of_the_scheduler_guide_runs(state: State, spawn: Callable[..., LeaseRun]) -> None:
     bindir = Path(sys.executable).parent
-    env = _cli_env(state.env)
+    env = process_env(state.env)
     env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
     assert shutil.which("statetool", path=env["PATH"]), "the statetool entry point is not installed"
     for block in _guide_blocks():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import describe, run_cli, tree_digest, write_config
+from support import describe, error_object, run_cli, tree_digest, write_config
 from statetool.errors import StateError
 from statetool.location import resolve_location
 
@@ -221,7 +221,7 @@ def test_bad_state_url_fails_with_its_code_and_creates_no_file(tmp_path: Path, f
 
     init = run_cli("-c", str(config), "--json-errors", "init", cwd=config.parent, env={"RIVET_STATE_URL": value})
     assert init.returncode == 1, describe(init)
-    error = json.loads(init.stderr.strip().splitlines()[-1])
+    error = error_object(init)
     assert (error["code"], error["exit_class"]) == (code, 1), describe(init)
     assert (tree_digest(tmp_path), listing(tmp_path)) == before, describe(init)
 
@@ -239,7 +239,7 @@ def test_bad_state_url_flag_overrides_a_good_env_and_fails(tmp_path: Path) -> No
     proc = run_cli("-c", str(config), "init", "--state-url", "sqlite:relative", "--json-errors",
                    env={"RIVET_STATE_URL": f"sqlite:{good}"})
     assert proc.returncode == 1, describe(proc)
-    assert json.loads(proc.stderr.strip().splitlines()[-1])["code"] == "RIVET_STATE_DIR_RELATIVE", describe(proc)
+    assert error_object(proc)["code"] == "RIVET_STATE_DIR_RELATIVE", describe(proc)
     assert listing(good) == [], describe(proc)
 
 

@@ -27,7 +27,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from conftest import describe, run_cli, tree_digest, write_config
+from support import CliRun, describe, error_object, run_cli, tree_digest, write_config
 from statetool import migrations, schema
 from statetool.operations.context import Context
 from statetool.operations.migrate import migrate
@@ -277,14 +277,9 @@ def target(state_backend: StateBackend) -> Target:
     return Target(state_backend.kind, write_config(state_backend.pipeline, exports=EXPORTS_YAML), state_backend.url)
 
 
-def cli(target: Target, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def cli(target: Target, *args: str, env: dict[str, str] | None = None) -> CliRun:
     """The real CLI on ``target``'s state."""
     return run_cli("-c", str(target.config), *args, env={**target.env, **(env or {})})
-
-
-def json_error(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    """The ``--json-errors`` object on stderr (its last line)."""
-    return json.loads(proc.stderr.strip().splitlines()[-1])
 
 
 def backups(target: Target) -> list[Path]:
@@ -402,7 +397,7 @@ def test_downgrade_that_drops_data_is_refused_without_allow_data_loss(target: Ta
 
     proc = cli(target, "migrate", "--to", "0001", "--json-errors")
     assert proc.returncode == 5, describe(proc)
-    err = json_error(proc)
+    err = error_object(proc)
     assert err["code"] == "RIVET_STATE_DATA_LOSS", describe(proc)
     # the refusal names what would be dropped, with counts
     assert "rivet_load_ledger" in err["message"] and "5 rows" in err["message"], describe(proc)
@@ -419,8 +414,8 @@ def test_dry_run_of_a_lossy_downgrade_refuses_as_the_real_run_and_shows_the_plan
     before, digest = target.dump(), state_files(target)
 
     proc = cli(target, "migrate", "--to", "0001", "--dry-run", "--json-errors")
-    assert proc.returncode == 5 and json_error(proc)["code"] == "RIVET_STATE_DATA_LOSS", describe(proc)
-    assert "rivet_load_ledger" in json_error(proc)["message"], describe(proc)
+    assert proc.returncode == 5 and error_object(proc)["code"] == "RIVET_STATE_DATA_LOSS", describe(proc)
+    assert "rivet_load_ledger" in error_object(proc)["message"], describe(proc)
     proc = cli(target, "migrate", "--to", "0001", "--dry-run", "--allow-data-loss", "--json")
     assert proc.returncode == 0, describe(proc)
     doc = json.loads(proc.stdout)
@@ -557,7 +552,7 @@ def test_sql_on_sqlite_is_refused_and_changes_nothing(tmp_path: Path, revision: 
     digest = state_files(target)
     proc = cli(target, "migrate", "--sql", "--json-errors")
     assert proc.returncode == 1, describe(proc)
-    assert json_error(proc)["code"] == "RIVET_STATE_SQL_UNSUPPORTED", describe(proc)
+    assert error_object(proc)["code"] == "RIVET_STATE_SQL_UNSUPPORTED", describe(proc)
     assert state_files(target) == digest
 
 
@@ -600,7 +595,7 @@ def test_migrate_to_an_unknown_revision_is_refused(target: Target) -> None:
     before, digest = target.dump(), state_files(target)
     proc = cli(target, "migrate", "--to", "0099", "--json-errors")
     assert proc.returncode == 1, describe(proc)
-    err = json_error(proc)
+    err = error_object(proc)
     assert err["code"] == "RIVET_STATE_REVISION_UNKNOWN", describe(proc)
     assert "0099" in err["message"] and HEAD in err["message"], describe(proc)
     assert target.dump() == before and state_files(target) == digest
@@ -785,11 +780,11 @@ def test_migrate_on_postgres_while_another_holds_the_lock_fails_retryable(tmp_pa
         started = time.monotonic()
         proc = cli(target, "migrate", "--lock-wait", "0", "--json-errors")
         assert proc.returncode == 2, describe(proc)
-        err = json_error(proc)
+        err = error_object(proc)
         assert (err["code"], err["retryable"], err["exit_class"]) == ("RIVET_STATE_MIGRATION_LOCKED", True, 2), \
             describe(proc)
         proc = cli(target, "migrate", "--lock-wait", "1.5", "--json-errors")
-        assert proc.returncode == 2 and json_error(proc)["code"] == "RIVET_STATE_MIGRATION_LOCKED", describe(proc)
+        assert proc.returncode == 2 and error_object(proc)["code"] == "RIVET_STATE_MIGRATION_LOCKED", describe(proc)
         assert time.monotonic() - started >= 1.5
     finally:
         holder.rollback()
@@ -806,7 +801,7 @@ def test_migrate_on_sqlite_while_another_writer_holds_it_fails_retryable(tmp_pat
         writer.execute("BEGIN IMMEDIATE")
         proc = cli(target, "migrate", "--lock-wait", "1", "--json-errors")
         assert proc.returncode == 2, describe(proc)
-        err = json_error(proc)
+        err = error_object(proc)
         assert (err["code"], err["retryable"]) == ("RIVET_STATE_MIGRATION_LOCKED", True), describe(proc)
         assert backups(target) == []
     finally:

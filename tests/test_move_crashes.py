@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import describe, run_cli, tree_digest, write_config
+from support import describe, error_object, run_cli, run_cli_process, tree_digest, write_config
 from statetool.backends.tombstone import read_tombstone
 from statetool.backends.tombstone import MAGIC as TOMBSTONE_MAGIC
 from statetool.errors import StateError
@@ -87,7 +87,7 @@ def _leftovers(*directories: Path) -> list[str]:
 
 def _timed_run(args: tuple[str, ...]) -> float:
     start = time.monotonic()
-    proc = run_cli(*args, timeout=300)
+    proc = run_cli_process(*args, timeout=300)
     assert proc.returncode == 0, describe(proc)
     return time.monotonic() - start
 
@@ -336,7 +336,7 @@ def test_a_target_in_flight_refuses_statetool_and_the_runtime_naming_the_command
         assert f"relocate --to {target}" in refused.value.message
         check = run_cli("-c", str(config), "--state-url", f"sqlite:{target}", "--json-errors", "info")
         assert check.returncode == 5, describe(check)
-        assert json.loads(check.stderr.strip().splitlines()[-1])["code"] == "RIVET_STATE_MOVE_IN_FLIGHT"
+        assert error_object(check)["code"] == "RIVET_STATE_MOVE_IN_FLIGHT"
         assert _open(config, None) == "live"
     finally:
         if holder is not None:
@@ -417,7 +417,7 @@ def test_a_symlink_where_a_file_of_the_move_belongs_is_refused_and_nothing_is_wr
     for extra in (("--dry-run",), ()):
         proc = run_cli("-c", str(config), "--json-errors", "relocate", "--to", str(target), *extra)
         assert proc.returncode == 5, describe(proc)
-        err = json.loads(proc.stderr.strip().splitlines()[-1])
+        err = error_object(proc)
         assert err["code"] == "RIVET_STATE_UNSAFE_FILE" and str(link) in err["message"], err
         assert {d: tree_digest(d) for d in before} == before and link.is_symlink()
         assert victim.read_text() == "precious\n"
@@ -441,7 +441,7 @@ def test_a_symlinked_state_whose_real_directory_is_read_only_is_refused_before_a
         for extra in (("--dry-run",), ()):
             proc = run_cli("-c", str(config), "--json-errors", "relocate", "--to", str(target), *extra)
             assert proc.returncode == 1, describe(proc)
-            err = json.loads(proc.stderr.strip().splitlines()[-1])
+            err = error_object(proc)
             assert err["code"] == "RIVET_STATE_READ_ONLY" and str(real_dir / STATE) in err["message"], err
             assert {d: tree_digest(d) for d in before} == before
     finally:
@@ -463,7 +463,7 @@ def test_relocate_dry_run_refuses_a_checkpoint_conflict_as_the_real_run_does_and
     for extra in (("--dry-run",), ()):
         proc = run_cli("-c", str(config), "--json-errors", "relocate", "--to", str(target), *extra)
         assert proc.returncode == 5, describe(proc)
-        err = json.loads(proc.stderr.strip().splitlines()[-1])
+        err = error_object(proc)
         codes.append((err["code"], err["message"]))
         assert {d: tree_digest(d) for d in before} == before, f"{extra}: a file changed or appeared"
     assert codes[0] == codes[1] and codes[0][0] == "RIVET_STATE_TARGET_NOT_EMPTY", codes

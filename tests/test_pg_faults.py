@@ -24,7 +24,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from conftest import Cluster, describe, require_pg_bindir, run_cli, tree_digest, write_config
+from support import (Cluster, Output, describe, error_object, require_pg_bindir, run_cli, run_cli_as_needed,
+                     tree_digest, write_config)
 from statetool.backends.postgres_faults import driver_error
 
 Role = Callable[..., str]
@@ -63,16 +64,11 @@ def _schema_exists(admin: str, schema: str) -> bool:
         return conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone() is not None
 
 
-def _error(proc: subprocess.CompletedProcess[str]) -> dict[str, object]:
-    assert proc.stderr.strip(), describe(proc)
-    return json.loads(proc.stderr.strip().splitlines()[-1])
-
-
 def _assert_refused(proc: subprocess.CompletedProcess[str], code: str, *words: str) -> dict[str, object]:
     """The registered non-retryable ``code``, its documented exit class (generic, 1), no
     traceback, and ``words`` in the message."""
     assert "Traceback" not in proc.stderr, describe(proc)
-    err = _error(proc)
+    err = error_object(proc)
     assert (proc.returncode, err["code"], err["exit_code"], err["retryable"]) == (1, code, 1, False), describe(proc)
     message = str(err["message"])
     assert "\n" not in message
@@ -110,8 +106,8 @@ def schema(admin: str) -> Iterator[str]:
     _sql(admin, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
-def _cli(cfg: Path, url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_cli("-c", str(cfg), "--json-errors", *args, env={"RIVET_STATE_URL": url})
+def _cli(cfg: Path, url: str, *args: str) -> Output:
+    return run_cli_as_needed("-c", str(cfg), "--json-errors", *args, env={"RIVET_STATE_URL": url})
 
 
 @pytest.fixture
@@ -238,7 +234,7 @@ def test_a_role_that_may_not_read_the_schema_is_told_so_never_missing_nor_first_
     assert "Traceback" not in proc.stderr, describe(proc)
     assert "FIRST RUN" not in proc.stdout + proc.stderr, describe(proc)
     assert "RIVET_STATE_MISSING" not in proc.stdout + proc.stderr, describe(proc)
-    err = _error(proc)
+    err = error_object(proc)
     assert (err["code"], err["retryable"]) == ("RIVET_STATE_PERMISSION_DENIED", False), describe(proc)
     assert proc.returncode == 1 and f'GRANT USAGE ON SCHEMA "{schema}"' in str(err["message"]), describe(proc)
     assert _contents(admin, schema) == before
@@ -270,7 +266,7 @@ def test_a_sql_error_in_an_operation_body_is_internal_in_one_line_not_retryable(
     before = _contents(admin, schema)
     proc = _cli(cfg, state, "exports", "set-cursor", "orders", "2026-04-04")
     assert "Traceback" not in proc.stderr, describe(proc)
-    err = _error(proc)
+    err = error_object(proc)
     assert (proc.returncode, err["code"], err["retryable"]) == (6, "RIVET_INTERNAL", False), describe(proc)
     assert "42703" in str(err["message"]) and "\n" not in str(err["message"]), describe(proc)
     after = _contents(admin, schema)
@@ -303,7 +299,7 @@ def test_a_fault_met_inside_an_operation_body_keeps_its_code(
     before = _contents(admin, schema)
     proc = _cli(cfg, state, "exports", "set-cursor", "orders", "2026-05-05")
     assert "Traceback" not in proc.stderr, describe(proc)
-    err = _error(proc)
+    err = error_object(proc)
     assert (proc.returncode, err["code"], err["retryable"]) == (exit_code, code, exit_code == 2), describe(proc)
     after = _contents(admin, schema)
     after.pop("rivet_lease_tokens"), before.pop("rivet_lease_tokens")  # the run lease was taken and given back

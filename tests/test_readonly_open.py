@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import describe, run_cli, tree_digest, write_config
+from support import describe, run_cli, tree_digest, write_config
 from statetool.example import build_legacy_state
 from statetool.runtime import StateStore
 

@@ -10,18 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PG_PASSWORD, describe, run_cli, write_config
-from statetool.errors import StateError, error_object
+from support import PG_PASSWORD, describe, error_object, run_cli, write_config
+from statetool.errors import StateError
 from statetool.location import resolve_location
-from statetool import redact
+from statetool import errors
 from statetool.redact import MASK, redact_text, redact_url, remember_secrets
 
-
-@pytest.fixture(autouse=True)
-def no_remembered_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Passwords remembered by other tests in this process (e.g. a source URL whose
-    password is ``pw``) would mask unrelated text here: start each test with none."""
-    monkeypatch.setattr(redact, "_secrets", set())
 
 # -- redact_text -----------------------------------------------------------------------
 
@@ -84,7 +78,7 @@ def test_redact_url_keeps_user_host_and_path() -> None:
 def test_error_messages_and_the_error_object_are_redacted() -> None:
     err = StateError("RIVET_STATE_UNREACHABLE", "cannot reach postgresql://rivet:t0p-s3cret@pg.internal/state")
     assert "t0p-s3cret" not in err.message
-    assert "t0p-s3cret" not in json.dumps(error_object(err))
+    assert "t0p-s3cret" not in json.dumps(errors.error_object(err))
 
 
 def test_resolver_refusal_of_a_malformed_url_does_not_quote_its_password(tmp_path: Path) -> None:
@@ -107,10 +101,6 @@ def assert_no_secret(proc: subprocess.CompletedProcess[str], *secrets: str) -> N
         assert secret not in outputs(proc), f"password {secret!r} leaked\n{describe(proc)}"
 
 
-def json_error(proc: subprocess.CompletedProcess[str]) -> dict:
-    return json.loads(proc.stderr.strip().splitlines()[-1])
-
-
 # Every output form: human, --json, --json-errors, --debug (tracebacks).
 OUTPUT_FORMS = [("info",), ("check", "--json"), ("info", "--json-errors"), ("migrate", "--debug")]
 
@@ -126,7 +116,7 @@ def test_malformed_state_url_with_a_password_never_shows_it(config: Path, url: s
         assert proc.returncode == 1, describe(proc)
         assert_no_secret(proc, *secrets)
         if "--json-errors" in form:
-            assert json_error(proc)["code"] == "RIVET_STATE_URL_INVALID", describe(proc)
+            assert error_object(proc)["code"] == "RIVET_STATE_URL_INVALID", describe(proc)
     flag = run_cli("-c", str(config), "--json-errors", "--debug", "check", "--state-url", url)
     assert flag.returncode == 1, describe(flag)
     assert_no_secret(flag, *secrets)
@@ -138,7 +128,7 @@ def test_unreachable_server_fails_retryable_without_showing_the_password(config:
         proc = run_cli("-c", str(config), *form, env={"RIVET_STATE_URL": url})
         assert_no_secret(proc, "secretpw-unreach")
         if "--json-errors" in form:
-            error = json_error(proc)
+            error = error_object(proc)
             assert (proc.returncode, error["code"], error["retryable"]) == (2, "RIVET_STATE_UNREACHABLE", True), \
                 describe(proc)
             assert "127.0.0.1" in error["message"], describe(proc)
@@ -165,7 +155,7 @@ def test_wrong_password_fails_auth_without_showing_either_password(config: Path,
         assert proc.returncode == 1, describe(proc)
         assert_no_secret(proc, "Wr0ng-horse-pw", PG_PASSWORD)
         if "--json-errors" in form:
-            assert json_error(proc)["code"] == "RIVET_STATE_AUTH_FAILED", describe(proc)
+            assert error_object(proc)["code"] == "RIVET_STATE_AUTH_FAILED", describe(proc)
 
 
 def test_valid_password_url_never_shows_the_password_in_any_output_or_audit_row(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import describe, run_cli, tree_digest, write_config
+from support import describe, error_object, run_cli, tree_digest, write_config
 from statetool import migrations
 from statetool.operations.context import Context
 from statetool.operations.create import init
@@ -123,9 +123,7 @@ CASES: dict[str, tuple[Callable[[Path], None], str, int, Callable[[str, Path], N
 
 def assert_error_object(proc: subprocess.CompletedProcess[str], code: str, exit_code: int) -> dict:
     assert proc.returncode == exit_code, describe(proc)
-    lines = proc.stderr.strip().splitlines()
-    assert lines, describe(proc)
-    error = json.loads(lines[-1])
+    error = error_object(proc)
     assert set(error) == ERROR_KEYS, describe(proc)
     assert error["code"] == code, describe(proc)
     assert isinstance(error["exit_class"], int) and error["exit_class"] == exit_code == error["exit_code"], \

@@ -35,7 +35,7 @@ from urllib.parse import quote
 
 import pytest
 
-from conftest import describe, run_cli, tree_digest, write_config
+from support import describe, error_object, markdown, run_cli, run_cli_process, tree_digest, write_config
 from statetool.backends.tombstone import read_tombstone
 from statetool.errors import StateError
 from statetool.example import build_legacy_state
@@ -44,7 +44,6 @@ from statetool.operations.context import Context
 from statetool.operations.preflight import run_preflight
 from statetool.runtime import StateStore
 from statetool.schema import IN_FLIGHT_REVISION
-from support import markdown
 from support.crash_driver import run_killed_at
 
 REPO = Path(__file__).resolve().parent.parent
@@ -161,17 +160,9 @@ def row_total(d: Dump) -> int:
     return sum(len(rows) for rows in d.values())
 
 
-def json_error(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    """The ``--json-errors`` object a failed run printed (the last JSON line on stderr)."""
-    for line in reversed(proc.stderr.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)  # type: ignore[no-any-return]
-    raise AssertionError(f"no JSON error object on stderr:\n{describe(proc)}")
-
-
 def assert_refused(proc: subprocess.CompletedProcess[str], code: str, exit_code: int) -> dict[str, Any]:
     assert proc.returncode == exit_code, describe(proc)
-    err = json_error(proc)
+    err = error_object(proc)
     assert err["code"] == code, describe(proc)
     assert "Traceback" not in proc.stderr, describe(proc)
     return err
@@ -420,7 +411,7 @@ def test_relocation_moves_every_row_and_checkpoint_byte_and_the_old_place_refuse
         err = assert_refused(proc, "RIVET_STATE_RELOCATED", 5)
         assert str(target / STATE) in err["message"] and url in err["message"], describe(proc)
     proc = run_cli("-c", str(config), "--json-errors", "init")  # never recreated empty there
-    assert proc.returncode == 5 and json_error(proc)["code"] in ("RIVET_STATE_TARGET_NOT_EMPTY",
+    assert proc.returncode == 5 and error_object(proc)["code"] in ("RIVET_STATE_TARGET_NOT_EMPTY",
                                                                  "RIVET_STATE_RELOCATED"), describe(proc)
     for create in (True, False):
         with pytest.raises(StateError) as caught:
@@ -468,7 +459,7 @@ def _kill_scenario(template: Template, base: Path, kills: tuple[str, ...]) -> No
             proc = run_killed_at(point, *args)
             assert proc.returncode == -signal.SIGKILL, f"not killed at {point}: {describe(proc)}"
         assert_source_intact_or_relocated(config, target, template, f"after a kill at {point}")
-    proc = run_cli(*args)
+    proc = run_cli_process(*args)
     assert proc.returncode == 0, f"re-run after kills at {kills}: {describe(proc)}"
     assert_relocated(config, target, template)
     shutil.rmtree(base)  # 30 MB per scenario

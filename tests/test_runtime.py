@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import describe, tree_digest, write_config
+from support import describe, tree_digest, write_config
 from statetool.errors import StateError
 from statetool.operations.migrate import migrate
 from statetool.runtime import StateStore

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from conftest import describe, run_cli
+from support import describe, run_cli
 from statetool import schema
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import describe, run_cli, tree_digest, write_config
+from support import CliRun, describe, error_object, run_cli, run_cli_process, tree_digest, write_config
 from statetool.runtime import StateStore
 
 STATE = ".rivet_state.db"
@@ -41,10 +41,6 @@ def listing(directory: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
 
 
-def _error(proc: subprocess.CompletedProcess[str]) -> dict[str, object]:
-    return json.loads(proc.stderr.strip().splitlines()[-1])
-
-
 class Place:
     """A WAL state at head in a declared directory with ``orders`` at :data:`OLD_CURSOR`."""
 
@@ -60,7 +56,7 @@ class Place:
             tx.commit_cursor("orders", "incremental", OLD_CURSOR)
         assert self.db.read_bytes()[18] == 2
 
-    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def cli(self, *args: str, timeout: float = 120) -> CliRun:
         return run_cli("-c", str(self.config), *args, env=self.env, timeout=timeout)
 
     def cursor(self, export: str = "orders") -> object:
@@ -134,7 +130,7 @@ def test_a_wal_that_does_not_fit_is_ignored_by_reads_and_refused_by_writes(place
                    "postgresql://db2.internal:5432/sales")):
         proc = place.cli("--json-errors", *write)
         assert proc.returncode == 5, describe(proc)
-        error = _error(proc)
+        error = error_object(proc)
         assert error["code"] == "RIVET_STATE_FOREIGN_WAL" and str(wal) in error["message"], describe(proc)
         assert "move the -wal/-shm" in error["action"], describe(proc)
     assert not list(place.state_dir.glob(f"{STATE}.backup-*")), listing(place.state_dir)  # no backup taken
@@ -148,8 +144,8 @@ def test_a_symlink_at_the_wal_name_is_refused_and_never_followed(place: Place) -
     Path(f"{place.db}-wal").symlink_to(victim)
     before = tree_digest(place.root)
     proc = place.cli("--json-errors", "exports", "set-cursor", "orders", "2026-11-15T00:00:00.000000Z")
-    assert proc.returncode == 5 and _error(proc)["code"] == "RIVET_STATE_UNSAFE_FILE", describe(proc)
-    assert f"{place.db.name}-wal is a symlink" in _error(proc)["message"], describe(proc)
+    assert proc.returncode == 5 and error_object(proc)["code"] == "RIVET_STATE_UNSAFE_FILE", describe(proc)
+    assert f"{place.db.name}-wal is a symlink" in error_object(proc)["message"], describe(proc)
     assert tree_digest(place.root) == before
 
 
@@ -174,7 +170,7 @@ def test_a_symlink_where_a_backup_temporary_belongs_is_refused_and_not_followed(
     before, files = tree_digest(place.root), listing(place.root)
     proc = place.cli("--json-errors", "exports", "set-cursor", "orders", "2026-11-15T00:00:00.000000Z")
     assert proc.returncode == 5, describe(proc)
-    error = _error(proc)
+    error = error_object(proc)
     assert error["code"] == "RIVET_STATE_UNSAFE_FILE" and planted.name in error["message"], describe(proc)
     assert victim.read_text() == "precious\n" and planted.is_symlink()
     assert listing(place.root) == files
@@ -233,7 +229,7 @@ def test_a_state_path_that_is_not_a_regular_file_is_refused_at_once_by_every_com
         proc = run_cli("-c", str(config), "--json-errors", *args, env={"RIVET_STATE_URL": f"sqlite:{state_dir}"},
                        timeout=30)
         assert proc.returncode == 5, f"{name}: {describe(proc)}"
-        error = _error(proc)
+        error = error_object(proc)
         assert error["code"] == "RIVET_STATE_UNSAFE_FILE" and str(path) in error["message"], f"{name}: {describe(proc)}"
         assert listing(tmp_path) == before, f"{name}: {describe(proc)}"
 
@@ -267,8 +263,9 @@ def test_a_full_disk_during_a_lease_take_leaves_no_empty_sidecar(tmp_path: Path,
     finally:
         os.close(fd)
     before = listing(small_tmpfs)
-    proc = run_cli("-c", str(config), "--json-errors", "leases", "run", "--export", "orders", "--", "true", env=env)
-    assert proc.returncode != 0 and _error(proc)["code"] == "RIVET_STATE_DISK_FULL", describe(proc)
+    proc = run_cli_process("-c", str(config), "--json-errors", "leases", "run", "--export", "orders", "--", "true",
+                           env=env)
+    assert proc.returncode != 0 and error_object(proc)["code"] == "RIVET_STATE_DISK_FULL", describe(proc)
     sidecars = [p for p in small_tmpfs.rglob("*") if ".rivet_state.leases/" in str(p)]
     assert sidecars == [], [(str(p), p.stat().st_size) for p in sidecars]
     assert [p for p in listing(small_tmpfs) if p not in before] in ([], [".rivet_state.leases"]), listing(small_tmpfs)
@@ -285,7 +282,7 @@ def test_an_error_of_an_operation_own_sql_is_internal_not_retryable(place: Place
     for command in (("info",), ("exports", "list")):
         proc = place.cli("--json-errors", *command)
         assert proc.returncode == 6, describe(proc)
-        error = _error(proc)
+        error = error_object(proc)
         assert error["code"] == "RIVET_INTERNAL" and error["retryable"] is False, describe(proc)
         assert "\n" not in str(error["message"]) and "cursor_value" in str(error["message"]), describe(proc)
     assert tree_digest(place.root) == before
@@ -297,7 +294,7 @@ def test_an_error_of_a_write_own_sql_is_internal_and_nothing_is_written(place: P
     conn.close()
     proc = place.cli("--json-errors", "exports", "set-cursor", "orders", "2026-11-15T00:00:00.000000Z")
     assert proc.returncode == 6, describe(proc)
-    error = _error(proc)
+    error = error_object(proc)
     assert error["code"] == "RIVET_INTERNAL" and "\n" not in str(error["message"]), describe(proc)
     assert place.cursor() == OLD_CURSOR
     assert not [p.name for p in place.state_dir.iterdir() if ".tmp" in p.name]

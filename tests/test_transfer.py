@@ -28,9 +28,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
 
-from conftest import PG_PASSWORD, describe, run_cli, tree_digest, write_config
+from support import (PG_PASSWORD, CliRun, describe, error_object, markdown, run_cli, run_cli_process, tree_digest,
+                     write_config)
 from statetool.schema import IN_FLIGHT_REVISION
-from support import markdown
 from support.crash_driver import run_killed_at
 
 pytestmark = pytest.mark.postgres
@@ -192,7 +192,7 @@ def assert_arrived(admin: str, schema: str, expected: dict[str, Any], source: Pa
 # -- building SQLite states ------------------------------------------------------------------
 
 
-def _cli_ok(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _cli_ok(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> CliRun:
     proc = run_cli(*args, cwd=cwd, env=env)
     assert proc.returncode == 0, describe(proc)
     return proc
@@ -350,7 +350,7 @@ def test_a_state_with_thousands_of_runs_arrives_value_for_value_and_the_old_plac
     assert f"RIVET_STATE_URL={new_url}" in "".join(refused.stderr.split()), describe(refused)  # across line wraps
     refused_json = run_cli("-c", str(cfg), "--json", "--json-errors", "info")
     assert refused_json.returncode == 5, describe(refused_json)
-    err = json.loads(refused_json.stderr.strip().splitlines()[-1])
+    err = error_object(refused_json)
     assert err["code"] == "RIVET_STATE_RELOCATED" and err["exit_class"] == 5
     assert f"RIVET_STATE_URL={new_url}" in err["message"]
     init_again = run_cli("-c", str(cfg), "init")
@@ -623,7 +623,7 @@ def test_a_refused_destination_gets_its_code_and_nothing_changes_and_no_password
         proc = run_cli("-c", str(cfg), *flags, "transfer", "--to", url)
         assert proc.returncode == exit_code, describe(proc)
         if flags:
-            err = json.loads(proc.stderr.strip().splitlines()[-1])
+            err = error_object(proc)
             assert err["code"] == code and err["exit_class"] == exit_code, err
             assert proc.stdout == ""
         else:
@@ -671,7 +671,7 @@ def test_a_source_not_at_head_is_refused_before_anything_is_written(tmp_path: Pa
     before = tree_digest(cfg.parent)
     proc = run_cli("-c", str(cfg), "--json-errors", "transfer", "--to", pg_url)
     assert proc.returncode == 3, describe(proc)
-    assert json.loads(proc.stderr.strip().splitlines()[-1])["code"] == "RIVET_STATE_MIGRATION_PENDING"
+    assert error_object(proc)["code"] == "RIVET_STATE_MIGRATION_PENDING"
     assert tree_digest(cfg.parent) == before
     assert not schema_exists(admin, split_url(pg_url)[1])
 
@@ -709,7 +709,7 @@ def test_a_live_run_is_refused_at_lock_wait_0_and_otherwise_waited_for_and_its_r
         db_before = db.read_bytes()
         refused = run_cli("-c", str(cfg), "--lock-wait", "0", "--json-errors", "transfer", "--to", pg_url)
         assert refused.returncode == 2, describe(refused)
-        assert json.loads(refused.stderr.strip().splitlines()[-1])["code"] == "RIVET_STATE_RUN_IN_PROGRESS"
+        assert error_object(refused)["code"] == "RIVET_STATE_RUN_IN_PROGRESS"
         assert db.read_bytes() == db_before
         assert pg_state(admin, schema) == {}
 
@@ -758,7 +758,7 @@ def test_a_live_run_of_an_export_known_only_to_the_state_holds_the_transfer_off_
             time.sleep(0.2)
         proc = run_cli("-c", str(cfg), "--lock-wait", "0", "--json-errors", "transfer", "--to", pg_url)
         assert proc.returncode == 2, describe(proc)
-        err = json.loads(proc.stderr.strip().splitlines()[-1])
+        err = error_object(proc)
         assert err["code"] == "RIVET_STATE_RUN_IN_PROGRESS" and "chunk-run:retired" in err["message"], err
         assert pg_state(admin, split_url(pg_url)[1]) == {}
     finally:
@@ -786,7 +786,7 @@ def test_a_second_transfer_of_the_same_state_is_already_done_and_a_copy_of_it_re
     copy_before = tree_digest(copy_cfg.parent)
     copied = run_cli("-c", str(copy_cfg), "--json-errors", "transfer", "--to", pg_url)
     assert copied.returncode == 5, describe(copied)
-    assert json.loads(copied.stderr.strip().splitlines()[-1])["code"] == "RIVET_STATE_TARGET_NOT_EMPTY"
+    assert error_object(copied)["code"] == "RIVET_STATE_TARGET_NOT_EMPTY"
     assert tree_digest(copy_cfg.parent) == copy_before
     assert tree_digest(cfg.parent) == source_after_first
     assert pg_state(admin, schema) == after_first

@@ -11,15 +11,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import random
 import re
 import socket
 import sqlite3
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +24,9 @@ from urllib.parse import quote, unquote
 
 import pytest
 
-from conftest import PG_PASSWORD, PG_PASSWORD_USER, describe, run_cli, tree_digest, write_config
-from statetool import cli, redact
+from support import (PG_PASSWORD, PG_PASSWORD_USER, describe, error_object, run_cli, run_cli_process, tree_digest,
+                     write_config)
+from statetool import redact
 from statetool.backends.tombstone import MAGIC
 from statetool.errors import StateError
 from statetool.identity import state_key
@@ -92,10 +90,6 @@ def nothing_connected(sock: socket.socket) -> bool:
     return False
 
 
-def json_error(proc: subprocess.CompletedProcess[str]) -> dict:
-    return json.loads(proc.stderr.strip().splitlines()[-1])
-
-
 # -- the findings, one by one --------------------------------------------------------------
 
 STATE_URL_FINDINGS = [
@@ -122,7 +116,7 @@ def test_ambiguous_state_url_is_refused_before_any_connection_and_never_echoed(
         assert proc.returncode == 1, describe(proc)
         assert_absent(proc.stdout + proc.stderr, *secrets, what=f"by {form}")
         if "--json-errors" in form:
-            error = json_error(proc)
+            error = error_object(proc)
             assert (error["code"], error["retryable"]) == ("RIVET_STATE_URL_INVALID", False), describe(proc)
             assert "***@" in error["message"], describe(proc)
         if form == ("check", "--json"):
@@ -131,7 +125,7 @@ def test_ambiguous_state_url_is_refused_before_any_connection_and_never_echoed(
         if env:
             assert "::error" in proc.stdout + proc.stderr, describe(proc)
     flag = run_cli("-c", str(config), "--json-errors", "--state-url", value, "exports", "reset", "orders")
-    assert flag.returncode == 1 and json_error(flag)["code"] == "RIVET_STATE_URL_INVALID", describe(flag)
+    assert flag.returncode == 1 and error_object(flag)["code"] == "RIVET_STATE_URL_INVALID", describe(flag)
     assert_absent(flag.stdout + flag.stderr, *secrets)
     assert nothing_connected(closed_listener)
     assert tree_digest(tmp_path) == before
@@ -166,7 +160,7 @@ def test_malformed_postgres_url_is_invalid_not_retryable(tmp_path: Path, url: st
     config = write_config(tmp_path / "pipeline")
     proc = run_cli("-c", str(config), "--json-errors", "info", env={"RIVET_STATE_URL": url})
     assert proc.returncode == 1, describe(proc)
-    error = json_error(proc)
+    error = error_object(proc)
     assert (error["code"], error["retryable"], error["exit_class"]) == ("RIVET_STATE_URL_INVALID", False, 1), \
         describe(proc)
     assert "?secret" not in proc.stderr and "secret@" not in proc.stderr and "p%zz" not in proc.stderr, describe(proc)
@@ -204,7 +198,7 @@ def test_ambiguous_source_url_gives_no_state_key(tmp_path: Path, url: str, piece
     config.write_text(f"source:\n  url: {json.dumps(url)}\nexports:\n  - name: orders\n    mode: full\n")
     before = tree_digest(tmp_path)
     init = run_cli("-c", str(config), "--json-errors", "init")
-    assert init.returncode == 1 and json_error(init)["code"] == "RIVET_SOURCE_URL_INVALID", describe(init)
+    assert init.returncode == 1 and error_object(init)["code"] == "RIVET_SOURCE_URL_INVALID", describe(init)
     assert tree_digest(tmp_path) == before, "a refused init created a file"
     assert_absent(init.stdout + init.stderr, *pieces)
     # A state made without the source, then checked with it: the config row fails, nothing is keyed.
@@ -230,7 +224,7 @@ def test_rekey_with_a_password_in_new_stores_no_piece_of_it(tmp_path: Path) -> N
     # The finding's exact URL: ambiguous (a raw space), refused, nothing written.
     refused = run_cli("-c", str(config), "--json-errors", "identity", "rekey", "--old", old,
                       "--new", "postgresql://u:p4ss w0rd@newhost/db")
-    assert refused.returncode == 1 and json_error(refused)["code"] == "RIVET_SOURCE_URL_INVALID", describe(refused)
+    assert refused.returncode == 1 and error_object(refused)["code"] == "RIVET_SOURCE_URL_INVALID", describe(refused)
     # Its encoded spelling is valid: the key and the audit row hold no piece of the password.
     done = run_cli("-c", str(config), "identity", "rekey", "--old", old, "--new",
                    "postgresql://u:p4ss%20w0rd@newhost/db", "--reason", "moved; was postgresql://u:p4ss w0rd@h")
@@ -320,7 +314,7 @@ def test_libpq_password_sources_are_honoured_for_a_url_without_password(
     denied = run_cli("-c", str(config), "--json-errors", "init", env={"RIVET_STATE_URL": url,
                                                                      "PGPASSFILE": str(tmp_path / "none")})
     # libpq's own "fe_sendauth: no password supplied" (no SQLSTATE) is a login refusal, not a retry.
-    assert denied.returncode == 1 and json_error(denied)["code"] == "RIVET_STATE_AUTH_FAILED", describe(denied)
+    assert denied.returncode == 1 and error_object(denied)["code"] == "RIVET_STATE_AUTH_FAILED", describe(denied)
     if how == "PGPASSFILE":
         passfile = tmp_path / "pgpass"
         passfile.write_text(f"*:*:*:{PG_PASSWORD_USER}:{PG_PASSWORD}\n")
@@ -349,7 +343,7 @@ def test_transfer_to_env_reads_the_url_from_the_variable(tmp_path: Path, pg_serv
                            (("--to-env", "DEST"), {}, "unset"),
                            (("--to-env", "DEST"), {"DEST": "  "}, "empty")]:
         proc = run_cli("-c", str(config), "--json-errors", "transfer", *args, env=env)
-        assert proc.returncode == 1 and json_error(proc)["code"] == "RIVET_CLI_USAGE", (why, describe(proc))
+        assert proc.returncode == 1 and error_object(proc)["code"] == "RIVET_CLI_USAGE", (why, describe(proc))
         assert PG_PASSWORD not in proc.stdout + proc.stderr
     assert tree_digest(tmp_path) == before
     dry = run_cli("-c", str(config), "transfer", "--to", url, "--dry-run", "--json")
@@ -417,37 +411,17 @@ def fuzz_url(rng: random.Random, password: str, target: str) -> tuple[str, str]:
     return url, kind
 
 
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    saved = dict(os.environ)
-    os.environ.pop("RIVET_STATE_URL", None)
-    os.environ.pop("GITHUB_ACTIONS", None)
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 def cli_in_process(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
     """The real entry point (:func:`statetool.cli.main`, what ``python -m statetool``
     runs) in this process, stdout and stderr captured, with a fresh memory of secrets as
-    a new process has."""
-    redact._secrets.clear()
-    out, err = io.StringIO(), io.StringIO()
-    with environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            cli.main(args)
-            code = 0
-        except SystemExit as done:
-            code = done.code if isinstance(done.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
+    a new process has (``leases run`` too: only the text of its record is judged here)."""
+    proc = run_cli(*args, env={"GITHUB_ACTIONS": "", **env})
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 def cli_subprocess(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
     """The real CLI as a subprocess (``python -m statetool``)."""
-    proc = run_cli(*args, env={"GITHUB_ACTIONS": "", **env})
+    proc = run_cli_process(*args, env={"GITHUB_ACTIONS": "", **env})
     return proc.returncode, proc.stdout, proc.stderr
 
 

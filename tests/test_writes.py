@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from conftest import describe, write_config
+from support import describe, error_object, write_config
 from statetool import schema
 from statetool.errors import StateError
 from statetool.operations.exports import reset, set_cursor
 from statetool.runtime import StateStore
 from test_migrate import (  # noqa: F401 - target is the two-backend fixture
     BACKUP_NAME, EXPORTS_YAML, HEAD, SOURCE_KEY, VERSION_TABLE, Target, assert_valid_backup, backups, build_state, cli,
-    json_error, project, sqlite_dump, state_files, target)
+    project, sqlite_dump, state_files, target)
 
 PROGRESS_TABLES = ("rivet_exports", "rivet_runs", "rivet_chunks", "rivet_run_aggregates", "rivet_load_ledger")
 
@@ -190,7 +190,7 @@ def test_unknown_export_is_refused_and_nothing_changes(target: Target) -> None:
     before, digest = target.dump(), state_files(target)
     proc = cli(target, "exports", "set-cursor", "no_such_export", "5", "--json-errors")
     assert proc.returncode == 1, describe(proc)
-    err = json_error(proc)
+    err = error_object(proc)
     assert err["code"] == "RIVET_EXPORT_UNKNOWN" and "no_such_export" in err["message"], describe(proc)
     with pytest.raises(StateError) as reset_err:
         reset(target.context(), "no_such_export")
@@ -204,7 +204,7 @@ def test_export_writes_on_a_state_with_pending_revisions_are_refused(target: Tar
     before, digest = target.dump(), state_files(target)
     proc = cli(target, "exports", "set-cursor", "orders", "5", "--json-errors")
     assert proc.returncode == 3, describe(proc)
-    err = json_error(proc)
+    err = error_object(proc)
     assert err["code"] == "RIVET_STATE_MIGRATION_PENDING", describe(proc)
     assert "statetool migrate" in err["action"]
     with pytest.raises(StateError) as reset_err:
@@ -251,7 +251,7 @@ def test_exports_list_and_show_json_shapes(target: Target) -> None:
     assert set(runs[0]) == {"run_id", "mode", "status", "started_at", "finished_at", "rows", "files", "error"}
 
     proc = cli(target, "exports", "show", "nope", "--json-errors")
-    assert proc.returncode == 1 and json_error(proc)["code"] == "RIVET_EXPORT_UNKNOWN", describe(proc)
+    assert proc.returncode == 1 and error_object(proc)["code"] == "RIVET_EXPORT_UNKNOWN", describe(proc)
 
 
 # --------------------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def test_init_over_an_existing_state_is_refused_untouched(target: Target) -> Non
     before, digest = target.dump(), state_files(target)
     proc = cli(target, "init", "--json-errors")
     assert proc.returncode == 5, describe(proc)
-    assert json_error(proc)["code"] == "RIVET_STATE_TARGET_NOT_EMPTY", describe(proc)
+    assert error_object(proc)["code"] == "RIVET_STATE_TARGET_NOT_EMPTY", describe(proc)
     assert target.dump() == before
     assert state_files(target) == digest
 
@@ -311,7 +311,7 @@ def test_init_over_a_text_file_is_refused_untouched(tmp_path: Path) -> None:
     digest = state_files(target)
     proc = cli(target, "init", "--json-errors")
     assert proc.returncode == 5, describe(proc)
-    assert json_error(proc)["code"] == "RIVET_STATE_TARGET_NOT_EMPTY", describe(proc)
+    assert error_object(proc)["code"] == "RIVET_STATE_TARGET_NOT_EMPTY", describe(proc)
     assert state_files(target) == digest
 
 
@@ -325,7 +325,7 @@ def test_init_in_a_postgres_schema_holding_another_applications_table_is_refused
     before = target.dump()
     proc = cli(target, "init", "--json-errors")
     assert proc.returncode == 5, describe(proc)
-    assert json_error(proc)["code"] == "RIVET_STATE_TARGET_NOT_EMPTY", describe(proc)
+    assert error_object(proc)["code"] == "RIVET_STATE_TARGET_NOT_EMPTY", describe(proc)
     assert target.dump() == before
 
 
@@ -335,7 +335,7 @@ def test_init_in_a_missing_declared_directory_is_refused_and_creates_nothing(tmp
     digest = state_files(Target("sqlite", config))
     proc = cli(Target("sqlite", config), "init", "--json-errors", env={"RIVET_STATE_URL": f"sqlite:{missing}"})
     assert proc.returncode == 1, describe(proc)
-    err = json_error(proc)
+    err = error_object(proc)
     assert err["code"] == "RIVET_STATE_DIR_MISSING" and str(missing) in err["message"], describe(proc)
     assert not missing.parent.exists()
     assert state_files(Target("sqlite", config)) == digest

@@ -1,0 +1,40 @@
+"""Files the tests write and compare: a pipeline config, the digest of a directory tree."""
+
+from __future__ import annotations
+
+import hashlib
+import textwrap
+from pathlib import Path
+
+
+def write_config(directory: Path, *, source_url: str | None = "postgresql://reader@db.internal:5432/sales",
+                 exports: str | None = None, name: str = "rivet.yaml") -> Path:
+    """Write a pipeline config into ``directory`` (created) and return its path: the
+    source ``source_url`` (none when ``None``) and ``exports`` (YAML text; default
+    orders/incremental, order_lines/chunked, order_events/cdc with a checkpoint)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    source = f"source:\n  url: {source_url}\n" if source_url else ""
+    body = exports or textwrap.dedent("""\
+        exports:
+          - name: orders
+            mode: incremental
+          - name: order_lines
+            mode: chunked
+          - name: order_events
+            mode: cdc
+            cdc:
+              engine: mysql
+              checkpoint: checkpoints/order_events.json
+        """)
+    path = directory / name
+    path.write_text(source + body)
+    return path
+
+
+def tree_digest(directory: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file below ``directory`` (the byte-identical check)."""
+    out = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            out[str(path.relative_to(directory))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
