@@ -282,10 +282,12 @@ def test_relocate_fails_with_the_faults_code_and_leaves_no_copy(place: Callable[
         if kind.startswith("nobody"):
             shutil.chown(target, "nobody")
         before = where.snapshot()
-        proc = where.run("-c", str(where.config), "--json-errors", "--lock-wait", "0", "relocate", "--to", str(target))
-        _assert_fault(proc, kind, "relocate")
-        assert where.snapshot() == before
-        assert list(target.iterdir()) == [], f"relocate left {sorted(p.name for p in target.iterdir())} behind"
+        for dry_run in (("--dry-run",), ()):  # found by a tester: the dry run passed where the real run refused
+            proc = where.run("-c", str(where.config), "--json-errors", "--lock-wait", "0", "relocate", *dry_run,
+                             "--to", str(target))
+            _assert_fault(proc, kind, " ".join(("relocate", *dry_run)))
+            assert where.snapshot() == before
+            assert list(target.iterdir()) == [], f"relocate left {sorted(p.name for p in target.iterdir())} behind"
     finally:
         shutil.rmtree(target, ignore_errors=True)
 

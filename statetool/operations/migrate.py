@@ -21,7 +21,7 @@ from statetool.errors import StateError, StateWarning
 from statetool.operations.context import Context
 from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import row_counts
-from statetool.operations.writes import WHOLE_STATE, guarded_write
+from statetool.operations.writes import WHOLE_STATE, guarded_write, require_writable
 
 #: Files as large as the state a migration may add beside it: its backup, the tables it
 #: rebuilds (copied before the old ones are dropped), and the journal of that change.
@@ -125,7 +125,7 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
         result.message = "SQL printed; nothing was changed"
         return result
     if dry_run:
-        backend.check_writable(copies=MIGRATION_COPIES)  # the real run's first refusal, before it opens anything
+        require_writable(ctx, copies=MIGRATION_COPIES)
         result.message = "dry run: nothing was changed" + (
             "; this downgrade drops the rows in the 'drops' column" if lost else "")
         return result

@@ -58,7 +58,7 @@ from statetool.location import Location, resolve_checkpoint, resolve_location
 from statetool.operations.context import Context, now_iso
 from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import export_names, row_counts
-from statetool.operations.writes import WHOLE_STATE, WriteSession, guarded_write
+from statetool.operations.writes import WHOLE_STATE, WriteSession, guarded_write, require_writable
 
 #: The steps a relocation announces to :attr:`Context.on_step`, in the order it passes
 #: them (``copy-page-<n>`` come between ``locked`` and ``digested``). ``kept``,
@@ -235,6 +235,7 @@ def _pre_flight(ctx: Context, move: FileMoves, target: Location, dry_run: bool
     move.refuse_unsafe(*move.own_files(target), *move.stale_tombstones())
     pf = run_preflight(ctx, for_write=True, progress=False, integrity=False)
     snap = require(pf)
+    require_writable(ctx)  # the guarded write's own refusal, so that a dry run gives it too
     resume = _check_target(ctx, move, target) if target.directory.is_dir() else None
     with ctx.backend().reading() as conn:
         tables = row_counts(conn, snap.tables)

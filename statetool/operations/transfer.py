@@ -54,7 +54,7 @@ from statetool.operations.context import Context
 from statetool.operations.preflight import require, run_preflight
 from statetool.operations.probe import read_snapshot, row_counts
 from statetool.operations.relocate import finish_command, retire_source
-from statetool.operations.writes import WHOLE_STATE, WriteSession, guarded_write
+from statetool.operations.writes import WHOLE_STATE, WriteSession, guarded_write, require_writable
 
 if TYPE_CHECKING:
     from statetool.backends.base import FileMoves, TransferDestination, TransferSource
@@ -142,6 +142,7 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     # on a large state that read costs seconds
     pf = run_preflight(ctx, for_write=True, progress=False)
     snap = require(pf)
+    require_writable(ctx)  # the guarded write's own refusal, so that a dry run gives it too
     source_key = snap.recorded_key or ctx.computed_key or None
     with source.reading() as conn:
         counts = _counts(conn)

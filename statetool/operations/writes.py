@@ -141,6 +141,16 @@ def _scope_exports(ctx: Context, snap: Snapshot, exports: Iterable[str] | None) 
     return names
 
 
+def require_writable(ctx: Context, *, copies: int = 0) -> None:
+    """A write's first refusal, before it opens anything: the backend refuses a write it
+    cannot complete where the state is (:meth:`~statetool.backends.base.Backend.check_writable`:
+    ``RIVET_STATE_READ_ONLY``, ``RIVET_STATE_PERMISSION_DENIED``, ``RIVET_STATE_DISK_FULL``,
+    ``RIVET_STATE_UNSAFE_FILE``), with room for ``copies`` files as large as the state.
+    :func:`guarded_write` calls it, and every ``--dry-run`` of a write calls it with the same
+    ``copies``, so a dry run refuses what its real run would (SPEC §8a)."""
+    ctx.backend().check_writable(copies=copies)
+
+
 @contextmanager
 def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None, claim: bool = True,
                   allow: frozenset[str] = frozenset(), check: Callable[[Snapshot], object] | None = None,
@@ -176,7 +186,7 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
     snap = require(pf, allow=allow)
     if check is not None:
         check(snap)
-    ctx.backend().check_writable(copies=copies if copies is not None else 2 if backup_label else 0)
+    require_writable(ctx, copies=copies if copies is not None else 2 if backup_label else 0)
     if scope.whole_state or scope.export is not None:
         # Wait for the state's write lock once before any lease is taken, holding nothing:
         # a write refused because another writer keeps the state busy leaves no lease file.
