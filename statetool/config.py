@@ -104,7 +104,10 @@ def load_config(path: str | os.PathLike[str]) -> PipelineConfig:
     except PermissionError:
         raise denied(file, "read the pipeline config") from None
     except (OSError, UnicodeDecodeError) as err:
-        raise StateError("RIVET_CONFIG_NOT_FOUND", f"pipeline config {file} cannot be read: {err}",
+        # an OSError's own text names the descriptor it failed on ("[Errno 21] Is a directory: 3"): the
+        # message names the file, so only the reason is kept
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise StateError("RIVET_CONFIG_NOT_FOUND", f"pipeline config {file} cannot be read: {reason}",
                          {"file": str(file)}) from None
     try:
         # libyaml's loader when PyYAML has it (several times faster on large configs).
