@@ -744,7 +744,7 @@ def test_a_warning_made_to_fail_is_a_refusal_for_check_strict_and_doctor_alike(c
     for command in (("check", "--strict"), ("doctor",)):
         proc = run_cli("-c", str(config), "--json-errors", *command)
         assert proc.returncode == EXIT_CODES["refusal"], describe(proc)
-        line = json.loads(proc.stderr.strip().splitlines()[-1])
+        line = error_object(proc)
         assert (line["kind"], line["class"], line["exit_code"]) == ("warning", "refusal", 5), describe(proc)
         failed = {f["export"]: f for f in line["failures"]}
         assert failed["order_lines"]["code"] == "RIVET_EXPORT_NO_PROGRESS", describe(proc)

@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from support import describe, error_object, run_cli_process, tree_digest, write_config
+from support import describe, error_object, process_env, run_cli_process, tree_digest, write_config
 from statetool import migrations
 from statetool.errors import StateError
 from statetool.example import build_legacy_state
@@ -62,13 +62,6 @@ TWO_EXPORTS = textwrap.dedent("""\
 
 
 # -- helpers ------------------------------------------------------------------------------
-
-
-def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    env.update({"COLUMNS": "200", "NO_COLOR": "1"})
-    env.update(extra or {})
-    return env
 
 
 def make_state(backend: StateBackend, *, exports: str | None = None, initialise: bool = True) -> State:
@@ -177,7 +170,7 @@ def refused(proc: subprocess.CompletedProcess[str], code: str, exit_code: int) -
 
 
 def open_store(config: Path, **kwargs: Any) -> StateStore:
-    return StateStore.open(config, env=clean_env(), lock_wait=kwargs.pop("lock_wait", 0), **kwargs)
+    return StateStore.open(config, env=process_env(), lock_wait=kwargs.pop("lock_wait", 0), **kwargs)
 
 
 # -- 1a. a run during a long migration --------------------------------------------------------
@@ -649,7 +642,7 @@ def test_a_run_of_an_export_the_whole_state_write_does_not_know_gives_its_lease_
         state: State, tmp_path: Path) -> None:
     ready, go = tmp_path / "whole-ready", tmp_path / "whole-go"
     writer = subprocess.Popen([sys.executable, "-c", WHOLE_STATE_HOLDER, str(state.config), str(ready), str(go),
-                               "orders", "order_lines"], env=clean_env(state.env), stdout=subprocess.PIPE,
+                               "orders", "order_lines"], env=process_env(state.env), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     waiter: subprocess.Popen[str] | None = None
     try:
@@ -720,7 +713,7 @@ def test_a_run_refused_beside_a_whole_state_write_creates_no_lease_file(
     ran before leaves no sidecar of its own behind."""
     ready, go = tmp_path / "whole-ready", tmp_path / "whole-go"
     writer = subprocess.Popen([sys.executable, "-c", WHOLE_STATE_HOLDER, str(sqlite_state.config), str(ready),
-                               str(go), "orders"], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               str(go), "orders"], env=process_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True)
     try:
         wait_for(lambda: ready.exists() or writer.poll() is not None, "the whole-state writer to hold")
@@ -771,7 +764,7 @@ def test_whole_state_writes_and_runs_never_hold_at_once(state: State, tmp_path: 
     log, go = tmp_path / "holdings.log", tmp_path / "go"
     plan = [("whole", 8), ("whole", 8), ("orders", 15), ("order_lines", 15), ("late_export", 15)]
     workers = [subprocess.Popen([sys.executable, "-c", OVERLAP_WORKER, str(state.config), str(log), str(go), kind,
-                                 str(rounds)], env=clean_env(state.env), stdout=subprocess.PIPE,
+                                 str(rounds)], env=process_env(state.env), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for kind, rounds in plan]
     go.touch()
     for worker in workers:

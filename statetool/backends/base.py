@@ -230,17 +230,6 @@ class Backend(Protocol):
 class TransferSource(Backend, Protocol):
     """A state ``statetool transfer`` can move out (:attr:`Backend.sends_transfer`)."""
 
-    def checkpoint_wal(self) -> None:
-        """Move every committed write into the main file, so the file alone is the state.
-        Raises ``RIVET_STATE_FOREIGN_WAL`` and ``RIVET_STATE_RUN_IN_PROGRESS``."""
-
-    def wal_is_empty(self) -> bool:
-        """True when nothing committed lies outside the main file."""
-
-    def content_digest(self) -> str:
-        """sha256 (hex) of the state's pages, the same for a page-for-page copy of it: what a
-        re-run compares to know whether the source changed since an interrupted move."""
-
     def copy_blocks(self, conn: Connection, table: str, columns: list[str]) -> Iterator[Block]:
         """``table``'s ``columns`` read on ``conn`` as blocks of COPY text with their
         checksums (:mod:`statetool.backends.copy_text`); memory stays flat."""

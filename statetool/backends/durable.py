@@ -13,6 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
+from statetool.backends.faults import fault
 from statetool.errors import StateError
 
 #: Exclusive creation that never follows a symlink (the file must not exist at all).
@@ -59,16 +60,20 @@ def copy_verified(source: Path, target: Path) -> None:
     exclusively), fsync, sha256 compared, rename, fsync of the directory. Nothing is done
     when ``target`` holds the same bytes already. The caller has refused a symlink or a
     non-regular file at either name. Raises ``RIVET_STATE_VERIFY_FAILED`` (the copy
-    differs; it is removed) and the ``OSError`` of a full disk or a denied write."""
+    differs; it is removed), ``RIVET_STATE_DISK_FULL``, ``RIVET_STATE_READ_ONLY``,
+    ``RIVET_STATE_PERMISSION_DENIED``."""
     if target.exists() and sha256_file(target) == sha256_file(source):
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = side_copy(target)
     tmp.unlink(missing_ok=True)  # a regular file (checked): what a killed run left
-    with open(source, "rb") as src, os.fdopen(os.open(tmp, CREATE_FLAGS, 0o644), "wb") as dst:
-        shutil.copyfileobj(src, dst)
-        dst.flush()
-        os.fsync(dst.fileno())
+    try:
+        with open(source, "rb") as src, os.fdopen(os.open(tmp, CREATE_FLAGS, 0o644), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+            dst.flush()
+            os.fsync(dst.fileno())
+    except OSError as err:
+        raise fault(tmp, err) or err from None
     if sha256_file(tmp) != sha256_file(source):
         tmp.unlink()
         raise StateError("RIVET_STATE_VERIFY_FAILED", f"the copy of {source} at {target} did not verify")

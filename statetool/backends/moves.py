@@ -20,13 +20,13 @@ read-only open and the one writer.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -34,9 +34,10 @@ from sqlalchemy.engine import Connection
 from statetool import migrations, schema
 from statetool.backends.base import Progress, Step
 from statetool.backends.durable import CREATE_FLAGS, fsync_dir, fsync_file, side_copy
+from statetool.backends.faults import fault
 from statetool.backends.sqlite import SqliteBackend, content_digest
 from statetool.backends.tombstone import (read_tombstone, refuse_unsafe, remove_companions, require_retirable, retire,
-                                          stale_tombstones, wait_for_openers)
+                                          stale_tombstones, unsafe_error, wait_for_openers)
 from statetool.errors import StateError
 from statetool.location import Location
 
@@ -114,7 +115,10 @@ class FileMove:
         every table's row count) and fsynced; ``progress(pages done, pages)``. Returns the
         copy's path. Raises ``RIVET_STATE_VERIFY_FAILED``."""
         copy = self.copy_path(target)
-        os.close(os.open(copy, CREATE_FLAGS, 0o644))  # checked absent or removed: never follows a link
+        try:
+            os.close(os.open(copy, CREATE_FLAGS, 0o644))  # checked absent or removed: never follows a link
+        except FileExistsError:
+            raise unsafe_error(copy, "appeared while the copy was being started") from None
         self.backend.copy_to(conn, copy, progress, full_verify)
         return copy
 
@@ -166,7 +170,8 @@ class FileMove:
         try:
             yield
         except (OSError, sqlite3.Error, StateError) as err:
-            if not _disk_full(err):
+            full = err if isinstance(err, StateError) else fault(target.directory, err)
+            if full is None or full.code != "RIVET_STATE_DISK_FULL":
                 raise
             for path in self.own_files(target) + [side_copy(f) for f in files]:
                 path.unlink(missing_ok=True)
@@ -240,7 +245,10 @@ class FileMove:
             return None
         if detail is None or later:
             return None
-        doc = json.loads(detail)
+        try:
+            doc = json.loads(detail)
+        except ValueError:  # an audit row this release did not write
+            return None
         return doc if isinstance(doc, dict) else None
 
     def finish_target(self, target: Location) -> None:
@@ -248,26 +256,19 @@ class FileMove:
         goes from :data:`~statetool.schema.IN_FLIGHT_REVISION` back to head;
         fsynced. Idempotent."""
         assert target.path is not None
-        db = sqlite3.connect(target.path, isolation_level=None)
-        try:
-            db.execute("BEGIN IMMEDIATE")
-            db.execute(f"UPDATE {schema.VERSION_TABLE} SET version_num = ? WHERE version_num = ?",
-                       (migrations.head(), schema.IN_FLIGHT_REVISION))
-            db.execute("COMMIT")
-        finally:
-            db.close()
+        try:  # mode=rw: a target that is gone is an error, never a new empty file
+            db = sqlite3.connect(f"file:{quote(str(target.path))}?mode=rw", uri=True, isolation_level=None,
+                                 timeout=self.backend.lock_wait)
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                db.execute(f"UPDATE {schema.VERSION_TABLE} SET version_num = ? WHERE version_num = ?",
+                           (migrations.head(), schema.IN_FLIGHT_REVISION))
+                db.execute("COMMIT")
+            finally:
+                db.close()
+        except sqlite3.Error as err:
+            raise fault(target.path, err) or err from None
         fsync_file(target.path)
-
-
-def _disk_full(err: BaseException) -> bool:
-    """True for "no space left" from the OS (ENOSPC, EDQUOT), from SQLite (SQLITE_FULL), or
-    as the backend's ``RIVET_STATE_DISK_FULL``."""
-    if isinstance(err, StateError):
-        return err.code == "RIVET_STATE_DISK_FULL"
-    if isinstance(err, OSError):
-        return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    code = getattr(err, "sqlite_errorcode", None)
-    return (code is not None and code & 0xFF == 13) or "database or disk is full" in str(err)
 
 
 def _absent(directory: Path, files: list[Path]) -> list[Path]:

@@ -570,10 +570,6 @@ class SqliteBackend:
     #: Never a transfer's destination: a file moves whole, page for page (relocate).
     accepts_transfer = False
 
-    def content_digest(self) -> str:
-        """:func:`content_digest` of the state file (the real file of a symlinked state)."""
-        return content_digest(self.path)
-
     def copy_blocks(self, conn: Connection, table: str, columns: list[str]) -> Iterator[Block]:
         """:func:`~statetool.backends.sqlite_rows.copy_blocks`: ``table`` read on ``conn``
         (a session of this state) in blocks of COPY text with their checksums."""

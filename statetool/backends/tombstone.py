@@ -192,6 +192,9 @@ def retire(source: Path, doc: dict[str, Any], on_step: Step) -> Path:
 
 def remove_companions(source: Path) -> None:
     """Remove the ``-wal`` and ``-shm`` of the retired file ``source`` (its old inode's;
-    the tombstone now stands there and has none)."""
-    for leftover in (Path(f"{source}-wal"), Path(f"{source}-shm")):
+    the tombstone now stands there and has none). Raises ``RIVET_STATE_UNSAFE_FILE`` for
+    a symlink or non-regular file there, before removing anything."""
+    companions = (Path(f"{source}-wal"), Path(f"{source}-shm"))
+    refuse_unsafe(*companions)
+    for leftover in companions:
         leftover.unlink(missing_ok=True)

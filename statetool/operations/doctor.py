@@ -226,7 +226,7 @@ def _diagnose(ctx: Context, export: Export, progress: ResumePoint | None, state_
         elif export.mode == "incremental" and progress.cursor is not None:
             resumes_from, age = f"cursor {progress.cursor!r}", _age(progress.cursor_updated_at)
         elif export.mode == "chunked" and progress.chunks_pending:
-            resumes_from = f"chunk checkpoint: {progress.chunks_total - progress.chunks_pending} of " \
+            resumes_from = f"chunk checkpoint: {progress.chunks_done} of " \
                            f"{progress.chunks_total} chunks done"
         elif progress.last_success:
             resumes_from, age = f"the run finished at {progress.last_success}", _age(progress.last_success)

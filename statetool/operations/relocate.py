@@ -235,7 +235,8 @@ def _pre_flight(ctx: Context, move: FileMoves, target: Location, dry_run: bool
     move.refuse_unsafe(*move.own_files(target), *move.stale_tombstones())
     pf = run_preflight(ctx, for_write=True, progress=False, integrity=False)
     snap = require(pf)
-    require_writable(ctx)  # the guarded write's own refusal, so that a dry run gives it too
+    if dry_run:
+        require_writable(ctx)  # the guarded write's own first refusal: the dry run gives it too
     resume = _check_target(ctx, move, target) if target.directory.is_dir() else None
     with ctx.backend().reading() as conn:
         tables = row_counts(conn, snap.tables)

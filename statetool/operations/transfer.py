@@ -39,7 +39,6 @@ import contextlib
 import json
 import shlex
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
@@ -142,7 +141,6 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     # on a large state that read costs seconds
     pf = run_preflight(ctx, for_write=True, progress=False)
     snap = require(pf)
-    require_writable(ctx)  # the guarded write's own refusal, so that a dry run gives it too
     source_key = snap.recorded_key or ctx.computed_key or None
     with source.reading() as conn:
         counts = _counts(conn)
@@ -155,6 +153,7 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
                             source_path.stat().st_size, [TableCopy(t.name, counts[t.name]) for t in COPIED],
                             checkpoints, dry_run=dry_run, resumed=earlier is not None, warnings=warnings)
     if dry_run:
+        require_writable(ctx)  # the guarded write's own first refusal: the dry run gives it too
         result.message = f"dry run: nothing was changed; after the transfer every task must run with " \
                          f"{ENV_VAR}={result.state_url}"
         return result
@@ -167,9 +166,8 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
         session = stack.enter_context(guarded_write(ctx, WHOLE_STATE, preflight=pf, exports=exports, claim=False,
                                                     prepare=move.hold_off_writers,
                                                     lock_code="RIVET_STATE_RUN_IN_PROGRESS"))
-        if not source.wal_is_empty():
-            raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"a writer wrote to {source_path} during the checkpoint")
-        digest = source.content_digest()
+        move.require_frozen()
+        digest = move.digest()
         ctx.on_step("digested")
         # counted again under the write lock: a run waited for above may have added rows
         counts = _counts(session.conn)
@@ -308,9 +306,10 @@ def _already_transferred(dest: TransferDestination, move: FileMoves, tomb: dict[
     inode's ``-wal``/``-shm`` and temporary files removed)."""
     source = move.source
     if not dry_run:
-        for leftover in [Path(f"{source}-wal"), Path(f"{source}-shm"), *move.stale_tombstones()]:
-            move.refuse_unsafe(leftover)
-            leftover.unlink(missing_ok=True)
+        move.remove_companions()
+        for stale in move.stale_tombstones():
+            move.refuse_unsafe(stale)
+            stale.unlink()
         dest.make_live()
     url = dest.location.state_url
     return TransferResult(str(source), dest.location.display, url, 0, [], [], dry_run=dry_run, done=True,

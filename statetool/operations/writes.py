@@ -239,5 +239,5 @@ def create_state(ctx: Context, build: Callable[[Connection], None], key: str) ->
         _write_audit(conn, ctx, "init", {"revision": migrations.head(), "state_key": key or None})
 
     backend = ctx.backend()
-    backend.check_writable(copies=0)
+    require_writable(ctx)
     backend.create(whole)

@@ -75,11 +75,28 @@ def _overrides(env: dict[str, str] | None) -> dict[str, str | None]:
 
 
 @contextmanager
-def _restored(cwd: Path | None, timeout: float) -> Iterator[None]:
+def _deadline(timeout: float) -> Iterator[None]:
+    """Raise :class:`CliTimeout` in the body after ``timeout`` seconds (SIGALRM, so only
+    while Python code runs: a wait inside C, such as SQLite's busy handler, ends at its own
+    timeout first). Armed around the body alone, so a timeout never interrupts the
+    restoring of streams and process settings around it."""
+    def expire(signum: int, frame: object) -> None:
+        raise CliTimeout(f"the run took longer than {timeout} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@contextmanager
+def _restored(cwd: Path | None) -> Iterator[None]:
     """Run the body in ``cwd`` with no remembered secrets (a new process knows none) and
     put back what a run may change: the environment as a whole, cwd, umask, signal
-    handlers, the root logger, the remembered secrets; raise :class:`CliTimeout` in the
-    body after ``timeout`` seconds."""
+    handlers, the root logger, the remembered secrets."""
     from statetool import redact
 
     saved_secrets = set(redact._secrets)
@@ -91,18 +108,11 @@ def _restored(cwd: Path | None, timeout: float) -> Iterator[None]:
     saved_signals = {s: signal.getsignal(s) for s in _SIGNALS}
     root = logging.getLogger()
     saved_logging = (root.level, list(root.handlers), logging.root.manager.disable)
-
-    def expire(signum: int, frame: object) -> None:
-        raise CliTimeout(f"the run took longer than {timeout} s")
-
-    signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         if cwd is not None:
             os.chdir(cwd)
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         os.chdir(saved_cwd)
         os.umask(saved_umask)
         for signum, handler in saved_signals.items():
@@ -130,9 +140,10 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
     overrides = _overrides(env)
     runner = CliRunner()
     code = 0
-    with _restored(cwd, timeout), runner.isolation(env=overrides) as (out, err, _):
+    with _restored(cwd), runner.isolation(env=overrides) as (out, err, _):
         try:
-            main(given)
+            with _deadline(timeout):
+                main(given)
         except SystemExit as done:
             code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
         finally:

@@ -27,11 +27,12 @@ DRIVER = Path(__file__).resolve()
 
 
 def run_killed_at(point: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run this driver in a subprocess (no ``RIVET_STATE_URL``, like ``conftest.run_cli``):
+    """Run this driver in a subprocess (the environment of :func:`support.cli.process_env`):
     the move of ``args`` (statetool's own arguments), killed at ``point``."""
-    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    return subprocess.run([sys.executable, str(DRIVER), point, *args], env=env, text=True, capture_output=True,
-                          timeout=timeout)
+    from support.cli import process_env  # here: run as a script, this file has no support package
+
+    return subprocess.run([sys.executable, str(DRIVER), point, *args], env=process_env(), text=True,
+                          capture_output=True, timeout=timeout)
 
 
 def main(argv: list[str]) -> int:
