@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from support import describe, error_object, run_cli, run_cli_process, tree_digest, write_config
+from support import describe, error_object, fork_cli, process_env, run_cli, run_cli_forked, tree_digest, write_config
 from statetool.backends.tombstone import read_tombstone
 from statetool.backends.tombstone import MAGIC as TOMBSTONE_MAGIC
 from statetool.errors import StateError
@@ -87,7 +87,7 @@ def _leftovers(*directories: Path) -> list[str]:
 
 def _timed_run(args: tuple[str, ...]) -> float:
     start = time.monotonic()
-    proc = run_cli_process(*args, timeout=300)
+    proc = run_cli_forked(*args, timeout=300)
     assert proc.returncode == 0, describe(proc)
     return time.monotonic() - start
 
@@ -96,12 +96,10 @@ Trigger = Callable[[], bool]
 
 
 def _kill_when(args: tuple[str, ...], trigger: Trigger, delay: float) -> int:
-    """Start the CLI; as soon as ``trigger()`` holds (polled without pause: a file of the
-    move appeared, a mark was committed), wait ``delay`` seconds and SIGKILL it, unless it
-    ended first. Returns its exit status."""
-    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    proc = subprocess.Popen([sys.executable, "-m", "statetool", *args], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    """Start the CLI (a forked process: :mod:`support.forked`); as soon as ``trigger()``
+    holds (polled without pause: a file of the move appeared, a mark was committed), wait
+    ``delay`` seconds and SIGKILL it, unless it ended first. Returns its exit status."""
+    proc = fork_cli(*args, env=process_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while proc.poll() is None and not trigger() and time.monotonic() < deadline:
         pass
@@ -309,10 +307,8 @@ def test_a_target_in_flight_refuses_statetool_and_the_runtime_naming_the_command
     config = _copy(template, tmp_path)
     target = tmp_path / "volume"
     target.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    move = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(config), "--lock-wait", "60",
-                             "relocate", "--to", str(target), "--full-verify"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    move = fork_cli("-c", str(config), "--lock-wait", "60", "relocate", "--to", str(target), "--full-verify",
+                    env=process_env())
     holder = None
     try:
         deadline = time.monotonic() + 120

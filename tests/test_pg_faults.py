@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -253,6 +254,46 @@ def test_a_role_whose_sessions_are_read_only_gets_read_only_not_retryable(
     proc = _cli(cfg, _url_as(admin, name, schema), "exports", "set-cursor", "orders", "2026-03-03")
     _assert_refused(proc, "RIVET_STATE_READ_ONLY", "default_transaction_read_only")
     assert _contents(admin, schema) == before
+
+
+# -- the operator's connection parameters are kept -------------------------------------------
+
+
+def test_the_urls_options_reach_the_server_beside_statetools_own(cfg: Path, admin: str, schema: str,
+                                                                  state: str) -> None:
+    """``options=`` in the URL (a session setting of the operator's) was replaced by
+    statetool's own: here it makes the session read-only, so the write is refused."""
+    before = _contents(admin, schema)
+    proc = _cli(cfg, f"{state}&options=-c%20default_transaction_read_only%3Don", "exports", "set-cursor",
+                "orders", "2026-03-03")
+    _assert_refused(proc, "RIVET_STATE_READ_ONLY", "default_transaction_read_only")
+    assert _contents(admin, schema) == before
+    proc = _cli(cfg, f"{state}&options=-c%20application_name%3Dops", "exports", "set-cursor", "orders", "2026-03-03")
+    assert proc.returncode == 0, describe(proc)  # statetool's search_path still holds beside the operator's
+
+
+@pytest.mark.parametrize("how", ["url", "PGCONNECT_TIMEOUT"])
+def test_the_operators_connect_timeout_is_kept_not_replaced_by_statetools_default(
+        cfg: Path, how: str) -> None:
+    """A server that accepts no session (a listening socket nobody answers): with
+    ``connect_timeout=1`` (in the URL, or libpq's PGCONNECT_TIMEOUT) the run gives up after
+    about a second, not after statetool's default of CONNECT_TIMEOUT seconds."""
+    from statetool.backends.postgres import CONNECT_TIMEOUT
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    url = f"postgresql://u@127.0.0.1:{listener.getsockname()[1]}/db"
+    env = {"RIVET_STATE_URL": f"{url}?connect_timeout=1"} if how == "url" else \
+        {"RIVET_STATE_URL": url, "PGCONNECT_TIMEOUT": "1"}
+    try:
+        started = time.monotonic()
+        proc = run_cli("-c", str(cfg), "--json-errors", "info", env=env, timeout=60)
+        took = time.monotonic() - started
+    finally:
+        listener.close()
+    assert error_object(proc)["code"] == "RIVET_STATE_UNREACHABLE", describe(proc)
+    assert took < CONNECT_TIMEOUT - 3, f"gave up after {took:.1f} s: the operator's 1 s was replaced"
 
 
 # -- one error boundary: statetool's own SQL is internal, environment faults keep their code --

@@ -35,7 +35,7 @@ from urllib.parse import quote
 
 import pytest
 
-from support import describe, error_object, markdown, run_cli, run_cli_process, tree_digest, write_config
+from support import describe, error_object, fork_cli, markdown, process_env, run_cli, run_cli_forked, tree_digest, write_config
 from statetool.backends.tombstone import read_tombstone
 from statetool.errors import StateError
 from statetool.example import build_legacy_state
@@ -459,7 +459,7 @@ def _kill_scenario(template: Template, base: Path, kills: tuple[str, ...]) -> No
             proc = run_killed_at(point, *args)
             assert proc.returncode == -signal.SIGKILL, f"not killed at {point}: {describe(proc)}"
         assert_source_intact_or_relocated(config, target, template, f"after a kill at {point}")
-    proc = run_cli_process(*args)
+    proc = run_cli_forked(*args)
     assert proc.returncode == 0, f"re-run after kills at {kills}: {describe(proc)}"
     assert_relocated(config, target, template)
     shutil.rmtree(base)  # 30 MB per scenario
@@ -468,9 +468,8 @@ def _kill_scenario(template: Template, base: Path, kills: tuple[str, ...]) -> No
 def _kill_during_verification(config: Path, target: Path) -> None:
     size = (config.parent / STATE).stat().st_size
     copy = target / f"{STATE}.relocating"
-    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    proc = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(config), "relocate", "--to", str(target),
-                             "--full-verify"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = fork_cli("-c", str(config), "relocate", "--to", str(target), "--full-verify", env=process_env(),
+                    stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         try:

@@ -28,8 +28,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
 
-from support import (PG_PASSWORD, CliRun, describe, error_object, markdown, run_cli, run_cli_process, tree_digest,
-                     write_config)
+from support import (PG_PASSWORD, CliRun, Forked, describe, error_object, fork_cli, markdown, process_env, run_cli,
+                     tree_digest, write_config)
 from statetool.schema import IN_FLIGHT_REVISION
 from support.crash_driver import run_killed_at
 
@@ -501,9 +501,8 @@ def test_sigkill_in_the_middle_of_copy_leaves_nothing_and_a_rerun_converges(
     before = tree_digest(cfg.parent)
     assert set(before) == {"rivet.yaml", ".rivet_state.db"}
     schema = split_url(pg_url)[1]
-    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    child = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(cfg), "transfer", "--to", pg_url],
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = fork_cli("-c", str(cfg), "transfer", "--to", pg_url, env=process_env(), stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     copying = False
     while time.monotonic() < deadline and child.poll() is None and not copying:
@@ -694,11 +693,9 @@ def test_a_live_run_is_refused_at_lock_wait_0_and_otherwise_waited_for_and_its_r
     db = cfg.parent / ".rivet_state.db"
     go = cfg.parent.parent / "go"
     schema = split_url(pg_url)[1]
-    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    holder = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(cfg), "leases", "run", "--export",
-                               "orders", "--", sys.executable, "-c", LATE_RUN, str(db), str(go)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    waiting: subprocess.Popen[str] | None = None
+    holder = fork_cli("-c", str(cfg), "leases", "run", "--export", "orders", "--", sys.executable, "-c", LATE_RUN,
+                      str(db), str(go), env=process_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    waiting: Forked | None = None
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -714,9 +711,7 @@ def test_a_live_run_is_refused_at_lock_wait_0_and_otherwise_waited_for_and_its_r
         assert pg_state(admin, schema) == {}
 
         # without --lock-wait 0 the transfer waits for the run, which adds a run and ends
-        waiting = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(cfg), "--json", "transfer",
-                                    "--to", pg_url], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
+        waiting = fork_cli("-c", str(cfg), "--json", "transfer", "--to", pg_url, env=process_env())
         assert waiting.stderr is not None
         seen = []
         while not seen or ("waiting" not in seen[-1] and seen[-1]):
@@ -744,10 +739,8 @@ def test_a_live_run_of_an_export_known_only_to_the_state_holds_the_transfer_off_
                    "VALUES ('old-run', 'retired', 'full', 'succeeded', '2025-12-01T00:00:00.000000Z')")
     db.close()
     _checkpoint_wal(cfg.parent / ".rivet_state.db")
-    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    holder = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(cfg), "leases", "run", "--export",
-                               "retired", "--", "sleep", "60"], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    holder = fork_cli("-c", str(cfg), "leases", "run", "--export", "retired", "--", "sleep", "60", env=process_env(),
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

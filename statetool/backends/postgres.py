@@ -10,8 +10,9 @@ polled until ``--lock-wait`` runs out.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -33,8 +34,26 @@ if TYPE_CHECKING:
 _POLL_SECONDS = 0.2
 #: Milliseconds a lease statement waits for a row lock before it counts as busy.
 LEASE_LOCK_TIMEOUT_MS = 200
+
+#: Seconds a connection attempt may take when neither the URL (``connect_timeout=``) nor
+#: libpq's ``PGCONNECT_TIMEOUT`` names one (libpq's own default is to wait forever).
+CONNECT_TIMEOUT = 10
 #: The lock code a migration waits with: a writer that changes the shape of the tables.
 _MIGRATION_LOCK = "RIVET_STATE_MIGRATION_LOCKED"
+
+
+def _connect_args(query: Mapping[str, str | tuple[str, ...]], options: str) -> dict[str, Any]:
+    """The driver's connection arguments: statetool's session ``options`` after the ones
+    the operator gave (the URL's ``options=``, else ``PGOPTIONS``: a later ``-c`` wins, so
+    statetool's search_path and read-only flag hold), and :data:`CONNECT_TIMEOUT` only when
+    the URL and ``PGCONNECT_TIMEOUT`` name no timeout. An argument given here replaces the
+    URL's and libpq's environment's, so none of the operator's is dropped."""
+    given = query.get("options", os.environ.get("PGOPTIONS", ""))
+    given = " ".join(given) if isinstance(given, tuple) else given
+    args: dict[str, Any] = {"options": f"{given} {options}" if given.strip() else options}
+    if "connect_timeout" not in query and not os.environ.get("PGCONNECT_TIMEOUT"):
+        args["connect_timeout"] = CONNECT_TIMEOUT
+    return args
 
 
 class PostgresBackend:
@@ -80,12 +99,13 @@ class PostgresBackend:
             # so --lock-wait bounds every wait (docs/decisions.md, "Locks and leases").
             options += f" -c lock_timeout={LEASE_LOCK_TIMEOUT_MS}"
         url = "postgresql+psycopg://" + self.location.url.split("://", 1)[1]
+        connect_args = _connect_args(sa.engine.make_url(url).query, options)
         # Autocommit engines serve leases: polling, heartbeats and the release reuse one
         # pooled connection instead of opening a server connection per statement; a pooled
         # connection the server dropped (a restart) is replaced, not used (pre-ping).
         extra: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_size": 1, "max_overflow": 2,
                                  "pool_pre_ping": True} if autocommit else {"poolclass": NullPool}
-        return sa.create_engine(url, connect_args={"options": options, "connect_timeout": 10}, **extra)
+        return sa.create_engine(url, connect_args=connect_args, **extra)
 
     def _translate(self, err: sa.exc.DBAPIError) -> StateError:
         return driver_error(err, self.location.display)

@@ -1,5 +1,6 @@
 """Run ``relocate`` or ``transfer`` in a real process that SIGKILLs itself at one named step
-(the crash tests of tests/test_relocate.py and tests/test_transfer.py).
+(the crash tests of tests/test_relocate.py and tests/test_transfer.py), forked from the
+test process's fork server (:mod:`support.forked`) so that it starts with statetool imported.
 
 The hook is the operation's own: :attr:`statetool.operations.context.Context.on_step` is
 told each step's name (``relocate.CRASH_POINTS``, ``copy-page-<n>``); this driver builds
@@ -27,12 +28,19 @@ DRIVER = Path(__file__).resolve()
 
 
 def run_killed_at(point: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run this driver in a subprocess (the environment of :func:`support.cli.process_env`):
-    the move of ``args`` (statetool's own arguments), killed at ``point``."""
+    """Run :func:`main` in a process forked from the test's fork server
+    (:mod:`support.forked`; the environment of :func:`support.cli.process_env`): the move
+    of ``args`` (statetool's own arguments), killed at ``point``."""
     from support.cli import process_env  # here: run as a script, this file has no support package
+    from support.forked import fork_call
 
-    return subprocess.run([sys.executable, str(DRIVER), point, *args], env=process_env(), text=True,
-                          capture_output=True, timeout=timeout)
+    proc = fork_call(f"{__name__}:main", point, *args, env=process_env())
+    try:
+        stdout, stderr = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess([str(DRIVER), point, *args], proc.wait(), stdout, stderr)
 
 
 def main(argv: list[str]) -> int:

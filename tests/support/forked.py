@@ -26,6 +26,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -42,6 +43,8 @@ DRIVERS = ("sqlalchemy.dialects.sqlite.pysqlite", "sqlalchemy.dialects.postgresq
            "alembic.command", "alembic.runtime.migration", "alembic.script", "alembic.operations", "yaml",
            "typer._adapters", "rich._emoji_codes", "support.crash_driver", "support.forked")
 _CONTEXT = multiprocessing.get_context("forkserver")
+#: multiprocessing's bookkeeping of children is not made for threads starting them at once.
+_STARTING = threading.Lock()
 _TESTS = Path(__file__).resolve().parents[1]
 _PACKAGE_ROOT = Path(statetool.__file__).resolve().parents[1]
 
@@ -144,7 +147,8 @@ class Forked:
             kind, target, list(argv), dict(env), str(cwd or os.getcwd()), umask,
             _Descriptor(ends[0][0]), _Descriptor(ends[1][0]), new_session))
         try:
-            self._process.start()
+            with _STARTING:
+                self._process.start()
         finally:
             for fd, owned in ends:
                 if owned:
