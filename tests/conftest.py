@@ -19,6 +19,7 @@ import pytest
 
 from support import PG_PASSWORD, PG_PASSWORD_USER, Cluster, as_postgres, require_pg_bindir, write_config
 from support.backends import BACKENDS, StateBackend
+from support.zygote import zygote
 
 #: The files that take longest, run first: xdist hands whole files to its two workers in
 #: collection order, and a long file started last would run alone at the end.
@@ -53,6 +54,15 @@ def pg_server() -> Iterator[dict[str, str]]:
                "password_url": f"postgresql://{PG_PASSWORD_USER}:{PG_PASSWORD}@/postgres?host={cluster.root}"}
     finally:
         cluster.remove()
+
+
+@pytest.fixture(scope="session")
+def guide_shell() -> Iterator[dict[str, str]]:
+    """What a shell running a guide's commands adds to its environment: ``statetool`` on
+    PATH as a client of a zygote that imported statetool once (:mod:`support.zygote`),
+    then the interpreter's directory."""
+    with zygote() as env:
+        yield env
 
 
 @pytest.fixture

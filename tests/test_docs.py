@@ -536,9 +536,9 @@ def _guide_blocks(postgres: bool) -> list[str]:
     return [b.code for b in blocks if ("PostgreSQL" in b.section) == postgres]
 
 
-def _guide_env(state_url: str | None) -> dict[str, str]:
+def _guide_env(shell: dict[str, str], state_url: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(shell)
     env.update({"COLUMNS": "120", "NO_COLOR": "1"})
     if state_url is not None:
         env["RIVET_STATE_URL"] = state_url
@@ -559,11 +559,11 @@ def _pipeline_dir(tmp_path: Path) -> Path:
     return work
 
 
-def test_upgrade_guide_sqlite_blocks_run_in_order(tmp_path: Path) -> None:
+def test_upgrade_guide_sqlite_blocks_run_in_order(tmp_path: Path, guide_shell: dict[str, str]) -> None:
     work = _pipeline_dir(tmp_path)
     subprocess.run([sys.executable, "-m", "statetool.example", "--config", "rivet.yaml", "--runs", "2000"],
                    cwd=work, check=True, capture_output=True)
-    env = _guide_env(None)
+    env = _guide_env(guide_shell, None)
     _run_blocks(_guide_blocks(postgres=False), work, env)
     # The guide ends by restoring the legacy backup: the state is legacy again, complete.
     proc = run_cli("--json", "info", cwd=work)
@@ -575,14 +575,14 @@ def test_upgrade_guide_sqlite_blocks_run_in_order(tmp_path: Path) -> None:
 
 
 @pytest.mark.postgres
-def test_upgrade_guide_postgres_blocks_run_in_order(tmp_path: Path, pg_url: str) -> None:
+def test_upgrade_guide_postgres_blocks_run_in_order(tmp_path: Path, pg_url: str, guide_shell: dict[str, str]) -> None:
     work = _pipeline_dir(tmp_path)
     env = {"RIVET_STATE_URL": pg_url}
     # A shared state as the previous release left it: revision 0002.
     for args in (["init"], ["migrate", "--to", "0002", "--allow-data-loss"]):
         proc = run_cli(*args, cwd=work, env=env)
         assert proc.returncode == 0, describe(proc)
-    _run_blocks(_guide_blocks(postgres=True), work, _guide_env(pg_url))
+    _run_blocks(_guide_blocks(postgres=True), work, _guide_env(guide_shell, pg_url))
     assert "COMMIT;" in (work / "upgrade.sql").read_text()
     proc = run_cli("--json", "revisions", cwd=work, env=env)
     assert json.loads(proc.stdout)["current"] == "0002", describe(proc)

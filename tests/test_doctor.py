@@ -780,9 +780,9 @@ def sh_blocks(page: Path) -> list[tuple[str, str]]:
     return [(block.section, block.code) for block in markdown.read(page).sh_blocks()]
 
 
-def run_block(code: str, cwd: Path, env: dict[str, str], page: Path, heading: str) -> None:
+def run_block(code: str, cwd: Path, env: dict[str, str], page: Path, heading: str, shell: dict[str, str]) -> None:
     full = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    full["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full.get('PATH', '')}"
+    full.update(shell)
     full.update({"COLUMNS": "120", "NO_COLOR": "1"})
     full.update(env)
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=cwd, env=full, text=True,
@@ -911,7 +911,8 @@ def _text_codes(page: Path) -> dict[str, set[str]]:
     return out
 
 
-def test_diagnosing_guide_blocks_run_against_the_situation_they_describe(tmp_path: Path) -> None:
+def test_diagnosing_guide_blocks_run_against_the_situation_they_describe(tmp_path: Path,
+                                                                         guide_shell: dict[str, str]) -> None:
     blocks = sh_blocks(DIAGNOSING)
     assert blocks, "the guide has no ```sh block"
     headings = [h for h, _ in blocks]
@@ -928,7 +929,7 @@ def test_diagnosing_guide_blocks_run_against_the_situation_they_describe(tmp_pat
             found = {r["code"] for e in result["exports"] for r in e["reasons"]}
             assert shown.get(heading, set()) <= found, f"'{heading}' shows {shown.get(heading)}; doctor finds {found}"
             for code in (c for h, c in blocks if h == heading):
-                run_block(code, work, env, DIAGNOSING, heading)
+                run_block(code, work, env, DIAGNOSING, heading, guide_shell)
 
 
 KUBERNETES = GUIDES / "kubernetes-pods.md"
@@ -952,7 +953,8 @@ KUBERNETES_SCENARIOS = {
 
 
 @pytest.mark.postgres
-def test_kubernetes_guide_blocks_run_against_a_postgresql_state(tmp_path: Path, pg_server: dict[str, str]) -> None:
+def test_kubernetes_guide_blocks_run_against_a_postgresql_state(tmp_path: Path, pg_server: dict[str, str],
+                                                                guide_shell: dict[str, str]) -> None:
     import psycopg
 
     blocks = sh_blocks(KUBERNETES)
@@ -970,7 +972,7 @@ def test_kubernetes_guide_blocks_run_against_a_postgresql_state(tmp_path: Path, 
             write_config(work)
             env = KUBERNETES_SCENARIOS[heading](work, tmp, url)
             for code in (c for h, c in blocks if h == heading):
-                run_block(code, work, env, KUBERNETES, heading)
+                run_block(code, work, env, KUBERNETES, heading, guide_shell)
             if heading == "Put the checkpoint on a volume":
                 # The config now names the volume: the position moved with it, no warning left.
                 result = doctor_op(Context(work / "rivet.yaml", None, env=env)).as_dict()

@@ -863,7 +863,8 @@ def test_the_relocation_audit_row_in_the_target_is_redacted(tmp_path: Path, smal
 # 7. The local-worker guide, run as written
 # --------------------------------------------------------------------------------------
 
-def test_local_worker_guide_commands_run_as_written(tmp_path: Path, small: Template) -> None:
+def test_local_worker_guide_commands_run_as_written(tmp_path: Path, small: Template,
+                                                   guide_shell: dict[str, str]) -> None:
     """Every ```sh block of docs/setup-guides/local-worker.md, in order, in one shell, in the
     pipeline directory (state beside the config), with STATE_DIR the mounted directory the
     guide asks the reader to set; statetool on PATH."""
@@ -875,8 +876,7 @@ def test_local_worker_guide_commands_run_as_written(tmp_path: Path, small: Templ
     script = "set -euo pipefail\n" + "".join(
         f"echo '=== guide block {i + 1}'\n{block}\n" for i, block in enumerate(blocks))
     env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    env.update({"STATE_DIR": str(state_dir), "PATH": f"{Path(sys.executable).parent}:{env['PATH']}",
-                "COLUMNS": "200", "NO_COLOR": "1"})
+    env.update({"STATE_DIR": str(state_dir), **guide_shell, "COLUMNS": "200", "NO_COLOR": "1"})
     proc = subprocess.run(["bash", "-c", script], cwd=config.parent, env=env, text=True, capture_output=True,
                           timeout=600)
     assert proc.returncode == 0, describe(proc)

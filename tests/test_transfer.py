@@ -850,7 +850,8 @@ def _fenced_sh(text: str) -> list[str]:
     return [block.code for block in blocks]
 
 
-def test_the_moving_guide_commands_run_in_order(tmp_path: Path, admin: str, pg_server: dict[str, str]) -> None:
+def test_the_moving_guide_commands_run_in_order(tmp_path: Path, admin: str, pg_server: dict[str, str],
+                                               guide_shell: dict[str, str]) -> None:
     """Every ```sh block of docs/setup-guides/moving-state-to-postgresql.md, in order, in
     one pipeline directory (examples/rivet.yaml, 2,000 runs, at head): dry run, transfer,
     verify, checkpoints made absolute, then the rollback, which leaves the SQLite state
@@ -866,8 +867,8 @@ def test_the_moving_guide_commands_run_in_order(tmp_path: Path, admin: str, pg_s
     parts = urlsplit(base)
     query = dict(parse_qsl(parts.query))
     env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    env.update({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", "COLUMNS": "120",
-                "NO_COLOR": "1", "PG_SCHEMA": schema, "CHECKPOINT_DIR": str(tmp_path / "shared" / "checkpoints")})
+    env.update({**guide_shell, "COLUMNS": "120", "NO_COLOR": "1", "PG_SCHEMA": schema,
+                "CHECKPOINT_DIR": str(tmp_path / "shared" / "checkpoints")})
     if "host" in query:  # a socket directory: libpq takes it from PGHOST, so the URL can carry ?schema= alone
         env["PGHOST"] = query.pop("host")
     env["PG_URL"] = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))

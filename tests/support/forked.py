@@ -46,14 +46,15 @@ _CONTEXT = multiprocessing.get_context("forkserver")
 #: multiprocessing's bookkeeping of children is not made for threads starting them at once.
 _STARTING = threading.Lock()
 _TESTS = Path(__file__).resolve().parents[1]
-_PACKAGE_ROOT = Path(statetool.__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(statetool.__file__).resolve().parents[1]
 
 #: Where a child's stdout or stderr goes: ``None`` (``/dev/null``), ``subprocess.PIPE``
 #: (captured, read by :meth:`Forked.communicate`), or an open file.
 Sink = int | IO[Any] | None
 
 
-def _preload() -> list[str]:
+def preload() -> list[str]:
+    """The modules a fork server imports before it forks anything (also the zygote's)."""
     names = [m.name for m in pkgutil.walk_packages(statetool.__path__, "statetool.")]
     return ["statetool", *(n for n in names if n != "statetool.__main__"), *DRIVERS]
 
@@ -63,8 +64,8 @@ def _server_environment() -> Iterator[None]:
     """While the server starts: the package and ``tests`` first on its PYTHONPATH (it
     imports ``support.forked``, whose function every child runs), in the package's root."""
     saved_path, saved_cwd = os.environ.get("PYTHONPATH"), os.getcwd()
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE_ROOT), str(_TESTS), *filter(None, [saved_path])])
-    os.chdir(_PACKAGE_ROOT)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), str(_TESTS), *filter(None, [saved_path])])
+    os.chdir(PACKAGE_ROOT)
     try:
         yield
     finally:
@@ -78,7 +79,7 @@ def _server_environment() -> Iterator[None]:
 def start_server() -> None:
     """Start the fork server of this test process unless it runs (it imports everything
     once, about a second; it ends with this process)."""
-    _CONTEXT.set_forkserver_preload(_preload())
+    _CONTEXT.set_forkserver_preload(preload())
     with _server_environment():
         multiprocessing.forkserver.ensure_running()
 
