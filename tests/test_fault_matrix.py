@@ -35,7 +35,8 @@ from typing import Any
 import pytest
 
 import statetool
-from support import describe, error_object, run_cli, run_cli_as_needed, run_cli_process, tree_digest, write_config
+from support import (describe, error_object, fork_cli, process_env, run_cli, run_cli_as_needed, run_cli_process,
+                     tree_digest, write_config)
 from statetool.errors import REGISTRY
 from statetool.location import LEASE_DIR, STATE_FILE
 
@@ -89,9 +90,8 @@ def _ok(*args: str, env: dict[str, str] | None = None) -> None:
 
 def _stale_lease(config: Path) -> None:
     """Leave ``chunk-run:orders`` stale: its holder and the holder's command SIGKILLed."""
-    holder = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(config), "leases", "run", "--export",
-                               "orders", "--", "sleep", "300"], start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    holder = fork_cli("-c", str(config), "leases", "run", "--export", "orders", "--", "sleep", "300",
+                      env=process_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, new_session=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         listing = run_cli("-c", str(config), "--json", "leases", "list")

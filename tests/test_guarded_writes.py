@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from support import describe, error_object, process_env, run_cli_process, tree_digest, write_config
+from support import Forked, describe, error_object, fork_code, process_env, run_cli_forked, tree_digest, write_config
 from statetool import migrations
 from statetool.errors import StateError
 from statetool.example import build_legacy_state
@@ -220,7 +220,7 @@ def test_a_run_during_a_migration_is_refused_at_once_or_waits_until_the_migratio
     logs.mkdir()
     with open(logs / "migrate.out", "w") as out, open(logs / "migrate.err", "w") as err:
         migration = st.popen("migrate", stdout=out, stderr=err)
-    waiter: subprocess.Popen[str] | None = None
+    waiter: Forked | None = None
     try:
         # 1. The migration holds the state lease (and the run leases): seen by `statetool leases`.
         seen: dict[str, dict[str, Any]] = {}
@@ -517,8 +517,8 @@ def test_leases_run_in_an_empty_declared_directory_is_missing_and_creates_nothin
     empty = tmp_path / "state"
     empty.mkdir()
     marker = tmp_path / "ran"
-    proc = run_cli_process("-c", str(config), "--state-url", f"sqlite:{empty}", "--json-errors", "leases", "run",
-                           "--export", "orders", "--", sys.executable, "-c", TOUCH, str(marker))
+    proc = run_cli_forked("-c", str(config), "--state-url", f"sqlite:{empty}", "--json-errors", "leases", "run",
+                          "--export", "orders", "--", sys.executable, "-c", TOUCH, str(marker))
     refused(proc, "RIVET_STATE_MISSING", 5)
     assert list(empty.iterdir()) == []
     assert not marker.exists()
@@ -641,10 +641,9 @@ WHOLE_STATE_HOLDER = textwrap.dedent("""\
 def test_a_run_of_an_export_the_whole_state_write_does_not_know_gives_its_lease_back_and_waits(
         state: State, tmp_path: Path) -> None:
     ready, go = tmp_path / "whole-ready", tmp_path / "whole-go"
-    writer = subprocess.Popen([sys.executable, "-c", WHOLE_STATE_HOLDER, str(state.config), str(ready), str(go),
-                               "orders", "order_lines"], env=process_env(state.env), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
-    waiter: subprocess.Popen[str] | None = None
+    writer = fork_code(WHOLE_STATE_HOLDER, str(state.config), str(ready), str(go), "orders", "order_lines",
+                       env=process_env(state.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, new_session=True)
+    waiter: Forked | None = None
     try:
         wait_for(lambda: ready.exists() or writer.poll() is not None, "the whole-state writer to hold")
         assert ready.exists(), writer.communicate()
@@ -712,9 +711,8 @@ def test_a_run_refused_beside_a_whole_state_write_creates_no_lease_file(
     """SPEC §9 "a refused command creates no file": the refused run of an export nobody
     ran before leaves no sidecar of its own behind."""
     ready, go = tmp_path / "whole-ready", tmp_path / "whole-go"
-    writer = subprocess.Popen([sys.executable, "-c", WHOLE_STATE_HOLDER, str(sqlite_state.config), str(ready),
-                               str(go), "orders"], env=process_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True)
+    writer = fork_code(WHOLE_STATE_HOLDER, str(sqlite_state.config), str(ready), str(go), "orders", env=process_env(),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, new_session=True)
     try:
         wait_for(lambda: ready.exists() or writer.poll() is not None, "the whole-state writer to hold")
         assert ready.exists(), writer.communicate()
@@ -763,9 +761,9 @@ OVERLAP_WORKER = textwrap.dedent("""\
 def test_whole_state_writes_and_runs_never_hold_at_once(state: State, tmp_path: Path) -> None:
     log, go = tmp_path / "holdings.log", tmp_path / "go"
     plan = [("whole", 8), ("whole", 8), ("orders", 15), ("order_lines", 15), ("late_export", 15)]
-    workers = [subprocess.Popen([sys.executable, "-c", OVERLAP_WORKER, str(state.config), str(log), str(go), kind,
-                                 str(rounds)], env=process_env(state.env), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True) for kind, rounds in plan]
+    workers = [fork_code(OVERLAP_WORKER, str(state.config), str(log), str(go), kind, str(rounds),
+                         env=process_env(state.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for kind, rounds in plan]
     go.touch()
     for worker in workers:
         out, err = worker.communicate(timeout=150)

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from support import describe, error_object, process_env
+from support import Forked, describe, error_object, fork_code, process_env
 from statetool.backends.processes import alive, process_started
 from statetool.errors import StateError
 from statetool.runtime import StateStore
@@ -336,7 +336,7 @@ def judge(records: list[Rec], kills: dict[tuple[str, str], int], wrappers: set[s
 
 @dataclass
 class Wrapper:
-    proc: subprocess.Popen[bytes]
+    proc: Forked
     fate: str  # finish | kill-wrapper | kill-child | kill-early
     err: Path
     who: str  # "pid:start"
@@ -403,7 +403,7 @@ def test_no_two_holders_ever_overlap_and_tokens_only_grow_under_sigkill_chaos(
     logs = tmp_path / "logs"
     logs.mkdir()
 
-    workers: dict[int, tuple[subprocess.Popen[bytes], Path]] = {}
+    workers: dict[int, tuple[Forked, Path]] = {}
     wrappers: list[Wrapper] = []
     kills: dict[tuple[str, str], int] = {}
     killed_workers: set[int] = set()  # pids of killed workers not reaped yet
@@ -414,8 +414,8 @@ def test_no_two_holders_ever_overlap_and_tokens_only_grow_under_sigkill_chaos(
     def start_worker() -> None:
         err = logs / f"worker-{len(kills)}-{time.monotonic_ns()}.err"
         with open(err, "wb") as fh:
-            proc = subprocess.Popen([sys.executable, "-c", LIB_WORKER, str(state.config), str(referee), str(stop),
-                                     state.backend, target], env=env, stdout=fh, stderr=fh)
+            proc = fork_code(LIB_WORKER, str(state.config), str(referee), str(stop), state.backend, target, env=env,
+                             stdout=fh, stderr=fh)
         workers[proc.pid] = (proc, err)
 
     def kill_worker(pid: int, why: str) -> None:
@@ -432,10 +432,9 @@ def test_no_two_holders_ever_overlap_and_tokens_only_grow_under_sigkill_chaos(
         err = logs / f"wrapper-{len(wrappers)}.err"
         hold = f"{rng.uniform(0.4, 0.7):.3f}"
         with open(err, "wb") as fh:
-            proc = subprocess.Popen(state.argv("--json-errors", "--lock-wait", "600", "leases", "run", "--export",
-                                               "orders", "--", sys.executable, "-c", CLI_CHILD, str(referee),
-                                               state.backend, target, str(state.sidecar), hold),
-                                    env=env, stdout=subprocess.DEVNULL, stderr=fh, start_new_session=True)
+            proc = state.popen("--json-errors", "--lock-wait", "600", "leases", "run", "--export", "orders", "--",
+                               sys.executable, "-c", CLI_CHILD, str(referee), state.backend, target,
+                               str(state.sidecar), hold, stdout=subprocess.DEVNULL, stderr=fh)
         kill_at = time.monotonic() + rng.uniform(0.0, 3.0) if fate == "kill-early" else None
         wrappers.append(Wrapper(proc, fate, err, f"{proc.pid}:{process_started(proc.pid)}", kill_at))
 
@@ -685,8 +684,8 @@ def test_a_stalled_postgres_holder_taken_over_writes_nothing_and_gets_lease_lost
     ready, go, result = tmp_path / "ready", tmp_path / "go", tmp_path / "result"
     err_log = tmp_path / "stalled.err"
     with open(err_log, "wb") as fh:
-        stalled = subprocess.Popen([sys.executable, "-c", STALLED, str(pg_state.config), str(ready), str(go),
-                                    str(result)], env=process_env(pg_state.env), stdout=fh, stderr=fh)
+        stalled = fork_code(STALLED, str(pg_state.config), str(ready), str(go), str(result),
+                            env=process_env(pg_state.env), stdout=fh, stderr=fh)
     try:
         wait_for(lambda: ready.exists() or stalled.poll() is not None, "the holder to take the lease")
         assert ready.exists(), err_log.read_text()

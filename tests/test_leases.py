@@ -1,7 +1,9 @@
 """Leases (SPEC §5, issue #3), end to end on both backends.
 
 Real processes hold real leases: ``statetool leases run`` wrappers around a small Python
-command, or the library's ``holding`` in subprocesses. Holders are killed with SIGKILL,
+command, or the library's ``holding`` in subprocesses (forked from the server that imported
+statetool once, :mod:`support.forked`; the commands under ``leases run`` are exec'd as
+usual). Holders are killed with SIGKILL,
 waiters really wait. "Another host" on PostgreSQL is a row whose ``holder_host`` is
 another name. A wait for a condition polls with a deadline; no test asserts speed with a
 sleep. Every shared rule runs on SQLite (state beside the config) and PostgreSQL (a
@@ -32,7 +34,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
 
-from support import CliRun, describe, error_object, process_env, run_cli, run_cli_process, tree_digest, write_config
+from support import (CliRun, Forked, describe, error_object, fork_cli, fork_code, process_env, run_cli, run_cli_forked,
+                     tree_digest, write_config)
 from statetool.backends.base import Holder, LeaseInfo
 from statetool.backends.processes import alive, process_started
 from statetool.backends.proclocks import lock_holders
@@ -110,16 +113,16 @@ class State:
         return run_cli("-c", str(self.config), *args, env=self.env, timeout=timeout)
 
     def cli_process(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return run_cli_process("-c", str(self.config), *args, env=self.env, timeout=timeout)
+        """``statetool ARGS`` in a process of its own (forked: no interpreter start-up)."""
+        return run_cli_forked("-c", str(self.config), *args, env=self.env, timeout=timeout)
 
     def argv(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "statetool", "-c", str(self.config), *args]
 
-    def popen(self, *args: str, **kwargs: Any) -> subprocess.Popen[str]:
-        kwargs.setdefault("stdout", subprocess.PIPE)
-        kwargs.setdefault("stderr", subprocess.PIPE)
-        return subprocess.Popen(self.argv(*args), env=process_env(self.env), text=True, start_new_session=True,
-                                **kwargs)
+    def popen(self, *args: str, **kwargs: Any) -> Forked:
+        """``statetool ARGS`` started in a forked process, a session of its own (stdout and
+        stderr piped unless given)."""
+        return fork_cli("-c", str(self.config), *args, env=process_env(self.env), new_session=True, **kwargs)
 
     def context(self, lock_wait: float = 0.0) -> Context:
         return Context(config_path=self.config, env=process_env(self.env), lock_wait=lock_wait)
@@ -193,7 +196,7 @@ class LeaseRun:
     """A real ``statetool leases run --export EXPORT -- python HOLD`` process group."""
 
     state: State
-    proc: subprocess.Popen[str]
+    proc: Forked
     ready: Path
     go: Path
 
@@ -290,9 +293,9 @@ def test_eight_processes_taking_one_lease_count_exactly_and_never_overlap(state:
     processes, rounds = 8, 8
     counter, log, go = tmp_path / "counter", tmp_path / "holders.log", tmp_path / "go"
     counter.write_text("0")
-    workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(state.config), str(counter), str(log), str(go),
-                                 str(rounds)], env=process_env(state.env), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True) for _ in range(processes)]
+    workers = [fork_code(WORKER, str(state.config), str(counter), str(log), str(go), str(rounds),
+                         env=process_env(state.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for _ in range(processes)]
     go.touch()
     for worker in workers:
         out, err = worker.communicate(timeout=240)
@@ -349,8 +352,8 @@ OTHER_HOST_HOLDER = textwrap.dedent("""\
 def test_postgres_holder_on_another_host_is_taken_over_only_after_its_ttl(pg_state: State, tmp_path: Path) -> None:
     ttl = 4
     ready = tmp_path / "ready"
-    holder = subprocess.Popen([sys.executable, "-c", OTHER_HOST_HOLDER, str(pg_state.config), str(ready), str(ttl)],
-                              env=process_env(pg_state.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    holder = fork_code(OTHER_HOST_HOLDER, str(pg_state.config), str(ready), str(ttl), env=process_env(pg_state.env),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: ready.exists() or holder.poll() is not None, "the other-host holder")
         assert ready.exists(), holder.communicate()

@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,8 +24,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from support import (Cluster, Output, describe, error_object, require_pg_bindir, run_cli, run_cli_as_needed,
-                     tree_digest, write_config)
+from support import (Cluster, Forked, Output, describe, error_object, fork_cli, require_pg_bindir, run_cli,
+                     run_cli_as_needed, tree_digest, write_config)
 from statetool.backends.postgres_faults import driver_error
 
 Role = Callable[..., str]
@@ -435,10 +434,9 @@ def test_leases_run_waiting_or_holding_when_the_server_stops_ends_with_a_registe
     env.update({"RIVET_STATE_URL": url, "COLUMNS": "200", "NO_COLOR": "1"})
     proc = run_cli("-c", str(cfg), "init", env={"RIVET_STATE_URL": url})
     assert proc.returncode == 0, describe(proc)
-    base = [sys.executable, "-m", "statetool", "-c", str(cfg), "--json-errors"]
-    holder = subprocess.Popen([*base, "leases", "run", "--lease-ttl", "2", "--export", "orders", "--", "sleep", "120"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    waiter: subprocess.Popen[str] | None = None
+    base = ["-c", str(cfg), "--json-errors"]
+    holder = fork_cli(*base, "leases", "run", "--lease-ttl", "2", "--export", "orders", "--", "sleep", "120", env=env)
+    waiter: Forked | None = None
     try:
         child_pid = None
         for _ in range(200):
@@ -449,8 +447,7 @@ def test_leases_run_waiting_or_holding_when_the_server_stops_ends_with_a_registe
                 break
             time.sleep(0.1)
         assert child_pid, "the holder never recorded its command"
-        waiter = subprocess.Popen([*base, "--lock-wait", "120", "leases", "run", "--export", "orders", "--", "true"],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        waiter = fork_cli(*base, "--lock-wait", "120", "leases", "run", "--export", "orders", "--", "true", env=env)
         time.sleep(2)  # the waiter is polling the held lease
         assert waiter.poll() is None
         own_server["stop"]()  # type: ignore[operator]
