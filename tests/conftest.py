@@ -21,19 +21,37 @@ from support import PG_PASSWORD, PG_PASSWORD_USER, Cluster, as_postgres, require
 from support.backends import BACKENDS, StateBackend
 from support.zygote import zygote
 
-#: The files that take longest, run first: xdist hands whole files to its two workers in
-#: collection order, and a long file started last would run alone at the end.
-LONGEST_FIRST = ("test_url_secrets.py", "test_lease_contract.py", "test_move_crashes.py", "test_leases.py",
-                 "test_relocate.py", "test_docs.py")
+#: Tests that are a work unit of their own (each parameter too), longest first; every
+#: other test runs with the rest of its file, one unit per file.
+OWN_UNITS = ("test_no_two_holders_ever_overlap_and_tokens_only_grow_under_sigkill_chaos",
+             "test_redaction_fuzz", "test_transfer_killed_at_any_instant", "test_sigkill_at_every_point",
+             "test_relocate_killed_at_any_instant")
+#: The files that take longest, after the units above.
+LONGEST_FIRST = ("test_lease_contract.py", "test_leases.py", "test_fault_matrix.py", "test_transfer.py",
+                 "test_relocate.py", "test_move_crashes.py", "test_url_secrets.py", "test_guarded_writes.py",
+                 "test_hot_journal.py", "test_doctor.py", "test_docs.py")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Order the files :data:`LONGEST_FIRST`, then the rest as collected (tests within a
-    file keep their order)."""
-    def rank(item: pytest.Item) -> int:
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    """Put every test into its work unit (an ``xdist_group``: pyproject's addopts run
+    ``--dist loadgroup --no-loadscope-reorder``, so xdist hands whole units to its
+    workers in this order) and order the units longest first, :data:`OWN_UNITS` then
+    :data:`LONGEST_FIRST`, so that no long unit starts last and runs alone. Tests keep
+    their order within a unit; a file's module-scoped fixtures are built once per worker
+    that runs part of it."""
+    def own(item: pytest.Item) -> int | None:
+        return next((i for i, name in enumerate(OWN_UNITS) if item.name.startswith(name)), None)
 
+    def rank(item: pytest.Item) -> int:
+        unit = own(item)
+        if unit is not None:
+            return unit
+        name = item.path.name
+        return len(OWN_UNITS) + (LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST))
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(item.name if own(item) is not None else item.path.name))
     items.sort(key=rank)
 
 

@@ -60,8 +60,9 @@ def test_the_installed_entry_point_and_the_guides_zygote_answer_alike(
     proc = subprocess.Popen(["statetool", "-c", str(config), "leases", "run", "--export", "orders", "--",
                              "sleep", "60"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while run_cli("-c", str(config), "--json", "leases").stdout.count('"live"') == 0:
+    while not any(row.get("child_pid") for row in json.loads(run_cli("-c", str(config), "--json",
+                                                                     "leases").stdout)["leases"]):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
+        time.sleep(0.05)  # until the command runs: leases run forwards signals from then on
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM  # the command's code, as leases run reports it

@@ -36,6 +36,7 @@ from statetool.schema import IN_FLIGHT_REVISION
 STATE = ".rivet_state.db"
 CHECKPOINT = Path("checkpoints") / "order_events.json"
 RUNS = 60_000
+TRANSFER_RUNS = 20_000
 #: Blind kills per sweep: evenly over the measured run time (one more at three times it).
 KILLS = 10
 
@@ -49,11 +50,9 @@ def _open(config: Path, state_url: str | None) -> str:
     return "live"
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A pipeline whose state (init: identity recorded, WAL) holds 60,000 runs and 60,000
-    chunks: big enough that a move takes a while. Its CDC checkpoint is relative."""
-    directory = tmp_path_factory.mktemp("moves") / "pipeline"
+def _build_template(directory: Path, rows: int) -> Path:
+    """A pipeline in ``directory`` whose state (init: identity recorded, WAL) holds
+    ``rows`` runs and ``rows`` chunks, with a relative CDC checkpoint."""
     config = write_config(directory)
     proc = run_cli("-c", str(config), "init")
     assert proc.returncode == 0, describe(proc)
@@ -62,15 +61,30 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
         db.executemany("INSERT INTO rivet_runs (run_id, export_name, mode, status, started_at, finished_at, rows) "
                        "VALUES (?, 'orders', 'incremental', 'succeeded', ?, ?, ?)",
                        ((f"r{i:07d}", f"2026-01-01T00:00:{i % 60:02d}Z", "2026-01-01T01:00:00Z", i)
-                        for i in range(RUNS)))
+                        for i in range(rows)))
         db.executemany("INSERT INTO rivet_chunks VALUES ('order_lines', 'r0000001', ?, ?, ?, 'done', 1000, ?)",
-                       ((k, str(k * 1000), str((k + 1) * 1000), "2026-01-01T00:00:00Z") for k in range(RUNS)))
+                       ((k, str(k * 1000), str((k + 1) * 1000), "2026-01-01T00:00:00Z") for k in range(rows)))
         db.execute("UPDATE rivet_exports SET cursor_value = '2026-06-01' WHERE export_name = 'orders'")
     db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     db.close()
     (directory / CHECKPOINT).parent.mkdir(parents=True)
     (directory / CHECKPOINT).write_text('{"file": "mysql-bin.000042", "pos": 91234}\n')
     return config
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pipeline whose state holds :data:`RUNS` runs and as many chunks: big enough that
+    a relocation (a copy of its pages) takes a while."""
+    return _build_template(tmp_path_factory.mktemp("moves") / "pipeline", RUNS)
+
+
+@pytest.fixture(scope="module")
+def transfer_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same with :data:`TRANSFER_RUNS` runs and chunks, for the transfer sweep: a
+    transfer copies rows, far slower per row than a relocation copies pages, so a third of
+    the rows still keeps it busy longer than relocating :func:`template`."""
+    return _build_template(tmp_path_factory.mktemp("transfers") / "pipeline", TRANSFER_RUNS)
 
 
 def _copy(template: Path, base: Path) -> Path:
@@ -258,7 +272,8 @@ def schemas(pg_server: dict[str, str]) -> Iterator[Callable[[], str]]:
 
 
 def test_transfer_killed_at_any_instant_never_has_two_live_places_and_a_rerun_converges(
-        tmp_path: Path, template: Path, schemas: Callable[[], str]) -> None:
+        tmp_path: Path, transfer_template: Path, schemas: Callable[[], str]) -> None:
+    template = transfer_template
     first = _copy(template, tmp_path / "timing")
     total = _timed_run(("-c", str(first), "transfer", "--to", schemas()))
 
@@ -275,7 +290,7 @@ def test_transfer_killed_at_any_instant_never_has_two_live_places_and_a_rerun_co
             assert sorted(p.name for p in config.parent.glob(f"{STATE}*") if "relocated-" not in p.name) == [STATE]
             store = StateStore.open(config, state_url=url, env={}, lock_wait=0)
             with store.ctx.backend().reading() as conn:
-                assert conn.exec_driver_sql("SELECT count(*) FROM rivet_runs").scalar() == RUNS, when
+                assert conn.exec_driver_sql("SELECT count(*) FROM rivet_runs").scalar() == TRANSFER_RUNS, when
                 assert conn.exec_driver_sql("SELECT count(*) FROM rivet_audit WHERE action = 'transfer'"
                                             ).scalar() == 1, when
             shutil.rmtree(config.parent.parent)

@@ -364,6 +364,10 @@ LETTERS = "qxzjkvwQXZJKVWéßλЖ漢"  # no digits, no a-f: nothing of a passwor
 SPECIALS = "@:/%#?&=+ "
 FUZZ_URLS = 1040
 SUBPROCESS_SAMPLE = 30
+#: The fuzz runs as this many tests (each takes every FUZZ_SHARDS-th round of the channels),
+#: so that both workers share it; every shard draws the whole seeded sequence and judges
+#: its state against every password of it.
+FUZZ_SHARDS = 4
 
 
 def fuzz_password(rng: random.Random) -> str:
@@ -458,7 +462,8 @@ def pg_dump(base_url: str, schemas: list[str]) -> str:
 
 
 @pytest.mark.postgres
-def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schemas: list[str]) -> None:
+@pytest.mark.parametrize("shard", range(FUZZ_SHARDS))
+def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schemas: list[str], shard: int) -> None:
     """1,040 seeded URLs with passwords of letters (ASCII and not) and ``@ : / % # ? & = +``
     and space, raw, percent-encoded and malformed, each through one channel:
 
@@ -479,6 +484,10 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
     subprocess CLI. Each run's stdout and stderr, and at the end every table of every
     state, every lease record and every tombstone, hold no 4-character fragment of any
     password, in any spelling (as written, percent-decoded, JSON-unescaped).
+
+    Each of the :data:`FUZZ_SHARDS` shards draws the same seeded sequence and runs its own
+    rounds of the channels (every channel in each); the floors of runs that succeeded hold per shard (a quarter
+    of the whole fuzz's, rounded up), so all four together hold at least the whole one's.
     """
     rng = random.Random(SEED)
     socket_dir = pg_server["url"].split("host=")[1]
@@ -507,6 +516,9 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
         target = rng.choice([f"127.0.0.1:{closed_port}", f"@socket:{socket_dir}"])
         url, kind = fuzz_url(rng, password, target)
         kinds[kind] = kinds.get(kind, 0) + 1
+        by_argument = rng.random() < 0.5  # the state channel's: --state-url, else RIVET_STATE_URL
+        if (i // len(channels)) % FUZZ_SHARDS != shard:  # whole rounds of the channels per shard
+            continue
         run = cli_subprocess if i in sample else cli_in_process
         channel = "transfer" if i in transfers else channels[i % len(channels)] if i not in sample \
             else ["state", "source", "rekey", "lease", "lease_pg"][i % 5]
@@ -521,7 +533,7 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
                      ["init", "--json"], ["exports", "reset", "orders"]]
             form = forms[i % len(forms)]
             env = {"GITHUB_ACTIONS": "true"} if form[0] == "check" else {}
-            if rng.random() < 0.5:
+            if by_argument:
                 args, env["RIVET_STATE_URL"] = ["-c", str(config), *form], url
             else:
                 args = ["-c", str(config), "--state-url", url, *form]
@@ -592,8 +604,9 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
         grams = {seen[j:j + FRAGMENT] for j in range(len(seen) - FRAGMENT + 1)}
         assert not grams & everything, f"password fragments in the state: {sorted(grams & everything)[:10]}"
     assert len(set(passwords)) >= 1000 and min(kinds.values()) >= 150, kinds
-    floors = {"state init": 10, "state exports": 5, "source init": 40, "rekey": 40, "transfer": 5}
-    print(f"fuzz: kinds {kinds}, runs that succeeded {succeeded}")
+    floors = {k: -(-n // FUZZ_SHARDS) for k, n in
+              {"state init": 10, "state exports": 5, "source init": 40, "rekey": 40, "transfer": 5}.items()}
+    print(f"fuzz shard {shard}: kinds {kinds}, runs that succeeded {succeeded}")
     assert all(succeeded.get(k, 0) >= n for k, n in floors.items()), succeeded
     assert leaked(f"x{passwords[0]}x", passwords[0]) and leaked(quote(passwords[1]), passwords[1]), \
         "the leak detector itself must see a password"

@@ -114,17 +114,28 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
     key = valid_key(run_lease_key(export))  # the name is the operator's input: no control characters
     lease_store(ctx).require_state()
     with holding(ctx, key, command) as lease:
-        try:
-            child = subprocess.Popen(list(argv), pass_fds=lease.inheritable_fds(), preexec_fn=_die_with_parent())
-        except OSError as err:
-            raise StateError("RIVET_CLI_USAGE", f"cannot start {argv[0]}: {err.strerror}") from None
-        lease.set_child(child.pid, process_started(child.pid))
+        started: list[subprocess.Popen[bytes]] = []
+        held: list[int] = []  # signals that came before the command started: it gets them first thing
 
         def forward(signum: int, _frame: object) -> None:
-            child.send_signal(signum)
+            if started:
+                started[0].send_signal(signum)
+            else:
+                held.append(signum)
 
+        # Forwarding starts before the command does: a SIGTERM between the start and the
+        # handler would kill the wrapper alone (its command then dies of PR_SET_PDEATHSIG).
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            try:
+                child = subprocess.Popen(list(argv), pass_fds=lease.inheritable_fds(),
+                                         preexec_fn=_die_with_parent())
+            except OSError as err:
+                raise StateError("RIVET_CLI_USAGE", f"cannot start {argv[0]}: {err.strerror}") from None
+            started.append(child)
+            for signum in held:
+                child.send_signal(signum)
+            lease.set_child(child.pid, process_started(child.pid))
             while True:
                 try:
                     code = child.wait(timeout=WATCH_SECONDS)

@@ -18,6 +18,7 @@ process started with them sees. docs/decisions.md "The test suite" has the rule.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing import reduction
@@ -44,7 +46,10 @@ DRIVERS = ("sqlalchemy.dialects.sqlite.pysqlite", "sqlalchemy.dialects.postgresq
            "typer._adapters", "rich._emoji_codes", "support.crash_driver", "support.forked")
 _CONTEXT = multiprocessing.get_context("forkserver")
 #: multiprocessing's bookkeeping of children is not made for threads starting them at once.
-_STARTING = threading.Lock()
+_STARTING = threading.RLock()
+_server_started = False
+#: The children started and not yet seen to end (killed at exit: :func:`_kill_leftovers`).
+_RUNNING: weakref.WeakSet[Forked] = weakref.WeakSet()
 _TESTS = Path(__file__).resolve().parents[1]
 PACKAGE_ROOT = Path(statetool.__file__).resolve().parents[1]
 
@@ -62,14 +67,12 @@ def preload() -> list[str]:
 @contextmanager
 def _server_environment() -> Iterator[None]:
     """While the server starts: the package and ``tests`` first on its PYTHONPATH (it
-    imports ``support.forked``, whose function every child runs), in the package's root."""
-    saved_path, saved_cwd = os.environ.get("PYTHONPATH"), os.getcwd()
+    imports ``support.forked``, whose function every child runs)."""
+    saved_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), str(_TESTS), *filter(None, [saved_path])])
-    os.chdir(PACKAGE_ROOT)
     try:
         yield
     finally:
-        os.chdir(saved_cwd)
         if saved_path is None:
             del os.environ["PYTHONPATH"]
         else:
@@ -78,10 +81,42 @@ def _server_environment() -> Iterator[None]:
 
 def start_server() -> None:
     """Start the fork server of this test process unless it runs (it imports everything
-    once, about a second; it ends with this process)."""
-    _CONTEXT.set_forkserver_preload(preload())
-    with _server_environment():
-        multiprocessing.forkserver.ensure_running()
+    once, about a second; it ends with this process). Only the first call changes this
+    process's PYTHONPATH, for a moment, under :data:`_STARTING`."""
+    global _server_started
+    with _STARTING:
+        if _server_started:
+            return
+        _CONTEXT.set_forkserver_preload(preload())
+        with _server_environment():
+            multiprocessing.forkserver.ensure_running()
+        atexit.register(_kill_leftovers)
+        _server_started = True
+
+
+def _kill_leftovers() -> None:
+    """At exit, SIGKILL every child still running: multiprocessing would otherwise wait
+    for it (a holder a failed test left behind would hang the test process)."""
+    for child in list(_RUNNING):
+        child.kill()
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` runs: it is in /proc and neither a zombie nor dead."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] not in (b"Z", b"X")
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (``/proc/self/status``; setting and
+    restoring it would change it for every thread meanwhile)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    raise AssertionError("no Umask line in /proc/self/status")
 
 
 class _Descriptor:
@@ -142,8 +177,7 @@ class Forked:
         self.stdout: IO[str] | None = None
         self.stderr: IO[str] | None = None
         ends = [self._end(name, sink) for name, sink in (("stdout", stdout), ("stderr", stderr))]
-        umask = os.umask(0o022)
-        os.umask(umask)
+        umask = _umask()
         self._process = _CONTEXT.Process(target=_child, daemon=False, args=(
             kind, target, list(argv), dict(env), str(cwd or os.getcwd()), umask,
             _Descriptor(ends[0][0]), _Descriptor(ends[1][0]), new_session))
@@ -156,6 +190,7 @@ class Forked:
                     os.close(fd)
         assert self._process.pid is not None
         self.pid: int = self._process.pid
+        _RUNNING.add(self)
 
     def _end(self, name: str, sink: Sink) -> tuple[int, bool]:
         """The descriptor the child writes ``name`` to, and whether it is this object's to
@@ -174,7 +209,14 @@ class Forked:
         return self._process.exitcode
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        """The exit code once the process has ended, else None. The fork server reaps the
+        child and sends its status a moment later; a child already dead (a zombie, or
+        gone from /proc) is waited for, so that, as with Popen, a signal is never sent to
+        a process that has ended."""
+        code = self._process.exitcode
+        if code is None and not _running(self.pid):
+            code = self.wait()
+        return code
 
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
