@@ -48,7 +48,7 @@ _CONTEXT = multiprocessing.get_context("forkserver")
 #: multiprocessing's bookkeeping of children is not made for threads starting them at once.
 _STARTING = threading.RLock()
 _server_started = False
-#: The children started and not yet seen to end (killed at exit: :func:`_kill_leftovers`).
+#: The children not yet garbage: any still running at exit is killed (:func:`_kill_leftovers`).
 _RUNNING: weakref.WeakSet[Forked] = weakref.WeakSet()
 _TESTS = Path(__file__).resolve().parents[1]
 PACKAGE_ROOT = Path(statetool.__file__).resolve().parents[1]
