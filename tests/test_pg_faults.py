@@ -295,6 +295,14 @@ def test_the_operators_connect_timeout_is_kept_not_replaced_by_statetools_defaul
     assert took < CONNECT_TIMEOUT - 3, f"gave up after {took:.1f} s: the operator's 1 s was replaced"
 
 
+def test_a_connect_timeout_that_is_not_a_number_is_an_invalid_url_and_an_unusable_env_value_is_ignored(
+        cfg: Path, state: str) -> None:
+    proc = _cli(cfg, f"{state}&connect_timeout=abc", "info")
+    _assert_refused(proc, "RIVET_STATE_URL_INVALID", "connect_timeout=abc")
+    proc = run_cli("-c", str(cfg), "--json", "info", env={"RIVET_STATE_URL": state, "PGCONNECT_TIMEOUT": "abc"})
+    assert proc.returncode == 0, describe(proc)
+
+
 # -- one error boundary: statetool's own SQL is internal, environment faults keep their code --
 
 

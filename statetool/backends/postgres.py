@@ -46,13 +46,19 @@ def _connect_args(query: Mapping[str, str | tuple[str, ...]], options: str) -> d
     """The driver's connection arguments: statetool's session ``options`` after the ones
     the operator gave (the URL's ``options=``, else ``PGOPTIONS``: a later ``-c`` wins, so
     statetool's search_path and read-only flag hold), and :data:`CONNECT_TIMEOUT` only when
-    the URL and ``PGCONNECT_TIMEOUT`` name no timeout. An argument given here replaces the
-    URL's and libpq's environment's, so none of the operator's is dropped."""
+    the URL and ``PGCONNECT_TIMEOUT`` name no timeout (a PGCONNECT_TIMEOUT that is not a
+    number is replaced by it, as before). An argument given here replaces the URL's and
+    libpq's environment's, so none of the operator's is dropped. Raises
+    ``RIVET_STATE_URL_INVALID`` for a ``connect_timeout`` that is not a whole number."""
     given = query.get("options", os.environ.get("PGOPTIONS", ""))
     given = " ".join(given) if isinstance(given, tuple) else given
     args: dict[str, Any] = {"options": f"{given} {options}" if given.strip() else options}
-    if "connect_timeout" not in query and not os.environ.get("PGCONNECT_TIMEOUT"):
-        args["connect_timeout"] = CONNECT_TIMEOUT
+    timeout = query.get("connect_timeout")
+    if timeout is not None and not str(timeout).strip().lstrip("-").isdigit():
+        raise StateError("RIVET_STATE_URL_INVALID",
+                         f"connect_timeout={timeout} in the state URL is not a whole number of seconds")
+    if timeout is None and not os.environ.get("PGCONNECT_TIMEOUT", "").strip().lstrip("-").isdigit():
+        args["connect_timeout"] = CONNECT_TIMEOUT  # none given, or PGCONNECT_TIMEOUT unusable: libpq's would fail
     return args
 
 

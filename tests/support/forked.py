@@ -29,7 +29,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing import reduction
@@ -48,8 +47,8 @@ _CONTEXT = multiprocessing.get_context("forkserver")
 #: multiprocessing's bookkeeping of children is not made for threads starting them at once.
 _STARTING = threading.RLock()
 _server_started = False
-#: The children not yet garbage: any still running at exit is killed (:func:`_kill_leftovers`).
-_RUNNING: weakref.WeakSet[Forked] = weakref.WeakSet()
+#: The children not yet seen to end: any still running at exit is killed (:func:`_kill_leftovers`).
+_RUNNING: set[Forked] = set()
 _TESTS = Path(__file__).resolve().parents[1]
 PACKAGE_ROOT = Path(statetool.__file__).resolve().parents[1]
 
@@ -216,6 +215,8 @@ class Forked:
         code = self._process.exitcode
         if code is None and not _running(self.pid):
             code = self.wait()
+        if code is not None:
+            _RUNNING.discard(self)
         return code
 
     def wait(self, timeout: float | None = None) -> int:
@@ -223,6 +224,7 @@ class Forked:
         code = self._process.exitcode
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        _RUNNING.discard(self)
         return code
 
     def send_signal(self, signum: int) -> None:
