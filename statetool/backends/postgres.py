@@ -54,12 +54,17 @@ def _connect_args(query: Mapping[str, str | tuple[str, ...]], options: str) -> d
     given = " ".join(given) if isinstance(given, tuple) else given
     args: dict[str, Any] = {"options": f"{given} {options}" if given.strip() else options}
     timeout = query.get("connect_timeout")
-    if timeout is not None and not str(timeout).strip().lstrip("-").isdigit():
+    if timeout is not None and not _whole_number(str(timeout)):
         raise StateError("RIVET_STATE_URL_INVALID",
                          f"connect_timeout={timeout} in the state URL is not a whole number of seconds")
-    if timeout is None and not os.environ.get("PGCONNECT_TIMEOUT", "").strip().lstrip("-").isdigit():
+    if timeout is None and not _whole_number(os.environ.get("PGCONNECT_TIMEOUT", "")):
         args["connect_timeout"] = CONNECT_TIMEOUT  # none given, or PGCONNECT_TIMEOUT unusable: libpq's would fail
     return args
+
+
+def _whole_number(text: str) -> bool:
+    """True for what libpq takes as a connect timeout: an integer, possibly negative."""
+    return text.strip().lstrip("-").isdigit()
 
 
 class PostgresBackend:

@@ -57,6 +57,11 @@ class CliTimeout(BaseException):
     CLI's own handlers do not turn it into an error object)."""
 
 
+def exit_code(done: SystemExit) -> int:
+    """The status a process ending with ``done`` exits with (None 0, an int itself, else 1)."""
+    return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+
+
 def describe(proc: Output) -> str:
     """The output of a CLI run (in-process or a process), for assertion messages."""
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
@@ -145,7 +150,7 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
             with _deadline(timeout):
                 main(given)
         except SystemExit as done:
-            code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+            code = exit_code(done)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

@@ -72,12 +72,13 @@ def _run_child(request: dict[str, object], fds: list[int]) -> int:
     os.umask(int(str(request["umask"])))
     argv = [str(a) for a in request["argv"]]  # type: ignore[attr-defined]
     from statetool.cli import main
+    from support.cli import exit_code
 
     sys.argv = ["statetool", *argv]
     try:
         main(argv)
     except SystemExit as done:
-        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        return exit_code(done)
     return 0
 
 
