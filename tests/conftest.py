@@ -32,27 +32,39 @@ LONGEST_FIRST = ("test_lease_contract.py", "test_leases.py", "test_fault_matrix.
                  "test_hot_journal.py", "test_doctor.py", "test_docs.py")
 
 
+def work_unit(nodeid: str) -> str:
+    """The work unit of the test ``nodeid``: the test itself for :data:`OWN_UNITS`, else its file."""
+    path, _, name = nodeid.partition("::")
+    return nodeid if name.startswith(OWN_UNITS) else path
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Put every test into its work unit (an ``xdist_group``: pyproject's addopts run
-    ``--dist loadgroup --no-loadscope-reorder``, so xdist hands whole units to its
-    workers in this order) and order the units longest first, :data:`OWN_UNITS` then
-    :data:`LONGEST_FIRST`, so that no long unit starts last and runs alone. Tests keep
-    their order within a unit; a file's module-scoped fixtures are built once per worker
-    that runs part of it."""
-    def own(item: pytest.Item) -> int | None:
-        return next((i for i, name in enumerate(OWN_UNITS) if item.name.startswith(name)), None)
-
+    """Order the work units longest first, :data:`OWN_UNITS` then :data:`LONGEST_FIRST`,
+    so that no long unit starts last and runs alone. Tests keep their order within a
+    unit. Run under ``--no-loadscope-reorder`` (pyproject's addopts), xdist hands out
+    the units in this order."""
     def rank(item: pytest.Item) -> int:
-        unit = own(item)
+        unit = next((i for i, name in enumerate(OWN_UNITS) if item.name.startswith(name)), None)
         if unit is not None:
             return unit
         name = item.path.name
         return len(OWN_UNITS) + (LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST))
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(item.name if own(item) is not None else item.path.name))
     items.sort(key=rank)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist hands whole :func:`work_unit` units to its workers, so a file's
+    module-scoped fixtures are built once. (Not ``xdist_group`` marks: ``--dist
+    loadgroup`` stopped grouping on pytest 9.2, pytest-xdist issue #1386.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnits(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,7 @@ import pytest
 import statetool
 from support import (describe, error_object, fork_cli, process_env, run_cli, run_cli_as_needed, run_cli_process,
                      tree_digest, write_config)
+from support.zygote import SOCKET_VAR, zygote
 from statetool.errors import REGISTRY
 from statetool.location import LEASE_DIR, STATE_FILE
 
@@ -58,28 +59,34 @@ def _require_root() -> None:
 
 @pytest.fixture(scope="session")
 def as_nobody() -> Iterator[Runner]:
-    """``run(*args, cwd=, env=)``: the real CLI as user ``nobody``."""
+    """``run(*args, cwd=, env=)``: the real CLI as user ``nobody``, in a process of its
+    own forked by a zygote that runs as nobody (:func:`support.zygote.zygote`): the
+    machine's ``/usr/bin/python3`` on a copy of the installed packages and of ``support``
+    that nobody may read (the tests' interpreter lives where nobody may not enter)."""
     _require_root()
     root = Path(tempfile.mkdtemp(prefix="statetool-nobody-"))
     site = root / "site"
     shutil.copytree(sysconfig.get_paths()["purelib"], site, symlinks=True,
-                    ignore=shutil.ignore_patterns("__pycache__", "pip", "pip-*", "_pytest", "pytest", "pytest-*"))
+                    ignore=shutil.ignore_patterns("__pycache__", "pip", "pip-*"))
     package = Path(statetool.__file__).parent
     shutil.copytree(package, site / "statetool", dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     if not (site / "statetool" / "_alembic").is_dir():  # an editable install: the revisions are in the tree
         shutil.copytree(package.parent / "alembic", site / "statetool" / "_alembic")
+    shutil.copytree(Path(__file__).parent / "support", root / "tests" / "support",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True)
+    base = {"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "200", "NO_COLOR": "1",
+            "HOME": "/nonexistent"}
+    with zygote("nobody", "/usr/bin/python3", [str(site), str(root / "tests")], base) as shell:
+        client = Path(shell["PATH"].split(os.pathsep)[0]) / "statetool"
 
-    def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        full = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1",
-                "COLUMNS": "200", "NO_COLOR": "1", "HOME": "/nonexistent", **(env or {})}
-        return subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/env", "-i",
-                               *[f"{k}={v}" for k, v in full.items()],
-                               "/usr/bin/python3", "-s", "-m", "statetool", *args],
-                              cwd=cwd or "/", text=True, capture_output=True, timeout=timeout)
+        def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+            full = {**base, "PYTHONPATH": str(site), **(env or {}), SOCKET_VAR: shell[SOCKET_VAR]}
+            return subprocess.run([str(client), *args], cwd=cwd or "/", env=full, text=True, capture_output=True,
+                                  timeout=timeout)
 
-    yield run
+        yield run
     shutil.rmtree(root, ignore_errors=True)
 
 

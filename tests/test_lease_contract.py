@@ -357,9 +357,9 @@ class Plan:
 
 
 PLANS = {
-    "sqlite": Plan(workers=4, acquisitions=2000, lib_kills_inside=15, random_kills=15, wrappers_per_fate=3,
+    "sqlite": Plan(workers=4, acquisitions=1000, lib_kills_inside=15, random_kills=15, wrappers_per_fate=3,
                    budget=300),
-    "postgres": Plan(workers=4, acquisitions=1000, lib_kills_inside=10, random_kills=10, wrappers_per_fate=3,
+    "postgres": Plan(workers=4, acquisitions=500, lib_kills_inside=10, random_kills=10, wrappers_per_fate=3,
                      budget=300),
 }
 

@@ -35,7 +35,7 @@ from statetool.schema import IN_FLIGHT_REVISION
 
 STATE = ".rivet_state.db"
 CHECKPOINT = Path("checkpoints") / "order_events.json"
-RUNS = 60_000
+RUNS = 30_000
 TRANSFER_RUNS = 20_000
 #: Blind kills per sweep: evenly over the measured run time (one more at three times it).
 KILLS = 10
@@ -82,8 +82,8 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def transfer_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same with :data:`TRANSFER_RUNS` runs and chunks, for the transfer sweep: a
-    transfer copies rows, far slower per row than a relocation copies pages, so a third of
-    the rows still keeps it busy longer than relocating :func:`template`."""
+    transfer copies rows, far slower per row than a relocation copies pages, so two thirds
+    of the rows still keep it busy longer than relocating :func:`template`."""
     return _build_template(tmp_path_factory.mktemp("transfers") / "pipeline", TRANSFER_RUNS)
 
 

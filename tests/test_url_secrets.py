@@ -24,8 +24,8 @@ from urllib.parse import quote, unquote
 
 import pytest
 
-from support import (PG_PASSWORD, PG_PASSWORD_USER, describe, error_object, run_cli, run_cli_process, tree_digest,
-                     write_config)
+from support import (PG_PASSWORD, PG_PASSWORD_USER, describe, error_object, run_cli, run_cli_forked, run_cli_process,
+                     tree_digest, write_config)
 from statetool import redact
 from statetool.backends.tombstone import MAGIC
 from statetool.errors import StateError
@@ -364,6 +364,9 @@ LETTERS = "qxzjkvwQXZJKVWéßλЖ漢"  # no digits, no a-f: nothing of a passwor
 SPECIALS = "@:/%#?&=+ "
 FUZZ_URLS = 1040
 SUBPROCESS_SAMPLE = 30
+#: Every this-th run of the sample starts a new interpreter (``python -m statetool``);
+#: the others are forked from one that imported statetool (:func:`support.run_cli_forked`).
+STARTED_EVERY = 3
 #: The fuzz runs as this many tests (each takes every FUZZ_SHARDS-th round of the channels),
 #: so that both workers share it; every shard draws the whole seeded sequence and judges
 #: its state against every password of it.
@@ -429,6 +432,12 @@ def cli_subprocess(args: list[str], env: dict[str, str]) -> tuple[int, str, str]
     return proc.returncode, proc.stdout, proc.stderr
 
 
+def cli_forked(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+    """The real CLI in a process of its own, forked without the interpreter's start-up."""
+    proc = run_cli_forked(*args, env={"GITHUB_ACTIONS": "", **env})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
 LEASE_DUMP = ("import glob, shutil, sys\n"
               "for i, f in enumerate(sorted(glob.glob(sys.argv[2] + '/*'))):\n"
               "    shutil.copy(f, sys.argv[1] + '.' + str(i))\n")
@@ -480,8 +489,9 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
 
     All but :data:`SUBPROCESS_SAMPLE` go through :func:`statetool.cli.main` in this process
     (the same function ``python -m statetool`` runs, stdout/stderr captured; a subprocess
-    each would take minutes); the sample, spread over every channel, through the real
-    subprocess CLI. Each run's stdout and stderr, and at the end every table of every
+    each would take minutes); the sample, spread over every channel, in a process of its
+    own: every :data:`STARTED_EVERY`-th a new interpreter (``python -m statetool``), the
+    others forked from one that imported statetool. Each run's stdout and stderr, and at the end every table of every
     state, every lease record and every tombstone, hold no 4-character fragment of any
     password, in any spelling (as written, percent-decoded, JSON-unescaped).
 
@@ -508,6 +518,7 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
     assert cli_in_process(["-c", str(lease_config), "init"], {"RIVET_STATE_URL": lease_pg_url})[0] == 0
     sample = set(rng.sample(range(FUZZ_URLS), SUBPROCESS_SAMPLE))
     transfers = set(rng.sample(sorted(set(range(FUZZ_URLS)) - sample), 12)) | set(sorted(sample)[:3])
+    started = set(sorted(sample)[::STARTED_EVERY])
     kinds: dict[str, int] = {}
     succeeded: dict[str, int] = {}  # channel -> runs that exit 0: the fuzz reached the writes, not only refusals
     for i in range(FUZZ_URLS):
@@ -519,7 +530,7 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
         by_argument = rng.random() < 0.5  # the state channel's: --state-url, else RIVET_STATE_URL
         if (i // len(channels)) % FUZZ_SHARDS != shard:  # whole rounds of the channels per shard
             continue
-        run = cli_subprocess if i in sample else cli_in_process
+        run = cli_in_process if i not in sample else cli_subprocess if i in started else cli_forked
         channel = "transfer" if i in transfers else channels[i % len(channels)] if i not in sample \
             else ["state", "source", "rekey", "lease", "lease_pg"][i % 5]
         secrets = (password, quote(password, safe=""))
@@ -592,7 +603,7 @@ def test_redaction_fuzz(tmp_path: Path, pg_server: dict[str, str], dropped_schem
             outputs.extend(streams)
             succeeded["transfer"] = succeeded.get("transfer", 0) + (code == 0)
             dumps.append(sqlite_dump(directory / ".rivet_state.db"))
-        how = "subprocess" if i in sample else "in-process"
+        how = "in-process" if i not in sample else "subprocess" if i in started else "forked process"
         assert_clean("\n".join(outputs), *secrets, what=f"(#{i}, {channel}, {kind}, {how}: {url!r})")
     closed.close()
     dumps.append(sqlite_dump(config.parent / ".rivet_state.db"))

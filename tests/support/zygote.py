@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -155,10 +157,17 @@ def serve(path: str) -> None:
 
 
 @contextmanager
-def zygote() -> Iterator[dict[str, str]]:
+def zygote(user: str | None = None, python: str = sys.executable, path: list[str] | None = None,
+           environment: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
     """Start a zygote; yields the environment a shell needs to use it (``PATH`` with the
     client named ``statetool`` first, then the interpreter's directory and the rest, and
-    :data:`SOCKET_VAR`); stops it afterwards."""
+    :data:`SOCKET_VAR`); stops it afterwards.
+
+    By default the zygote is this interpreter, as this user, with this environment, the
+    package and ``tests`` first on its ``PYTHONPATH``. With ``user``, it runs as that user
+    (its group, no other groups) with interpreter ``python``, exactly ``environment`` and
+    ``path`` as ``PYTHONPATH`` (``path`` must hold this ``support`` package): its
+    children are that user's processes, as ``runuser -u USER -- statetool`` starts."""
     home = Path(tempfile.mkdtemp(prefix="statetool-zygote-"))
     where = home / "socket"
     bindir = home / "bin"
@@ -168,24 +177,30 @@ def zygote() -> Iterator[dict[str, str]]:
     client.chmod(0o755)
     from support.forked import PACKAGE_ROOT
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(PACKAGE_ROOT), str(_TESTS), os.environ.get("PYTHONPATH")]))}
-    server = subprocess.Popen([sys.executable, "-m", "support.zygote", str(where)], cwd=_TESTS, env=env,
-                              stdin=subprocess.DEVNULL)
+    if user is None:
+        path = [str(PACKAGE_ROOT), str(_TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+        environment = dict(os.environ)
+    assert path is not None and environment is not None, "a zygote of another user needs its path and environment"
+    credentials: dict[str, object] = {}
+    if user is not None:
+        home.chmod(0o755)
+        shutil.chown(home, user)  # the zygote creates its socket here
+        credentials = {"user": user, "group": pwd.getpwnam(user).pw_gid, "extra_groups": []}
+    server = subprocess.Popen([python, "-m", "support.zygote", str(where)], cwd="/",
+                              env={**environment, "PYTHONPATH": os.pathsep.join(path)}, stdin=subprocess.DEVNULL,
+                              **credentials)  # type: ignore[call-overload]
     try:
         deadline = time.monotonic() + 120
         while not where.exists():
             assert server.poll() is None, f"the zygote ended with {server.returncode}"
             assert time.monotonic() < deadline, "the zygote did not start in 120 s"
             time.sleep(0.02)
-        path = os.pathsep.join([str(bindir), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        yield {"PATH": path, SOCKET_VAR: str(where)}
+        shell_path = os.pathsep.join([str(bindir), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        yield {"PATH": shell_path, SOCKET_VAR: str(where)}
     finally:
         server.kill()
         server.wait()
-        for item in sorted(home.rglob("*"), reverse=True):
-            item.unlink() if not item.is_dir() else item.rmdir()
-        home.rmdir()
+        shutil.rmtree(home)
 
 
 if __name__ == "__main__":
