@@ -54,6 +54,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """xdist hands whole :func:`work_unit` units to its workers, so a file's
     module-scoped fixtures are built once. (Not ``xdist_group`` marks: ``--dist
