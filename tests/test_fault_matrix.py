@@ -77,17 +77,19 @@ def as_nobody() -> Iterator[Runner]:
     subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True)
     base = {"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "200", "NO_COLOR": "1",
             "HOME": "/nonexistent"}
-    with zygote("nobody", "/usr/bin/python3", [str(site), str(root / "tests")], base) as shell:
-        client = Path(shell["PATH"].split(os.pathsep)[0]) / "statetool"
+    try:
+        with zygote("nobody", "/usr/bin/python3", [str(site), str(root / "tests")], base) as shell:
+            client = Path(shell["PATH"].split(os.pathsep)[0]) / "statetool"
 
-        def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess[str]:
-            full = {**base, "PYTHONPATH": str(site), **(env or {}), SOCKET_VAR: shell[SOCKET_VAR]}
-            return subprocess.run([str(client), *args], cwd=cwd or "/", env=full, text=True, capture_output=True,
-                                  timeout=timeout)
+            def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+                    timeout: float = 120) -> subprocess.CompletedProcess[str]:
+                full = {**base, "PYTHONPATH": str(site), **(env or {}), SOCKET_VAR: shell[SOCKET_VAR]}
+                return subprocess.run([str(client), *args], cwd=cwd or "/", env=full, text=True,
+                                      capture_output=True, timeout=timeout)
 
-        yield run
-    shutil.rmtree(root, ignore_errors=True)
+            yield run
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _ok(*args: str, env: dict[str, str] | None = None) -> None:

@@ -2,7 +2,7 @@
 once, and a process that lost its lease writes nothing"), on the rewritten lease/guard layer.
 
 * Contention with a referee: worker processes take ``chunk-run:orders`` through
-  ``StateStore.run`` thousands of times while the test SIGKILLs workers (and restarts them),
+  ``StateStore.run`` a thousand times (500 on PostgreSQL) while the test SIGKILLs workers (and restarts them),
   ``statetool leases run`` wrappers (the wrapper only) and their commands. Every holder
   appends fixed-size records to one O_APPEND referee file; the test judges the file.
 * A stalled PostgreSQL holder (SIGSTOP past its TTL) that is taken over writes nothing when

@@ -368,7 +368,7 @@ SUBPROCESS_SAMPLE = 30
 #: the others are forked from one that imported statetool (:func:`support.run_cli_forked`).
 STARTED_EVERY = 3
 #: The fuzz runs as this many tests (each takes every FUZZ_SHARDS-th round of the channels),
-#: so that both workers share it; every shard draws the whole seeded sequence and judges
+#: so that several workers share it; every shard draws the whole seeded sequence and judges
 #: its state against every password of it.
 FUZZ_SHARDS = 4
 

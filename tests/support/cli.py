@@ -6,10 +6,10 @@ fixed width of 200 columns without colour, in ``cwd``; everything a run could le
 behind is put back afterwards (environment, cwd, umask, signal handlers, logging), so
 runs are as independent as processes. :func:`run_cli_process` runs the installed package
 (``python -m statetool``) as a real process, for the tests where the process is what is
-tested: a signal, a crash or SIGKILL, a lease held by another process, another user
-(``runuser``), stdin or a terminal, exit by ``os._exit``, or ``leases run -- CMD``, which
-forks a child. docs/decisions.md "The test suite: in-process runs, shared states, two
-workers" has the rule.
+tested: a signal, a crash or SIGKILL, a lease held by another process, stdin or a
+terminal, exit by ``os._exit``, or ``leases run -- CMD``, which forks a child.
+docs/decisions.md "The test suite: in-process runs, shared states, three workers" has
+the rule.
 """
 
 from __future__ import annotations

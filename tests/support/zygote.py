@@ -84,8 +84,9 @@ def _run_child(request: dict[str, object], fds: list[int]) -> int:
     return 0
 
 
-def serve(path: str) -> None:
-    """The zygote: import everything, then fork one child per client, forever."""
+def serve(path: str, parent: int) -> None:
+    """The zygote: import everything, then fork one child per client until the pipe
+    ``parent`` (its read end) reaches its end: the process that started it is gone."""
     from support.forked import preload
 
     for name in preload():
@@ -102,6 +103,7 @@ def serve(path: str) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
+    selector.register(parent, selectors.EVENT_READ)
     clients: dict[int, socket.socket] = {}  # child pid -> its client's connection
     clients_alive: set[int] = set()  # the children whose client is still connected
     while True:
@@ -114,6 +116,7 @@ def serve(path: str) -> None:
                     code = 1
                     try:
                         listener.close()
+                        os.close(parent)
                         signal.set_wakeup_fd(-1)
                         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                         code = _run_child(json.loads(message), fds)
@@ -129,6 +132,12 @@ def serve(path: str) -> None:
                 clients[pid] = conn
                 clients_alive.add(pid)
                 selector.register(conn, selectors.EVENT_READ, pid)
+            elif key.fileobj == parent:
+                if not os.read(parent, 64):  # the process that started the zygote is gone
+                    for pid in clients:
+                        os.kill(pid, signal.SIGKILL)
+                    os.unlink(path)
+                    os._exit(0)
             elif key.fileobj == wake_r:
                 os.read(wake_r, 4096)
                 while True:
@@ -167,7 +176,10 @@ def zygote(user: str | None = None, python: str = sys.executable, path: list[str
     package and ``tests`` first on its ``PYTHONPATH``. With ``user``, it runs as that user
     (its group, no other groups) with interpreter ``python``, exactly ``environment`` and
     ``path`` as ``PYTHONPATH`` (``path`` must hold this ``support`` package): its
-    children are that user's processes, as ``runuser -u USER -- statetool`` starts."""
+    children are that user's processes.
+
+    The zygote ends when this process does, even killed: it watches a pipe whose
+    write end only this process holds."""
     home = Path(tempfile.mkdtemp(prefix="statetool-zygote-"))
     where = home / "socket"
     bindir = home / "bin"
@@ -186,9 +198,13 @@ def zygote(user: str | None = None, python: str = sys.executable, path: list[str
         home.chmod(0o755)
         shutil.chown(home, user)  # the zygote creates its socket here
         credentials = {"user": user, "group": pwd.getpwnam(user).pw_gid, "extra_groups": []}
-    server = subprocess.Popen([python, "-m", "support.zygote", str(where)], cwd="/",
-                              env={**environment, "PYTHONPATH": os.pathsep.join(path)}, stdin=subprocess.DEVNULL,
-                              **credentials)  # type: ignore[call-overload]
+    watched, held = os.pipe()
+    try:
+        server = subprocess.Popen([python, "-m", "support.zygote", str(where), str(watched)], cwd="/",
+                                  env={**environment, "PYTHONPATH": os.pathsep.join(path)}, stdin=subprocess.DEVNULL,
+                                  pass_fds=(watched,), **credentials)  # type: ignore[call-overload]
+    finally:
+        os.close(watched)
     try:
         deadline = time.monotonic() + 120
         while not where.exists():
@@ -198,10 +214,11 @@ def zygote(user: str | None = None, python: str = sys.executable, path: list[str
         shell_path = os.pathsep.join([str(bindir), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         yield {"PATH": shell_path, SOCKET_VAR: str(where)}
     finally:
+        os.close(held)
         server.kill()
         server.wait()
         shutil.rmtree(home)
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], int(sys.argv[2]))
