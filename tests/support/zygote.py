@@ -172,11 +172,10 @@ def zygote(user: str | None = None, python: str = sys.executable, path: list[str
     client named ``statetool`` first, then the interpreter's directory and the rest, and
     :data:`SOCKET_VAR`); stops it afterwards.
 
-    By default the zygote is this interpreter, as this user, with this environment, the
-    package and ``tests`` first on its ``PYTHONPATH``. With ``user``, it runs as that user
-    (its group, no other groups) with interpreter ``python``, exactly ``environment`` and
-    ``path`` as ``PYTHONPATH`` (``path`` must hold this ``support`` package): its
-    children are that user's processes.
+    The zygote is the interpreter ``python`` with ``environment`` (default: this
+    process's) and ``path`` as ``PYTHONPATH`` (default: the package and ``tests``, then
+    this process's; it must hold this ``support`` package). With ``user``, it runs as that
+    user (its group, no other groups): its children are that user's processes.
 
     The zygote ends when this process does, even killed: it watches a pipe whose
     write end only this process holds."""
@@ -189,10 +188,10 @@ def zygote(user: str | None = None, python: str = sys.executable, path: list[str
     client.chmod(0o755)
     from support.forked import PACKAGE_ROOT
 
-    if user is None:
+    if path is None:
         path = [str(PACKAGE_ROOT), str(_TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    if environment is None:
         environment = dict(os.environ)
-    assert path is not None and environment is not None, "a zygote of another user needs its path and environment"
     credentials: dict[str, object] = {}
     if user is not None:
         home.chmod(0o755)
