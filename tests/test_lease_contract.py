@@ -342,6 +342,7 @@ class Wrapper:
     who: str  # "pid:start"
     kill_at: float | None = None  # monotonic seconds (kill-early), or once inside
     acted: bool = False
+    children: set[str] = field(default_factory=set)  # "pid:start" of its commands the test killed
 
 
 @dataclass
@@ -409,7 +410,7 @@ def test_no_two_holders_ever_overlap_and_tokens_only_grow_under_sigkill_chaos(
     killed_workers: set[int] = set()  # pids of killed workers not reaped yet
     failures: list[str] = []
     counts = {"worker_kills": 0, "random_kills": 0, "targeted_kills": 0, "wrapper_kills": 0, "child_kills": 0,
-              "restarts": 0}
+              "restarts": 0, "late_kills": 0}
 
     def start_worker() -> None:
         err = logs / f"worker-{len(kills)}-{time.monotonic_ns()}.err"
@@ -513,6 +514,7 @@ def test_no_two_holders_ever_overlap_and_tokens_only_grow_under_sigkill_chaos(
                     if inside is not None and inside.role == "cli" and inside.holder == w.who \
                             and _kill_pidfd(inside.pid, inside.start):
                         kills[("child", inside.who)] = at
+                        w.children.add(inside.who)
                         counts["child_kills"] += 1
                 else:
                     kills[("wrapper", w.who)] = time.monotonic_ns()
@@ -550,6 +552,13 @@ def test_no_two_holders_ever_overlap_and_tokens_only_grow_under_sigkill_chaos(
             if w.proc.poll() is None:
                 os.killpg(w.proc.pid, signal.SIGKILL)
                 w.proc.wait()
+    # A SIGKILL that reached a wrapper (or its command) already on its way out killed nothing:
+    # the wrapper ended 0 after its command released the lease. Such a kill is no kill, and
+    # the referee must show that holding closed like any other.
+    for w in wrappers:
+        if w.proc.returncode == 0:
+            for key in [("wrapper", w.who), *(("child", who) for who in w.children)]:
+                counts["late_kills"] += kills.pop(key, None) is not None
     verdict = judge(read_records(referee), kills, {w.who for w in wrappers})
     summary = (f"seed {seed}: {verdict.enters} acquisitions ({verdict.lib_enters} library, {verdict.cli_enters} "
                f"commands), {verdict.handoffs} handoffs, killed inside the lease {verdict.killed_inside}, "
