@@ -442,7 +442,7 @@ def test_listing_in_a_tight_loop_never_disturbs_a_waiter_and_takes_no_lock(
     looper.start()
     rounds = 0
     try:
-        while len(listings) < 2 or rounds < 200:
+        while len(listings) < 2 or rounds < (200 if sqlite else 100):
             row = state.leases()[RUN_KEY]
             assert (row["state"], row["holder_pid"]) == ("live", holder.pid), row
             if sqlite:

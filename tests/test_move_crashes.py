@@ -36,9 +36,12 @@ from statetool.schema import IN_FLIGHT_REVISION
 STATE = ".rivet_state.db"
 CHECKPOINT = Path("checkpoints") / "order_events.json"
 RUNS = 30_000
-TRANSFER_RUNS = 20_000
+TRANSFER_RUNS = 10_000
 #: Blind kills per sweep: evenly over the measured run time (one more at three times it).
 KILLS = 10
+#: Seconds between two looks at a trigger or a kill time (well under the shortest phase
+#: of a move, a few milliseconds of fsyncs).
+POLL = 0.0002
 
 
 def _open(config: Path, state_url: str | None) -> str:
@@ -82,8 +85,9 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def transfer_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same with :data:`TRANSFER_RUNS` runs and chunks, for the transfer sweep: a
-    transfer copies rows, far slower per row than a relocation copies pages, so two thirds
-    of the rows still keep it busy longer than relocating :func:`template`."""
+    transfer copies rows, far slower per row than a relocation copies pages, so a third of
+    the rows keeps it busy for as many kill points (the sweep's delays follow its measured
+    time, and each phase has a trigger of its own)."""
     return _build_template(tmp_path_factory.mktemp("transfers") / "pipeline", TRANSFER_RUNS)
 
 
@@ -111,15 +115,19 @@ Trigger = Callable[[], bool]
 
 def _kill_when(args: tuple[str, ...], trigger: Trigger, delay: float) -> int:
     """Start the CLI (a forked process: :mod:`support.forked`); as soon as ``trigger()``
-    holds (polled without pause: a file of the move appeared, a mark was committed), wait
-    ``delay`` seconds and SIGKILL it, unless it ended first. Returns its exit status."""
+    holds (polled every :data:`POLL` seconds: a file of the move appeared, a mark was
+    committed), wait ``delay`` seconds and SIGKILL it, unless it ended first. Returns its
+    exit status.
+
+    The waits sleep rather than spin: a spinning test takes one of the machine's two cores
+    from the command it is about to kill and from the other workers of the suite."""
     proc = fork_cli(*args, env=process_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while proc.poll() is None and not trigger() and time.monotonic() < deadline:
-        pass
+        time.sleep(POLL)
     end = time.monotonic() + delay
-    while proc.poll() is None and time.monotonic() < end:
-        pass
+    while proc.poll() is None and (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, POLL))
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
     return proc.wait(timeout=120)
