@@ -56,6 +56,9 @@ class Globals:
     lock_wait: float
     debug: bool
     command: str = "statetool"
+    #: Whether --config/-c was given: a named config must exist even where the state's
+    #: place does not depend on it (docs/decisions.md, "Leases without a pipeline config").
+    config_given: bool = False
 
     def context(self) -> Any:
         """The operations' :class:`~statetool.operations.context.Context` for these options."""
@@ -67,7 +70,7 @@ class Globals:
 
             progress = rich_progress
         return Context(self.config, self.state_url, dict(os.environ), self.lock_wait, self.command, progress,
-                       log=lambda message: sys.stderr.write(f"statetool: {message}\n"))
+                       log=lambda message: sys.stderr.write(f"statetool: {message}\n"), config_given=self.config_given)
 
 
 def _version(value: bool) -> None:
@@ -95,8 +98,9 @@ def main_options(
     from statetool.redact import command_line
 
     argv = ctx.obj if isinstance(ctx.obj, list) else sys.argv[1:]  # main() hands over the argv it was given
-    ctx.obj = Globals(config, state_url, json_out, json_errors, lock_wait, debug,
-                      command_line(["statetool", *argv]))
+    given = ctx.get_parameter_source("config")
+    ctx.obj = Globals(config, state_url, json_out, json_errors, lock_wait, debug, command_line(["statetool", *argv]),
+                      config_given=given is not None and given.name != "DEFAULT")
     if state_url:
         _warn_password_in_argv("--state-url", state_url)
 
