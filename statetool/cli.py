@@ -6,7 +6,11 @@ its operation (SQLAlchemy, psycopg, alembic where the schema changes) and
 output) when it runs, so ``statetool --help`` costs about what ``import typer`` does.
 
 Each option more than one command takes is declared once, as an ``Annotated`` alias below
-(STYLE §3); the global options are declared once in :func:`main_options`.
+(STYLE §3); the global options are declared once in :func:`main_options`, and the help of
+every subcommand lists them from there (:mod:`statetool.cli_help`). Every parameter that
+takes a value names it (``metavar``: ``SECONDS``, ``NAME``), and every command's docstring
+starts with a one-line summary short enough to show whole in the top-level help of an
+80-column terminal; a command's ``epilog`` holds its examples.
 """
 
 import functools
@@ -19,20 +23,19 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from statetool import __version__
+from statetool.cli_help import App, usage_error
 from statetool.errors import EXIT_INTERRUPTED, StateError, internal_error
 from statetool.location import DEFAULT_CONFIG
 
-#: Global options: name -> takes a value. They work before or after the command name.
-GLOBAL_OPTIONS: dict[str, bool] = {
-    "--config": True, "-c": True, "--state-url": True, "--lock-wait": True,
-    "--json": False, "--json-errors": False, "--debug": False, "--version": False,
-}
-
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  help="Inspect, guard and migrate the state of rivet pipelines (SQLite or PostgreSQL).")
-identity_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Read, adopt or deliberately re-key the state's identity.")
-exports_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Progress per export; deliberate cursor changes and resets.")
-leases_app = typer.Typer(rich_markup_mode=None, help="Who holds which lease; release a stale one; run under a lease.")
+app = App(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+          help="Inspect, guard and migrate the state of rivet pipelines (SQLite or PostgreSQL).")
+identity_app = App(no_args_is_help=True, rich_markup_mode=None,
+                   help="Read, adopt or deliberately re-key the state's identity.")
+exports_app = App(no_args_is_help=True, rich_markup_mode=None,
+                  help="Progress per export; deliberate cursor changes and resets.")
+leases_app = App(rich_markup_mode=None, subcommand_metavar="[COMMAND [ARGS]...]",
+                 help="Who holds which lease; release a stale one; run under one.\n\n"
+                      "Without a command: the same as statetool leases list.")
 app.add_typer(identity_app, name="identity")
 app.add_typer(exports_app, name="exports")
 app.add_typer(leases_app, name="leases")
@@ -40,9 +43,9 @@ app.add_typer(leases_app, name="leases")
 #: ``--dry-run`` of every command that can plan a change (migrate, relocate, transfer).
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")]
 #: ``--reason`` of every audited change that asks why (identity rekey, leases release).
-Reason = Annotated[str, typer.Option("--reason", help="Why, for the audit row.")]
+Reason = Annotated[str, typer.Option("--reason", metavar="WHY", help="Why, for the audit row.")]
 #: The export a command of the ``exports`` group acts on.
-ExportName = Annotated[str, typer.Argument(help="Export name.")]
+ExportName = Annotated[str, typer.Argument(metavar="NAME", help="Export name.", show_default=False)]
 
 
 @dataclass
@@ -56,6 +59,9 @@ class Globals:
     lock_wait: float
     debug: bool
     command: str = "statetool"
+    #: Whether --config/-c was given: a named config must exist even where the state's
+    #: place does not depend on it (docs/decisions.md, "Leases without a pipeline config").
+    config_given: bool = False
 
     def context(self) -> Any:
         """The operations' :class:`~statetool.operations.context.Context` for these options."""
@@ -67,7 +73,7 @@ class Globals:
 
             progress = rich_progress
         return Context(self.config, self.state_url, dict(os.environ), self.lock_wait, self.command, progress,
-                       log=lambda message: sys.stderr.write(f"statetool: {message}\n"))
+                       log=lambda message: sys.stderr.write(f"statetool: {message}\n"), config_given=self.config_given)
 
 
 def _version(value: bool) -> None:
@@ -79,14 +85,17 @@ def _version(value: bool) -> None:
 @app.callback()
 def main_options(
     ctx: typer.Context,
-    config: Annotated[Path, typer.Option("--config", "-c", help="Pipeline config (YAML).",
-                                                 readable=False)] = Path(DEFAULT_CONFIG),
-    state_url: Annotated[str | None, typer.Option("--state-url", help="State location; default RIVET_STATE_URL.",
-                                                  show_default=False)] = None,
+    config: Annotated[Path, typer.Option("--config", "-c", metavar="PATH", readable=False,
+                                         help="Pipeline config (YAML); the default state lives beside it.")
+                      ] = Path(DEFAULT_CONFIG),
+    state_url: Annotated[str | None, typer.Option("--state-url", metavar="URL", show_default=False,
+                                                  help="Where the state is (sqlite:/dir, postgresql://...); "
+                                                       "default RIVET_STATE_URL, else beside the config.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,
     json_errors: Annotated[bool, typer.Option("--json-errors", help="Print failures as one JSON line on stderr.")] = False,
-    lock_wait: Annotated[float, typer.Option("--lock-wait", min=0, max=604800,
-                                             help="Seconds to wait for a busy lock (at most 7 days).")] = 600.0,
+    lock_wait: Annotated[float, typer.Option("--lock-wait", metavar="SECONDS", min=0, max=604800,
+                                             help="How long to wait for a busy lease or lock; 0 refuses at "
+                                                  "once; at most 7 days.")] = 600,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
@@ -95,8 +104,9 @@ def main_options(
     from statetool.redact import command_line
 
     argv = ctx.obj if isinstance(ctx.obj, list) else sys.argv[1:]  # main() hands over the argv it was given
-    ctx.obj = Globals(config, state_url, json_out, json_errors, lock_wait, debug,
-                      command_line(["statetool", *argv]))
+    given = ctx.get_parameter_source("config")
+    ctx.obj = Globals(config, state_url, json_out, json_errors, lock_wait, debug, command_line(["statetool", *argv]),
+                      config_given=given is not None and given.name != "DEFAULT")
     if state_url:
         _warn_password_in_argv("--state-url", state_url)
 
@@ -131,7 +141,11 @@ def _emit(g: Globals, doc: dict[str, Any], human: Any) -> None:
 
 @app.command()
 def info(ctx: typer.Context) -> None:
-    """Where the state is and why, its revision, identity, per-export progress, warnings."""
+    """Where the state is and why, its revision, identity, progress.
+
+    Also the leases, and the warnings a write would give. A missing state is described,
+    not refused.
+    """
     from statetool import render
     from statetool.operations.inspect import info as op
 
@@ -142,7 +156,11 @@ def info(ctx: typer.Context) -> None:
 @app.command()
 def check(ctx: typer.Context,
           strict: Annotated[bool, typer.Option("--strict", help="Fail on warnings too (exit 5).")] = False) -> None:
-    """CI pre-flight: every check, read-only; the exit code is the worst failing class."""
+    """CI pre-flight: every check, read-only; fails with the worst.
+
+    The exit code is the class of the worst failing check (docs/errors.md); --strict
+    fails on warnings too.
+    """
     from statetool import render
     from statetool.operations.check import check as op
 
@@ -160,8 +178,12 @@ def check(ctx: typer.Context,
 
 @app.command()
 def doctor(ctx: typer.Context,
-           export: Annotated[str | None, typer.Option("--export", help="Only this export.")] = None) -> None:
-    """Per export: will the next run resume, or be a FIRST RUN, and why (exit 5 if any would)."""
+           export: Annotated[str | None, typer.Option("--export", metavar="NAME", help="Only this export.")] = None
+           ) -> None:
+    """Per export: will the next run resume, or be a FIRST RUN?
+
+    Says why for each export, and exits 5 when any next run would be a first run.
+    """
     from statetool import render
     from statetool.operations.doctor import doctor as op
 
@@ -177,7 +199,10 @@ def doctor(ctx: typer.Context,
 
 @app.command()
 def checkpoints(ctx: typer.Context) -> None:
-    """Every CDC checkpoint: resolved path and why, present, size, age, position, warnings."""
+    """Every CDC checkpoint: where it resolves, present, age.
+
+    Also its size, position and warnings, and why it resolves where it does.
+    """
     from statetool import render
     from statetool.operations.checkpoints import checkpoints as op
 
@@ -187,7 +212,10 @@ def checkpoints(ctx: typer.Context) -> None:
 
 @app.command()
 def init(ctx: typer.Context) -> None:
-    """Create a new empty state at the resolved location, stamped with its identity."""
+    """Create a new empty state, stamped with its identity.
+
+    At the resolved location; anything already there is refused.
+    """
     from statetool import render
     from statetool.operations.create import init as op
 
@@ -195,16 +223,30 @@ def init(ctx: typer.Context) -> None:
     _emit(g, op(g.context()).as_dict(), lambda d: render.key_values("Created", d))
 
 
-@app.command()
+@app.command(epilog="""
+    See the plan first; nothing changes:
+      statetool migrate --dry-run
+    Upgrade to head (a SQLite state is backed up first):
+      statetool migrate
+    Hand the SQL to a DBA instead (PostgreSQL):
+      statetool migrate --sql > upgrade.sql
+    Go down to 0002, dropping what it names, on purpose:
+      statetool migrate --to 0002 --allow-data-loss
+    """)
 def migrate(
     ctx: typer.Context,
-    to: Annotated[str | None, typer.Option("--to", help="Target revision (default head); lower moves down.")] = None,
+    to: Annotated[str | None, typer.Option("--to", metavar="REV",
+                                           help="Target revision (default head); lower moves down.")] = None,
     dry_run: DryRun = False,
     sql: Annotated[bool, typer.Option("--sql", help="Print the SQL for a DBA (PostgreSQL); change nothing.")] = False,
     allow_data_loss: Annotated[bool, typer.Option("--allow-data-loss",
                                                   help="Let a downgrade drop the data it names.")] = False,
 ) -> None:
-    """Pre-flight, backup (SQLite), upgrade to head (or --to), verify."""
+    """Upgrade the state to head, backed up and verified.
+
+    Or to another revision with --to REV. Pre-flight first; a SQLite state is backed up;
+    the steps run in one transaction and are verified before the commit.
+    """
     from statetool import render
     from statetool.operations.migrate import migrate as op
 
@@ -213,16 +255,28 @@ def migrate(
     _emit(g, result.as_dict(), render.migrate)
 
 
-@app.command()
+@app.command(epilog="""
+    See the plan first; nothing changes:
+      statetool relocate --to /srv/rivet/state --dry-run
+    Move the state, creating the directory:
+      statetool relocate --to /srv/rivet/state --create-dir
+    Then every task of the pipeline runs with:
+      RIVET_STATE_URL=sqlite:/srv/rivet/state
+    """)
 def relocate(
     ctx: typer.Context,
-    to: Annotated[str, typer.Option("--to", help="Absolute directory to move the SQLite state into.")],
+    to: Annotated[str, typer.Option("--to", metavar="DIR", show_default=False,
+                                    help="Absolute directory to move the SQLite state into.")],
     create_dir: Annotated[bool, typer.Option("--create-dir", help="Create the target directory.")] = False,
     dry_run: DryRun = False,
     full_verify: Annotated[bool, typer.Option("--full-verify",
                                               help="integrity_check the copy (slow: about 20 s per GiB).")] = False,
 ) -> None:
-    """Move a SQLite state (and its CDC checkpoints) into a declared directory, verified."""
+    """Move a SQLite state into a declared directory, verified.
+
+    Its CDC checkpoints move along; the old place is retired (a tombstone names the new
+    one).
+    """
     from statetool import render
     from statetool.operations.relocate import relocate as op
 
@@ -231,17 +285,29 @@ def relocate(
           render.relocate)
 
 
-@app.command()
+@app.command(epilog="""
+    See the plan first, with the URL in a variable (no password in ps):
+      export PG_URL='postgresql://rivet@db.internal/rivet?schema=rivet_sales'
+      statetool transfer --to-env PG_URL --dry-run
+    Move the state:
+      statetool transfer --to-env PG_URL
+    Then every task of the pipeline runs with:
+      RIVET_STATE_URL=$PG_URL
+    """)
 def transfer(
     ctx: typer.Context,
-    to: Annotated[str | None, typer.Option("--to", help="PostgreSQL URL of the destination (?schema=NAME allowed).",
-                                           show_default=False)] = None,
+    to: Annotated[str | None, typer.Option("--to", metavar="URL", show_default=False,
+                                           help="PostgreSQL URL of the destination (?schema=NAME allowed).")] = None,
     to_env: Annotated[str | None, typer.Option("--to-env", metavar="NAME", show_default=False,
                                                help="Read the destination URL from environment variable NAME "
                                                     "(keeps a password out of the process list).")] = None,
     dry_run: DryRun = False,
 ) -> None:
-    """Move a SQLite state into PostgreSQL: one transaction, verified, the old place retired."""
+    """Move a SQLite state into PostgreSQL, verified.
+
+    One transaction on the destination, checked table by table before the commit; the
+    old place is retired (a tombstone names the new one).
+    """
     from statetool import render
     from statetool.operations.transfer import transfer as op
 
@@ -262,7 +328,10 @@ def transfer(
 
 @app.command()
 def revisions(ctx: typer.Context) -> None:
-    """Every revision of this release, oldest first, and which the state has."""
+    """Every revision of this release, and which the state has.
+
+    Oldest first.
+    """
     from statetool import render
     from statetool.operations.inspect import revisions as op
 
@@ -293,8 +362,10 @@ def identity_adopt(ctx: typer.Context) -> None:
 @identity_app.command("rekey")
 def identity_rekey(
     ctx: typer.Context,
-    old: Annotated[str, typer.Option("--old", help="The key recorded now (exactly).")],
-    new: Annotated[str | None, typer.Option("--new", help="The new key (default: this config's).")] = None,
+    old: Annotated[str, typer.Option("--old", metavar="KEY", show_default=False,
+                                     help="The key recorded now (exactly).")],
+    new: Annotated[str | None, typer.Option("--new", metavar="KEY",
+                                            help="The new key, or a source URL (default: this config's).")] = None,
     reason: Reason = "",
 ) -> None:
     """Deliberately change the recorded key (the source moved); audited."""
@@ -326,10 +397,19 @@ def exports_show(ctx: typer.Context, name: ExportName) -> None:
     _emit(g, export_show(g.context(), name).as_dict(), render.export_detail)
 
 
-@exports_app.command("set-cursor")
+@exports_app.command("set-cursor", epilog="""
+    Rewind orders to a point in time:
+      statetool exports set-cursor orders 2026-01-01T00:00:00Z
+    A value that starts with '-' goes after --:
+      statetool exports set-cursor orders -- -5
+    """)
 def exports_set_cursor(ctx: typer.Context, name: ExportName,
-                       value: Annotated[str, typer.Argument(help="The new cursor value.")]) -> None:
-    """Rewind or advance an export's cursor on purpose (backup and audit row first)."""
+                       value: Annotated[str, typer.Argument(metavar="VALUE", show_default=False,
+                                                            help="The new cursor value.")]) -> None:
+    """Rewind or advance an export's cursor on purpose.
+
+    A SQLite state is backed up first; the change writes an audit row.
+    """
     from statetool import render
     from statetool.operations.exports import set_cursor
 
@@ -339,7 +419,11 @@ def exports_set_cursor(ctx: typer.Context, name: ExportName,
 
 @exports_app.command("reset")
 def exports_reset(ctx: typer.Context, name: ExportName) -> None:
-    """Make an export's next run a FIRST RUN on purpose (backup and audit row first)."""
+    """Make an export's next run a FIRST RUN on purpose.
+
+    Clears its cursor and chunk checkpoints, keeps its history. A SQLite state is backed
+    up first; the change writes an audit row.
+    """
     from statetool import render
     from statetool.operations.exports import reset
 
@@ -349,14 +433,17 @@ def exports_reset(ctx: typer.Context, name: ExportName) -> None:
 
 @leases_app.callback(invoke_without_command=True)
 def leases_default(ctx: typer.Context) -> None:
-    """Every lease: key, export, state (live, stale, free), holder, acquired, heartbeat, TTL."""
+    """``statetool leases`` without a command lists the leases, as ``leases list``."""
     if ctx.invoked_subcommand is None:
         leases_list(ctx)
 
 
 @leases_app.command("list")
 def leases_list(ctx: typer.Context) -> None:
-    """Every lease, read without taking any lock."""
+    """Every lease: its state (live, stale, free) and holder.
+
+    Read without taking any lock.
+    """
     from statetool import render
     from statetool.operations.leases import list_leases
 
@@ -367,7 +454,7 @@ def leases_list(ctx: typer.Context) -> None:
 @leases_app.command("release")
 def leases_release(
     ctx: typer.Context,
-    key: Annotated[str, typer.Argument(help="Lease key, e.g. chunk-run:orders.")],
+    key: Annotated[str, typer.Argument(metavar="KEY", show_default=False, help="Lease key, e.g. chunk-run:orders.")],
     reason: Reason = "",
 ) -> None:
     """Release a STALE lease (audited); a live holder is refused."""
@@ -378,16 +465,26 @@ def leases_release(
     _emit(g, release(g.context(), key, reason), lambda d: render.key_values("Released", d))
 
 
-@leases_app.command("run", context_settings={"allow_interspersed_args": False})
+@leases_app.command("run", context_settings={"allow_interspersed_args": False}, epilog="""
+    Run the pipeline's export under its run lease:
+      statetool leases run --export orders -- rivet run orders
+    Refuse at once if a run holds it (no wait):
+      statetool --lock-wait 0 leases run --export orders -- ./nightly.sh
+    """)
 def leases_run(
     ctx: typer.Context,
-    export: Annotated[str, typer.Option("--export", help="The export whose run lease to hold.")],
-    command: Annotated[list[str] | None, typer.Argument(help="The command, after --.", show_default=False)] = None,
-    lease_ttl: Annotated[int, typer.Option("--lease-ttl", min=1, max=86400,
+    export: Annotated[str, typer.Option("--export", metavar="NAME", show_default=False,
+                                        help="The export whose run lease to hold.")],
+    command: Annotated[list[str] | None, typer.Argument(metavar="COMMAND", show_default=False,
+                                                        help="The command and its arguments, after --.")] = None,
+    lease_ttl: Annotated[int, typer.Option("--lease-ttl", metavar="SECONDS", min=1, max=86400,
                                            help="Seconds a PostgreSQL lease lives without a heartbeat.")] = 30,
 ) -> None:
-    """Hold an export's run lease for the whole life of a command (like flock(1)); a lost
-    lease stops the command and exits 2 (RIVET_STATE_LEASE_LOST)."""
+    """Hold an export's run lease while a command runs (like flock).
+
+    The command never outlives the lease: a lost lease stops it, and the exit is 2
+    (RIVET_STATE_LEASE_LOST); otherwise the exit is the command's.
+    """
     from statetool.operations.leases import run_under_lease
 
     g = _g(ctx)
@@ -396,9 +493,17 @@ def leases_run(
     raise typer.Exit(run_under_lease(context, export, command or []))
 
 
+@functools.cache
+def global_options() -> dict[str, bool]:
+    """The global options, as declared by :func:`main_options`: name (``--config``, ``-c``)
+    -> whether it takes a value."""
+    return {name: not param.is_flag for param in _command().params for name in param.opts}
+
+
 def hoist_globals(argv: list[str]) -> list[str]:
     """Move global options (and their values) in front of the command name, so
     ``statetool info --json`` means ``statetool --json info``. Stops at ``--``."""
+    options = global_options()
     front: list[str] = []
     rest: list[str] = []
     i = 0
@@ -408,8 +513,8 @@ def hoist_globals(argv: list[str]) -> list[str]:
             rest.extend(argv[i:])
             break
         name = arg.split("=", 1)[0]
-        if name in GLOBAL_OPTIONS:
-            takes_value = GLOBAL_OPTIONS[name] and "=" not in arg
+        if name in options:
+            takes_value = options[name] and "=" not in arg
             front.extend(argv[i:i + 2] if takes_value else [arg])
             i += 2 if takes_value else 1
             continue
@@ -479,11 +584,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(done.exit_code) from None
     except KeyboardInterrupt:
         raise SystemExit(EXIT_INTERRUPTED) from None
-    except typer.TyperException as exc:  # the argument parser's usage errors
-        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare command group: its help is the answer
-            sys.stdout.write(exc.format_message() + "\n")
-            raise SystemExit(0) from None
-        _fail(StateError("RIVET_CLI_USAGE", exc.format_message()), json_errors)
+    except typer.TyperException as exc:  # the argument parser's usage errors, a bare group's too
+        _fail(usage_error(exc, args), json_errors)
     except OSError as exc:  # an environment fault no layer below named: name it, never call it a bug
         from statetool.backends.faults import os_fault
 

@@ -96,6 +96,8 @@ class State:
     config: Path
     env: dict[str, str]
     pg_url: str | None = None
+    #: The directory of a SQLite state file (beside the config, or declared); None on PostgreSQL.
+    state_dir: Path | None = None
 
     @property
     def directory(self) -> Path:
@@ -143,7 +145,8 @@ class State:
         """The ``rivet_audit`` rows of ``action``, detail parsed, oldest first."""
         query = "SELECT actor, command, action, detail FROM rivet_audit WHERE action = ? ORDER BY id"
         if self.backend == "sqlite":
-            db = sqlite3.connect(f"file:{self.directory / '.rivet_state.db'}?mode=ro", uri=True)
+            assert self.state_dir is not None
+            db = sqlite3.connect(f"file:{self.state_dir / '.rivet_state.db'}?mode=ro", uri=True)
             try:
                 rows = db.execute(query, (action,)).fetchall()
             finally:
@@ -155,7 +158,7 @@ class State:
 
 
 def _make_state(backend: StateBackend, *, init: bool = True) -> State:
-    state = State(backend.kind, write_config(backend.pipeline), backend.env, backend.url)
+    state = State(backend.kind, write_config(backend.pipeline), backend.env, backend.url, backend.state_dir)
     if init:  # what `statetool init` runs, in-process: a CLI start per test would double the runtime
         from statetool.operations.create import init as create
 
@@ -547,6 +550,84 @@ def test_release_refuses_a_live_holder_and_releases_a_stale_one_with_an_audit_ro
     assert (detail["key"], detail["reason"]) == (RUN_KEY, "worker rebooted; its run is gone"), row
     assert (detail["removed"]["holder_pid"], detail["removed"]["host"]) == (holder.pid, socket.gethostname()), row
     assert row["actor"].endswith("@" + socket.gethostname()), row
+
+
+# -- leases without a pipeline config (issue 12 item 7) -----------------------------------
+
+
+@pytest.fixture(params=["declared", pytest.param("postgres", marks=pytest.mark.postgres)])
+def url_state(request: pytest.FixtureRequest, tmp_path: Path) -> State:
+    """A state at head that RIVET_STATE_URL names: a declared SQLite directory, or PostgreSQL."""
+    if request.param == "postgres":
+        return _make_state(StateBackend.postgres(tmp_path, request.getfixturevalue("pg_url")))
+    declared = tmp_path / "declared"
+    declared.mkdir()
+    return _make_state(StateBackend.sqlite(tmp_path, declared))
+
+
+def test_leases_list_and_release_need_no_pipeline_config_where_the_url_names_the_state(
+        url_state: State, spawn: Callable[..., LeaseRun], tmp_path: Path) -> None:
+    """A DBA in a directory without rivet.yaml clears a stale lease: listed, a live holder
+    refused, the stale one released with its audit row, then taken by ``leases run``;
+    nothing created where the DBA is."""
+    live = spawn(url_state, export="order_lines")
+    live.wait_ready()
+    stale = spawn(url_state)
+    stale.wait_ready()
+    stale.kill_group()
+    dba = tmp_path / "dba"
+    dba.mkdir()
+    for args in (("leases",), ("leases", "list")):
+        proc = run_cli("--json", *args, cwd=dba, env=url_state.env)
+        assert proc.returncode == 0, describe(proc)
+        states = {row["key"]: row["state"] for row in json.loads(proc.stdout)["leases"]}
+        assert states == {"chunk-run:order_lines": "live", RUN_KEY: "stale"}, states
+
+    proc = run_cli("--json-errors", "leases", "release", "chunk-run:order_lines", "--reason", "looks stuck",
+                   cwd=dba, env=url_state.env)
+    err = error_object(proc)
+    assert (proc.returncode, err["code"]) == (2, "RIVET_STATE_RUN_IN_PROGRESS"), describe(proc)
+    assert f"pid {live.pid}" in err["message"], err
+    url = url_state.env["RIVET_STATE_URL"]
+    proc = run_cli("--state-url", url, "--json", "leases", "release", RUN_KEY, "--reason", "worker rebooted", cwd=dba)
+    assert proc.returncode == 0, describe(proc)
+    assert json.loads(proc.stdout)["released"]["holder_pid"] == stale.pid, describe(proc)
+
+    (row,) = url_state.audit_rows("leases.release")
+    assert (row["detail"]["key"], row["detail"]["reason"]) == (RUN_KEY, "worker rebooted"), row
+    assert row["detail"]["removed"]["holder_pid"] == stale.pid, row
+    leases = url_state.leases()
+    assert leases.get(RUN_KEY, {"state": "free"})["state"] == "free", leases
+    assert leases["chunk-run:order_lines"]["state"] == "live", leases
+    proc = run_cli_forked("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true", cwd=dba,
+                          env=url_state.env)
+    assert proc.returncode == 0, describe(proc)  # the released lease is free to take, config or not
+    assert list(dba.iterdir()) == []
+    assert live.finish().returncode == 0
+
+
+def test_leases_read_a_config_that_is_there_or_named_and_keep_its_guards(tmp_path: Path) -> None:
+    """Without a config the identity is not compared; a config that is there is read and
+    compared (a declared directory refuses another source's), a broken one refuses, and a
+    config named with -c must exist."""
+    declared = tmp_path / "declared"
+    declared.mkdir()
+    state = _make_state(StateBackend.sqlite(tmp_path, declared))
+    before = tree_digest(declared)
+    other = write_config(tmp_path / "other-source", source_url="postgresql://crm.internal:5432/crm")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "rivet.yaml").write_text("exports: [\n")
+    for cwd, args, code in ((other.parent, (), "RIVET_STATE_FOREIGN"),
+                            (broken, (), "RIVET_CONFIG_INVALID"),
+                            (tmp_path, ("-c", str(tmp_path / "typo.yaml")), "RIVET_CONFIG_NOT_FOUND")):
+        proc = run_cli(*args, "--json-errors", "leases", "release", RUN_KEY, cwd=cwd, env=state.env)
+        assert error_object(proc)["code"] == code, describe(proc)
+    proc = run_cli("-c", str(tmp_path / "typo.yaml"), "--json-errors", "leases", cwd=tmp_path, env=state.env)
+    assert error_object(proc)["code"] == "RIVET_CONFIG_NOT_FOUND", describe(proc)
+    assert tree_digest(declared) == before
+    proc = run_cli("--json", "leases", "list", cwd=other.parent, env=state.env)
+    assert proc.returncode == 0, describe(proc)  # a read compares no identity
 
 
 # -- PostgreSQL takeover race ------------------------------------------------------------

@@ -46,7 +46,8 @@ class Context:
 
     ``config_path`` defaults to ``./rivet.yaml``; ``state_url`` is ``--state-url`` (None
     when not given: ``RIVET_STATE_URL`` from ``env`` applies); ``lock_wait`` is in seconds,
-    0 to :data:`MAX_LOCK_WAIT` (else ``RIVET_CLI_USAGE``).
+    0 to :data:`MAX_LOCK_WAIT` (else ``RIVET_CLI_USAGE``); ``config_given`` says that the
+    caller named the config (``--config/-c``), which then must exist (:meth:`config_or_none`).
     """
 
     config_path: Path = field(default_factory=lambda: Path(DEFAULT_CONFIG))
@@ -63,6 +64,8 @@ class Context:
     #: ``copy-page-<n>`` after n pages): a no-op but for the crash tests, whose driver
     #: (tests/support/crash_driver.py) SIGKILLs its own process at one of them.
     on_step: Callable[[str], None] = field(default=lambda _step: None)
+    #: Whether the caller named ``config_path`` (``--config/-c``) rather than taking the default.
+    config_given: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.lock_wait <= MAX_LOCK_WAIT:
@@ -80,6 +83,20 @@ class Context:
         from statetool.config import load_config  # YAML loads only for commands that read the config
 
         return load_config(self.config_path)
+
+    def config_or_none(self) -> PipelineConfig | None:
+        """The pipeline config, or None for an operation that can do without one (the
+        ``leases`` commands, issue 12 item 7) when there is none to read: no file at
+        ``config_path``, the default path was not overridden (``config_given`` False),
+        and the state's place does not depend on the config (``RIVET_STATE_URL`` or
+        ``--state-url`` names a declared directory or PostgreSQL). A config that is there
+        is always read, so its faults (``RIVET_CONFIG_INVALID``, a permission) still
+        refuse; otherwise raises as :attr:`config` does, and the resolver's codes first.
+        """
+        if (self.location.scope != "beside_config" and not self.config_given
+                and not os.path.lexists(self.config_path)):
+            return None
+        return self.config
 
     @cached_property
     def computed_key(self) -> str:

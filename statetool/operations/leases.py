@@ -48,14 +48,20 @@ def release(ctx: Context, key: str, reason: str) -> dict[str, object]:
     (no such lease), ``RIVET_STATE_RUN_IN_PROGRESS`` (a live holder, named) and every
     pre-flight code. Returns ``{"key", "released": lease doc | None, "reason"}``; a lease
     that is already free is left alone, with no audit row (``released`` None).
+
+    A state named by ``RIVET_STATE_URL`` needs no pipeline config here when none is there
+    (issue 12 item 7: a DBA clearing a stale row has none); a config that is there is read
+    and its identity compared, as for every write.
     """
     # Loaded here, not at the top: `leases run` and `leases list` must not pay for SQLAlchemy
     # (the write path's import), which only a release needs. No cycle: writes imports no command.
+    from statetool.operations.preflight import run_preflight
     from statetool.operations.writes import NO_LEASE, guarded_write
 
     key = valid_key(key)
     reason = redact_text(reason) or None
-    with guarded_write(ctx, NO_LEASE, claim=False) as session:
+    preflight = run_preflight(ctx, for_write=True, config_optional=True)
+    with guarded_write(ctx, NO_LEASE, claim=False, preflight=preflight) as session:
         claim = lease_store(ctx).claim_stale(key, session.conn)
         session.on_abort(claim.abandon)
         if claim.info.holder is None:

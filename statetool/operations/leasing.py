@@ -93,8 +93,13 @@ def this_holder(command: str) -> Holder:
 def lease_store(ctx: Context) -> LeaseStore:
     """The lease store, after the config was read (a wrong ``-c`` must not read as "no
     lease") and, for SQLite, after the state directory was found: an unmounted volume is
-    ``RIVET_STATE_DIR_MISSING``, never a lease folder created somewhere else."""
-    _ = ctx.config
+    ``RIVET_STATE_DIR_MISSING``, never a lease folder created somewhere else.
+
+    Leases need no config where ``RIVET_STATE_URL`` names the state and none is there or
+    named (:meth:`Context.config_or_none`, issue 12 item 7): a DBA clearing a stale row
+    has no pipeline config. Beside the config, the config decides the place, so it must
+    exist."""
+    ctx.config_or_none()
     location = ctx.location
     if location.directory is not None and not location.directory.is_dir():
         raise StateError("RIVET_STATE_DIR_MISSING", f"state directory {location.directory} does not exist "

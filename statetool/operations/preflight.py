@@ -19,6 +19,7 @@ from statetool.backends.base import Backend
 from statetool.backends.faults import os_fault
 from statetool.errors import REGISTRY, WARNINGS, StateError, StateWarning
 from statetool.identity import Verdict, identity_message, identity_verdict, identity_warning
+from statetool.location import ENV_VAR
 from statetool.operations.context import Context
 from statetool.operations.leasing import live_holders
 from statetool.operations.probe import Snapshot, read_snapshot
@@ -87,8 +88,8 @@ class Preflight:
         self.checks.append(Check(check_id, "fail", err.message, err.code, err))
 
 
-def run_preflight(ctx: Context, *, for_write: bool = False,
-                  progress: bool = True, integrity: bool = True) -> Preflight:
+def run_preflight(ctx: Context, *, for_write: bool = False, progress: bool = True, integrity: bool = True,
+                  config_optional: bool = False) -> Preflight:
     """Run every check in order on a read-only open. Never raises a :class:`StateError`:
     failures become ``fail`` rows carrying their error.
 
@@ -97,6 +98,10 @@ def run_preflight(ctx: Context, *, for_write: bool = False,
     ``progress=False`` reads only whether any progress exists, not each export's (a
     migration needs no more, and on a large legacy state the full read costs seconds).
     ``integrity=False`` skips ``quick_check`` (relocate proves it on its copy instead).
+    ``config_optional=True`` (``leases release``, issue 12 item 7) lets a state named by
+    ``RIVET_STATE_URL`` go without a pipeline config when there is none
+    (:meth:`Context.config_or_none`): the ``config`` and ``identity`` rows are skipped; a
+    config that is there is read and compared as always.
     A SQLite state with the hot journal of a killed writer is read as it was before that
     write (the backend rolls it back in a private copy): the ``integrity`` row warns
     ``RIVET_STATE_HOT_JOURNAL``, and nothing beside the state changes, for a write too; only
@@ -111,9 +116,13 @@ def run_preflight(ctx: Context, *, for_write: bool = False,
         return pf
     pf.add("location", "ok", f"{location.display} ({location.scope}, from {location.origin})")
     try:
-        config = ctx.config
-        _ = ctx.computed_key  # an ambiguous source URL is a config fault: RIVET_SOURCE_URL_INVALID
-        pf.add("config", "ok", f"{config.path}: {len(config.exports)} exports")
+        config = ctx.config_or_none() if config_optional else ctx.config
+        if config is None:
+            pf.add("config", "skip", f"no pipeline config at {ctx.config_path}, and none needed: the state is "
+                                     f"named by {ENV_VAR} or --state-url")
+        else:
+            _ = ctx.computed_key  # an ambiguous source URL is a config fault: RIVET_SOURCE_URL_INVALID
+            pf.add("config", "ok", f"{config.path}: {len(config.exports)} exports")
     except StateError as err:
         pf.fail(err, "config")
     backend = ctx.backend()
@@ -208,7 +217,7 @@ def _check_identity(pf: Preflight, ctx: Context, snap: Snapshot, for_write: bool
     try:
         computed = ctx.computed_key
     except StateError:
-        pf.add("identity", "skip", "config unreadable: no identity compared")
+        pf.add("identity", "skip", "no pipeline config read: no identity compared")
         return
     verdict = identity_verdict(snap.recorded_key, computed, ctx.location.scope, snap.has_progress)
     pf.verdict = verdict
