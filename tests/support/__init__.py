@@ -9,8 +9,9 @@ from support.cli import CliRun, Output, describe, process_env, run_cli, run_cli_
 from support.errors import OBJECT_KEYS, error_object
 from support.files import tree_digest, write_config
 from support.forked import Forked, fork_call, fork_cli, fork_code, run_cli_forked
-from support.pg import PG_PASSWORD, PG_PASSWORD_USER, Cluster, as_postgres, require_pg_bindir
+from support.pg import PG_PASSWORD, PG_PASSWORD_USER, Cluster, as_postgres, require_pg_bindir, require_psql
 
 __all__ = ["OBJECT_KEYS", "PG_PASSWORD", "PG_PASSWORD_USER", "CliRun", "Cluster", "Forked", "Output", "as_postgres",
            "describe", "error_object", "fork_call", "fork_cli", "fork_code", "process_env", "require_pg_bindir",
-           "run_cli", "run_cli_as_needed", "run_cli_forked", "run_cli_process", "tree_digest", "write_config"]
+           "require_psql", "run_cli", "run_cli_as_needed", "run_cli_forked", "run_cli_process", "tree_digest",
+           "write_config"]

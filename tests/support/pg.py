@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -63,14 +64,29 @@ class Cluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def _missing(message: str) -> NoReturn:
+    """FAIL under CI (``CI`` set), skip loudly elsewhere."""
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 def require_pg_bindir() -> Path:
     """The server binaries; without them the PostgreSQL tests FAIL under CI (``CI`` set)
     and are skipped loudly elsewhere."""
     bindir = _pg_bindir()
     if bindir is None:
-        message = ("PostgreSQL server binaries not found (apt-get install postgresql-15, or set "
-                   "STATETOOL_TEST_PG_URL): the PostgreSQL half of the suite cannot run")
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        _missing("PostgreSQL server binaries not found (apt-get install postgresql-15, or set "
+                 "STATETOOL_TEST_PG_URL): the PostgreSQL half of the suite cannot run")
     return bindir
+
+
+def require_psql() -> Path:
+    """The ``psql`` client: the server binaries' own, else the one on PATH (a machine that
+    gives ``STATETOOL_TEST_PG_URL`` may have no server); missing, as :func:`require_pg_bindir`."""
+    bindir = _pg_bindir()
+    found = bindir / "psql" if bindir is not None and (bindir / "psql").exists() else shutil.which("psql")
+    if found is None:
+        _missing("psql not found (apt-get install postgresql-client): the tests that read PostgreSQL with it "
+                 "cannot run")
+    return Path(found)
