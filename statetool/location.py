@@ -278,8 +278,9 @@ def _check_libpq_parameters(raw: str, database: str, query: list[tuple[str, str]
     known = {opt.keyword.decode() for opt in pq.Conninfo.get_defaults()}
     glued = _glued(database, known)
     if glued:
-        raise _url_invalid(raw, f"has '{glued.group(0)}' in its database name '{redact_text(database)}': parameters start after "
-                                "a '?' (postgresql://host/db?schema=NAME), every further one joined with '&'")
+        raise _url_invalid(raw, f"has '{glued.group(0)}' in its database name '{redact_text(database)}': "
+                                "parameters start after a '?' (postgresql://host/db?schema=NAME), every further one "
+                                "joined with '&'")
     for key, value in query:
         glued = None if key in _SECRET_PARAMETERS else _glued(value, known)
         if glued:

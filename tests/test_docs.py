@@ -1,17 +1,14 @@
 """The docs cannot rot: every command, option, error code and JSON key is documented, the
-links resolve, the layering in docs/architecture.md holds, and the upgrade runbook's
-shell blocks run for real and exit as the guide says.
+links resolve, the layering in docs/architecture.md holds, and README's first command
+runs the main job, whose story is checked. The setup guides run in tests/test_guides.py.
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import os
 import re
-import shutil
 import subprocess
-import sys
 import textwrap
 from collections.abc import Container
 from dataclasses import dataclass
@@ -31,7 +28,6 @@ DOCS = ROOT / "docs"
 COMMANDS_MD = DOCS / "commands.md"
 ERRORS_MD = DOCS / "errors.md"
 ARCHITECTURE_MD = DOCS / "architecture.md"
-GUIDE = DOCS / "setup-guides" / "upgrading-a-state.md"
 README = ROOT / "README.md"
 PACKAGE = ROOT / "statetool"
 
@@ -524,68 +520,6 @@ def test_no_operation_imports_a_database_driver_or_a_concrete_backend() -> None:
                                  f"(concrete backend module {target})")
     assert not offenders, ("code above storage sees a backend (allowed from statetool/backends/: "
                            f"{', '.join(sorted(STORAGE_INTERFACE))}):\n" + "\n".join(offenders))
-
-
-# -- (c) the upgrade runbook runs for real ---------------------------------------------
-
-
-def _guide_blocks(postgres: bool) -> list[str]:
-    blocks = markdown.read(GUIDE).blocks
-    assert blocks, "the upgrade guide has no command blocks"
-    assert {b.info for b in blocks} == {"sh"}, "every block of the upgrade guide is a runnable ```sh block"
-    return [b.code for b in blocks if ("PostgreSQL" in b.section) == postgres]
-
-
-def _guide_env(shell: dict[str, str], state_url: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    env.update(shell)
-    env.update({"COLUMNS": "120", "NO_COLOR": "1"})
-    if state_url is not None:
-        env["RIVET_STATE_URL"] = state_url
-    return env
-
-
-def _run_blocks(blocks: list[str], cwd: Path, env: dict[str, str]) -> None:
-    for n, code in enumerate(blocks, 1):
-        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=cwd, env=env, text=True,
-                              capture_output=True, timeout=300)
-        assert proc.returncode == 0, f"block {n} of {GUIDE.name} failed:\n{code}\n{describe(proc)}"
-
-
-def _pipeline_dir(tmp_path: Path) -> Path:
-    work = tmp_path / "pipeline"
-    work.mkdir()
-    shutil.copy(ROOT / "examples" / "rivet.yaml", work / "rivet.yaml")
-    return work
-
-
-def test_upgrade_guide_sqlite_blocks_run_in_order(tmp_path: Path, guide_shell: dict[str, str]) -> None:
-    work = _pipeline_dir(tmp_path)
-    subprocess.run([sys.executable, "-m", "statetool.example", "--config", "rivet.yaml", "--runs", "2000"],
-                   cwd=work, check=True, capture_output=True)
-    env = _guide_env(guide_shell, None)
-    _run_blocks(_guide_blocks(postgres=False), work, env)
-    # The guide ends by restoring the legacy backup: the state is legacy again, complete.
-    proc = run_cli("--json", "info", cwd=work)
-    assert proc.returncode == 0, describe(proc)
-    doc = json.loads(proc.stdout)
-    assert doc["revision"]["status"] == "legacy"
-    assert sum(e["runs_total"] for e in doc["exports"]) == 2000
-    assert (work / "replaced" / ".rivet_state.db").is_file()
-
-
-@pytest.mark.postgres
-def test_upgrade_guide_postgres_blocks_run_in_order(tmp_path: Path, pg_url: str, guide_shell: dict[str, str]) -> None:
-    work = _pipeline_dir(tmp_path)
-    env = {"RIVET_STATE_URL": pg_url}
-    # A shared state as the previous release left it: revision 0002.
-    for args in (["init"], ["migrate", "--to", "0002", "--allow-data-loss"]):
-        proc = run_cli(*args, cwd=work, env=env)
-        assert proc.returncode == 0, describe(proc)
-    _run_blocks(_guide_blocks(postgres=True), work, _guide_env(guide_shell, pg_url))
-    assert "COMMIT;" in (work / "upgrade.sql").read_text()
-    proc = run_cli("--json", "revisions", cwd=work, env=env)
-    assert json.loads(proc.stdout)["current"] == "0002", describe(proc)
 
 
 # -- (d) README's first block ----------------------------------------------------------

@@ -252,7 +252,8 @@ def test_schema_joined_to_a_socket_url_of_the_server(tmp_path: Path, pg_server: 
     with_query = base if "?" in base else f"{base}?application_name=statetool-tests"
     config = write_config(tmp_path / "pipeline")
     schema = f"t_amp_{tmp_path.name[-20:].replace('-', '_')}"
-    wrong = run_cli("-c", str(config), "--json-errors", "init", env={"RIVET_STATE_URL": f"{with_query}?schema={schema}"})
+    wrong = run_cli("-c", str(config), "--json-errors", "init",
+                    env={"RIVET_STATE_URL": f"{with_query}?schema={schema}"})
     assert wrong.returncode == 1, describe(wrong)
     error = error_object(wrong)
     assert (error["code"], error["retryable"]) == ("RIVET_STATE_URL_INVALID", False), describe(wrong)
