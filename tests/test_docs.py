@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import shutil
 import subprocess
 import textwrap
 from collections.abc import Container
@@ -534,3 +536,62 @@ def test_readme_first_block_installs_and_runs_the_main_job_then_the_tests() -> N
     assert len(lines) == 2, f"README's first block should hold exactly two commands, has {len(lines)}"
     assert "pip install" in lines[0] and "examples/main-job.sh" in lines[0]
     assert "pip install" in lines[1] and "pytest" in lines[1]
+
+
+def _main_job_steps(stdout: str) -> dict[int, str]:
+    """``{step number: the step's output}`` of the main job: each step opens with its
+    comment line ``# N. what you are looking at``, then its command line ``$ …``."""
+    parts = re.split(r"^# (\d+)\. .*$", stdout, flags=re.M)
+    steps = {int(number): body for number, body in zip(parts[1::2], parts[2::2])}
+    for number, body in steps.items():
+        assert body.lstrip("\n").startswith("$ "), f"step {number} does not show its command first:\n{body}"
+    return steps
+
+
+def _gone(pid: int) -> bool:
+    """True when process ``pid`` has ended (reaped, or a zombie waiting to be)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_main_job_tells_the_story_and_leaves_nothing_running(tmp_path: Path, guide_shell: dict[str, str]) -> None:
+    """examples/main-job.sh as README's first command runs it (bash, with statetool and
+    the package's python on PATH), on a copy of examples/: it exits 0, each step shows
+    its comment and its command, and the story's facts are what statetool printed: the
+    upgrade is pending, then done; doctor's FIRST RUN for the export whose checkpoint
+    was lost, with its code; the live lease of the background run and its holder, the
+    same holder the refused second run names; the lease free once the run ended; after
+    the fix every export resumes. Neither the holder nor its command is left running."""
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    for name in ("main-job.sh", "rivet.yaml"):
+        shutil.copy(ROOT / "examples" / name, examples / name)
+    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
+    env.update({**guide_shell, "COLUMNS": "200", "NO_COLOR": "1"})
+    # stderr into stdout, as on the operator's terminal: errors and warnings stay in their step
+    proc = subprocess.run(["bash", str(examples / "main-job.sh")], cwd=tmp_path, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == 0, describe(proc)
+    steps = _main_job_steps(proc.stdout)
+    assert sorted(steps) == list(range(1, 10)), describe(proc)
+
+    assert "RIVET_STATE_MIGRATION_PENDING" in steps[2] and "(exit 3)" in steps[2], steps[2]
+    assert "migrated from legacy to" in steps[3] and ".rivet_state.db.backup-legacy-" in steps[3], steps[3]
+    first_runs = re.findall(r"^(\S+) \(\w+\): FIRST RUN$", steps[5], re.M)
+    assert first_runs == ["order_events"], steps[5]
+    assert "[RIVET_STATE_CHECKPOINT_MISSING]" in steps[5] and "(exit 5)" in steps[5], steps[5]
+
+    refused = re.search(r"RIVET_STATE_RUN_IN_PROGRESS\]: lease chunk-run:orders is held by pid (\d+) "
+                        r"\(command pid (\d+)\)", steps[7])
+    assert refused and "(exit 2)" in steps[7], steps[7]
+    holder, command = (int(pid) for pid in refused.groups())
+    live = [line for line in steps[6].splitlines() if re.search(r"\blive\b", line)]
+    assert live and "chunk-run:orders" in live[0] and str(holder) in live[0] and "sleep 30" in live[0], steps[6]
+    assert "(the run ended with exit 143)" in steps[8] and not re.search(r"\blive\b", steps[8]), steps[8]
+
+    assert "FIRST RUN" not in steps[9] and "order_events (cdc): resumes from CDC position" in steps[9], steps[9]
+    assert _gone(holder) and _gone(command), f"left running: holder {holder}, command {command}"
+    leases = run_cli("--json", "leases", cwd=examples)
+    assert {row["state"] for row in json.loads(leases.stdout)["leases"]} == {"free"}, describe(leases)
