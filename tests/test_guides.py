@@ -33,6 +33,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Collection
 from contextlib import ExitStack
@@ -153,8 +154,7 @@ def follow(guide: Path, cwd: Path, shell: dict[str, str], env: dict[str, str] | 
     printed; returns the session's output otherwise."""
     page = markdown.read(guide)
     pending = dict(hooks or {})
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"guide-{uuid.uuid4().hex[:12]}"
-    out.mkdir()
+    out = Path(tempfile.mkdtemp(prefix="guide-transcripts-"))  # each transcript command's output and exit code
     parts = ["set -euo pipefail", f"__out={shlex.quote(str(out))}",
              "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]  # a failed block leaves no job behind
     shown: list[Shown] = []
