@@ -68,7 +68,8 @@ REGISTRY: dict[str, Entry] = {
     "RIVET_STATE_URL_INVALID": _e(
         "usage", "generic",
         "set RIVET_STATE_URL (or --state-url) to one of: empty (beside the config), "
-        "sqlite:/absolute/dir, postgresql://host/db",
+        "sqlite:/absolute/dir, postgresql://host/db?schema=NAME (a '?' before the first parameter, "
+        "'&' before each further one: ?host=/run/postgresql&schema=NAME)",
     ),
     "RIVET_STATE_DIR_RELATIVE": _e(
         "usage", "generic",

@@ -199,7 +199,10 @@ def _postgres(raw: str, origin: str) -> Location:
     whitespace before the last ``@``), whitespace or a ``#`` anywhere, an ``@`` or ``?``
     after the host part, a port that is not a number, no database named, ``schema``
     repeated or not an identifier, an ``sslmode`` libpq does not know, a parameter libpq
-    does not know, a bad percent-encoding (docs/decisions.md, "URLs and secrets").
+    does not know, a bad percent-encoding (docs/decisions.md, "URLs and secrets"); and a
+    query libpq would misread (issue 12 item 8, docs/decisions.md "A state URL with a
+    query"): a second ``?``, a parameter without ``=`` or without a name, a parameter glued
+    onto the database name or onto another parameter's value by anything but ``&``.
     """
     problem = userinfo_problem(raw)
     if problem:
@@ -215,10 +218,14 @@ def _postgres(raw: str, origin: str) -> Location:
     if port == 0:
         raise _url_invalid(raw, "has port 0; name the server's port (default 5432)")
     if "?" in parts.query:
-        raise _url_invalid(raw, "has a second '?' in its query; separate parameters with '&'")
+        joined = parts.query.replace("?", "&")
+        raise _url_invalid(raw, f"has a second '?' in its query ('?{redact_text(parts.query)}'): only the first "
+                                f"parameter follows a '?', every further one is joined with '&' "
+                                f"('?{redact_text(joined)}')")
     database = parts.path.lstrip("/")
     if not database or "/" in database:
         raise _url_invalid(raw, "names no database (one path segment: postgresql://host/db)")
+    _check_query_pieces(raw, parts.query)
     query = parse_qsl(parts.query, keep_blank_values=True)
     schemas = [v for k, v in query if k == "schema"]
     if len(schemas) > 1:
@@ -228,7 +235,7 @@ def _postgres(raw: str, origin: str) -> Location:
     if not _IDENTIFIER.match(schema):
         raise _url_invalid(raw, f"has schema '{schema}', not a plain SQL identifier (letters, digits, _)")
     rest = [(k, v) for k, v in query if k != "schema"]
-    _check_libpq_parameters(raw, rest)
+    _check_libpq_parameters(raw, database, rest)
     query_text = urlencode(rest)
     # Spelled out rather than urlunsplit, which drops the "//" of a URL with no host
     # (postgresql:///db?host=/run/postgresql): libpq needs it.
@@ -237,10 +244,49 @@ def _postgres(raw: str, origin: str) -> Location:
     return Location("postgres", "shared", origin, url=url, schema=schema)
 
 
-def _check_libpq_parameters(raw: str, query: list[tuple[str, str]]) -> None:
+def _check_query_pieces(raw: str, query: str) -> None:
+    """Refuse a query piece that is not ``name=value``: ``?host`` alone would connect to
+    libpq's default socket, ``?=x`` names nothing. Empty pieces (``&&``, a trailing ``&``)
+    are harmless and pass."""
+    for piece in query.split("&"):
+        name, equals, _ = piece.partition("=")
+        if piece and not equals:
+            raise _url_invalid(raw, f"has parameter '{redact_text(piece)}' without a value; write every parameter "
+                                    "as name=value, joined with '&'")
+        if equals and not name:
+            raise _url_invalid(raw, "has a parameter without a name ('=…'); write every parameter as name=value, "
+                                    "joined with '&'")
+
+
+#: A parameter glued on by a separator that is not '&': after a ';' or a second '?'
+#: (raw or percent-encoded) libpq takes it for part of the value before it, and fails to
+#: connect, which would read as a retryable "unreachable" (issue 12 item 8).
+_GLUED = re.compile(r"([?&;])([A-Za-z_]+)=")
+#: Parameters whose value is a secret: never quoted, never searched for glued parameters.
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
+
+
+def _glued(text: str, known: set[str]) -> re.Match[str] | None:
+    """The first ``<separator><parameter>=`` in ``text`` whose parameter libpq (or
+    statetool, ``schema``) knows, or None."""
+    return next((m for m in _GLUED.finditer(text) if m.group(2) in known or m.group(2) == "schema"), None)
+
+
+def _check_libpq_parameters(raw: str, database: str, query: list[tuple[str, str]]) -> None:
     from psycopg import pq  # only for PostgreSQL URLs: the SQLite path never loads the driver
 
     known = {opt.keyword.decode() for opt in pq.Conninfo.get_defaults()}
+    glued = _glued(database, known)
+    if glued:
+        raise _url_invalid(raw, f"has '{glued.group(0)}' in its database name '{redact_text(database)}': "
+                                "parameters start after a '?' (postgresql://host/db?schema=NAME), every further one "
+                                "joined with '&'")
+    for key, value in query:
+        glued = None if key in _SECRET_PARAMETERS else _glued(value, known)
+        if glued:
+            shown = "a value" if glued.group(2) in _SECRET_PARAMETERS else f"the value '{redact_text(value)}'"
+            raise _url_invalid(raw, f"gives {key} {shown}, which holds a second parameter, '{glued.group(2)}', after "
+                                    f"'{glued.group(1)}'; separate parameters with '&'")
     unknown = sorted({k for k, _ in query if k not in known})
     if unknown:
         raise _url_invalid(raw, f"has parameter(s) {', '.join(unknown)} that libpq does not know")

@@ -27,9 +27,9 @@ OWN_UNITS = ("test_no_two_holders_ever_overlap_and_tokens_only_grow_under_sigkil
              "test_redaction_fuzz", "test_transfer_killed_at_any_instant", "test_sigkill_at_every_point",
              "test_relocate_killed_at_any_instant")
 #: The files that take longest, after the units above.
-LONGEST_FIRST = ("test_lease_contract.py", "test_leases.py", "test_fault_matrix.py", "test_transfer.py",
-                 "test_relocate.py", "test_move_crashes.py", "test_url_secrets.py", "test_guarded_writes.py",
-                 "test_hot_journal.py", "test_doctor.py", "test_docs.py")
+LONGEST_FIRST = ("test_lease_contract.py", "test_guides.py", "test_leases.py", "test_fault_matrix.py",
+                 "test_transfer.py", "test_relocate.py", "test_move_crashes.py", "test_url_secrets.py",
+                 "test_guarded_writes.py", "test_hot_journal.py", "test_doctor.py", "test_docs.py")
 
 
 def work_unit(nodeid: str) -> str:

@@ -1,6 +1,6 @@
 """The docs cannot rot: every command, option, error code and JSON key is documented, the
-links resolve, the layering in docs/architecture.md holds, and the upgrade runbook's
-shell blocks run for real and exit as the guide says.
+links resolve, the layering in docs/architecture.md holds, and README's first command
+runs the main job, whose story is checked. The setup guides run in tests/test_guides.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import textwrap
 from collections.abc import Container
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ DOCS = ROOT / "docs"
 COMMANDS_MD = DOCS / "commands.md"
 ERRORS_MD = DOCS / "errors.md"
 ARCHITECTURE_MD = DOCS / "architecture.md"
-GUIDE = DOCS / "setup-guides" / "upgrading-a-state.md"
 README = ROOT / "README.md"
 PACKAGE = ROOT / "statetool"
 
@@ -526,68 +524,6 @@ def test_no_operation_imports_a_database_driver_or_a_concrete_backend() -> None:
                            f"{', '.join(sorted(STORAGE_INTERFACE))}):\n" + "\n".join(offenders))
 
 
-# -- (c) the upgrade runbook runs for real ---------------------------------------------
-
-
-def _guide_blocks(postgres: bool) -> list[str]:
-    blocks = markdown.read(GUIDE).blocks
-    assert blocks, "the upgrade guide has no command blocks"
-    assert {b.info for b in blocks} == {"sh"}, "every block of the upgrade guide is a runnable ```sh block"
-    return [b.code for b in blocks if ("PostgreSQL" in b.section) == postgres]
-
-
-def _guide_env(shell: dict[str, str], state_url: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    env.update(shell)
-    env.update({"COLUMNS": "120", "NO_COLOR": "1"})
-    if state_url is not None:
-        env["RIVET_STATE_URL"] = state_url
-    return env
-
-
-def _run_blocks(blocks: list[str], cwd: Path, env: dict[str, str]) -> None:
-    for n, code in enumerate(blocks, 1):
-        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=cwd, env=env, text=True,
-                              capture_output=True, timeout=300)
-        assert proc.returncode == 0, f"block {n} of {GUIDE.name} failed:\n{code}\n{describe(proc)}"
-
-
-def _pipeline_dir(tmp_path: Path) -> Path:
-    work = tmp_path / "pipeline"
-    work.mkdir()
-    shutil.copy(ROOT / "examples" / "rivet.yaml", work / "rivet.yaml")
-    return work
-
-
-def test_upgrade_guide_sqlite_blocks_run_in_order(tmp_path: Path, guide_shell: dict[str, str]) -> None:
-    work = _pipeline_dir(tmp_path)
-    subprocess.run([sys.executable, "-m", "statetool.example", "--config", "rivet.yaml", "--runs", "2000"],
-                   cwd=work, check=True, capture_output=True)
-    env = _guide_env(guide_shell, None)
-    _run_blocks(_guide_blocks(postgres=False), work, env)
-    # The guide ends by restoring the legacy backup: the state is legacy again, complete.
-    proc = run_cli("--json", "info", cwd=work)
-    assert proc.returncode == 0, describe(proc)
-    doc = json.loads(proc.stdout)
-    assert doc["revision"]["status"] == "legacy"
-    assert sum(e["runs_total"] for e in doc["exports"]) == 2000
-    assert (work / "replaced" / ".rivet_state.db").is_file()
-
-
-@pytest.mark.postgres
-def test_upgrade_guide_postgres_blocks_run_in_order(tmp_path: Path, pg_url: str, guide_shell: dict[str, str]) -> None:
-    work = _pipeline_dir(tmp_path)
-    env = {"RIVET_STATE_URL": pg_url}
-    # A shared state as the previous release left it: revision 0002.
-    for args in (["init"], ["migrate", "--to", "0002", "--allow-data-loss"]):
-        proc = run_cli(*args, cwd=work, env=env)
-        assert proc.returncode == 0, describe(proc)
-    _run_blocks(_guide_blocks(postgres=True), work, _guide_env(guide_shell, pg_url))
-    assert "COMMIT;" in (work / "upgrade.sql").read_text()
-    proc = run_cli("--json", "revisions", cwd=work, env=env)
-    assert json.loads(proc.stdout)["current"] == "0002", describe(proc)
-
-
 # -- (d) README's first block ----------------------------------------------------------
 
 
@@ -600,3 +536,62 @@ def test_readme_first_block_installs_and_runs_the_main_job_then_the_tests() -> N
     assert len(lines) == 2, f"README's first block should hold exactly two commands, has {len(lines)}"
     assert "pip install" in lines[0] and "examples/main-job.sh" in lines[0]
     assert "pip install" in lines[1] and "pytest" in lines[1]
+
+
+def _main_job_steps(stdout: str) -> dict[int, str]:
+    """``{step number: the step's output}`` of the main job: each step opens with its
+    comment line ``# N. what you are looking at``, then its command line ``$ …``."""
+    parts = re.split(r"^# (\d+)\. .*$", stdout, flags=re.M)
+    steps = {int(number): body for number, body in zip(parts[1::2], parts[2::2])}
+    for number, body in steps.items():
+        assert body.lstrip("\n").startswith("$ "), f"step {number} does not show its command first:\n{body}"
+    return steps
+
+
+def _gone(pid: int) -> bool:
+    """True when process ``pid`` has ended (reaped, or a zombie waiting to be)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_main_job_tells_the_story_and_leaves_nothing_running(tmp_path: Path, guide_shell: dict[str, str]) -> None:
+    """examples/main-job.sh as README's first command runs it (bash, with statetool and
+    the package's python on PATH), on a copy of examples/: it exits 0, each step shows
+    its comment and its command, and the story's facts are what statetool printed: the
+    upgrade is pending, then done; doctor's FIRST RUN for the export whose checkpoint
+    was lost, with its code; the live lease of the background run and its holder, the
+    same holder the refused second run names; the lease free once the run ended; after
+    the fix every export resumes. Neither the holder nor its command is left running."""
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    for name in ("main-job.sh", "rivet.yaml"):
+        shutil.copy(ROOT / "examples" / name, examples / name)
+    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
+    env.update({**guide_shell, "COLUMNS": "200", "NO_COLOR": "1"})
+    # stderr into stdout, as on the operator's terminal: errors and warnings stay in their step
+    proc = subprocess.run(["bash", str(examples / "main-job.sh")], cwd=tmp_path, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == 0, describe(proc)
+    steps = _main_job_steps(proc.stdout)
+    assert sorted(steps) == list(range(1, 10)), describe(proc)
+
+    assert "RIVET_STATE_MIGRATION_PENDING" in steps[2] and "(exit 3)" in steps[2], steps[2]
+    assert "migrated from legacy to" in steps[3] and ".rivet_state.db.backup-legacy-" in steps[3], steps[3]
+    first_runs = re.findall(r"^(\S+) \(\w+\): FIRST RUN$", steps[5], re.M)
+    assert first_runs == ["order_events"], steps[5]
+    assert "[RIVET_STATE_CHECKPOINT_MISSING]" in steps[5] and "(exit 5)" in steps[5], steps[5]
+
+    refused = re.search(r"RIVET_STATE_RUN_IN_PROGRESS\]: lease chunk-run:orders is held by pid (\d+) "
+                        r"\(command pid (\d+)\)", steps[7])
+    assert refused and "(exit 2)" in steps[7], steps[7]
+    holder, command = (int(pid) for pid in refused.groups())
+    live = [line for line in steps[6].splitlines() if re.search(r"\blive\b", line)]
+    assert live and "chunk-run:orders" in live[0] and str(holder) in live[0] and "sleep 30" in live[0], steps[6]
+    assert "(the run ended with exit 143)" in steps[8] and not re.search(r"\blive\b", steps[8]), steps[8]
+
+    assert "FIRST RUN" not in steps[9] and "order_events (cdc): resumes from CDC position" in steps[9], steps[9]
+    assert _gone(holder) and _gone(command), f"left running: holder {holder}, command {command}"
+    leases = run_cli("--json", "leases", cwd=examples)
+    assert {row["state"] for row in json.loads(leases.stdout)["leases"]} == {"free"}, describe(leases)

@@ -5,7 +5,7 @@ and ``statetool relocate``/``exports reset``; a real tmpfs mount; a real Postgre
 PostgreSQL cases. Each asserts the verdict, the code, and that the evidence names the right
 path. Every ``doctor`` call also proves the command read-only: the config's and the
 state's directory trees (files, directories, bytes) are identical before and after.
-The two setup guides' ```sh blocks run at the end, as written.
+The setup guides that show doctor's answers run in ``tests/test_guides.py``.
 """
 
 from __future__ import annotations
@@ -14,40 +14,27 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import sqlite3
 import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
-from contextlib import ExitStack
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from support import describe, error_object, markdown, run_cli, write_config
+from support import describe, error_object, run_cli, write_config
 from statetool import mounts
 from statetool.errors import EXIT_CODES, failure_class, worst
-from statetool.example import build_legacy_state
 from statetool.location import STATE_FILE
 from statetool.operations.context import Context
 from statetool.operations.doctor import doctor as doctor_op
-from statetool.operations.exports import reset as reset_export
 from statetool.operations.migrate import migrate
-from statetool.operations.relocate import relocate
 from statetool.runtime import StateStore
+from support.states import (CURSOR, FINISHED, POSITION, build_state, orphan_wal_beside, rollback_journal_state,
+                            write_checkpoint)
 
-ROOT = Path(__file__).resolve().parent.parent
-GUIDES = ROOT / "docs" / "setup-guides"
 SALES = "postgresql://db.internal:5432/sales"
 CRM_URL = "postgresql://reader@crm.internal:5432/crm"
-POSITION = {"file": "mysql-bin.000042", "pos": 91234}
-CURSOR = "2026-10-31T23:59:59Z"
-#: When the built state's runs finished: an hour ago, so every age doctor reports is positive.
-FINISHED = (datetime.now(UTC) - timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-STARTED = (datetime.now(UTC) - timedelta(hours=2)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -101,35 +88,6 @@ def reason(reasons: list[dict[str, Any]], code: str) -> dict[str, Any]:
     assert set(found[0]) == {"code", "message", "evidence", "action"}
     assert found[0]["message"] and found[0]["action"]
     return found[0]
-
-
-def build_state(config: Path, state_url: str | None = None, *, checkpoint_dir: Path | None = None,
-                only: tuple[str, ...] = ("orders", "order_lines", "order_events"),
-                env: dict[str, str] | None = None) -> None:
-    """Create the state (like a pipeline's first run) and record progress through the runtime
-    API: orders a cursor, order_lines a chunked run interrupted after chunk 0, order_events a
-    CDC run with its checkpoint file written into ``checkpoint_dir`` (None: no file)."""
-    store = StateStore.open(config, state_url=state_url, env=env or {}, create=True)
-    with store.transaction() as tx:
-        if "orders" in only:
-            run = tx.start_run("orders", "incremental", started_at=STARTED)
-            tx.commit_cursor("orders", "incremental", CURSOR, at=FINISHED)
-            tx.finish_run(run, "succeeded", rows=120, files=1, finished_at=FINISHED)
-        if "order_lines" in only:
-            run = tx.start_run("order_lines", "chunked", started_at=STARTED)
-            tx.record_chunk("order_lines", run, 0, "0", "100000", "done", rows=100000)
-            tx.record_chunk("order_lines", run, 1, "100000", "200000", "pending")
-        if "order_events" in only:
-            run = tx.start_run("order_events", "cdc", started_at=STARTED)
-            tx.finish_run(run, "succeeded", rows=7, finished_at=FINISHED)
-    if checkpoint_dir is not None:
-        write_checkpoint(checkpoint_dir / "checkpoints" / "order_events.json", json.dumps(POSITION))
-
-
-def write_checkpoint(path: Path, body: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(body)
-    return path
 
 
 def other_source_config(directory: Path) -> Path:
@@ -514,14 +472,6 @@ def test_cdc_export_with_a_file_engine_and_no_checkpoint_configured(tmp_path: Pa
 # -- the state file: orphaned -wal/-shm, pending revisions ---------------------------------
 
 
-def rollback_journal_state(config: Path) -> Path:
-    """A state at head in rollback-journal mode: a legacy state an old release left, migrated."""
-    path = config.parent / STATE_FILE
-    build_legacy_state(path, [("orders", "incremental"), ("order_lines", "chunked"), ("order_events", "cdc")], 60)
-    write_checkpoint(config.parent / "checkpoints" / "order_events.json", json.dumps(POSITION))
-    return path
-
-
 def test_orphaned_wal_and_shm_beside_a_rollback_journal_state(config: Path, tmp_path: Path) -> None:
     path = rollback_journal_state(config)
     migrate(Context(config, None, env={}))
@@ -770,216 +720,3 @@ def test_doctor_checkpoints_and_check_change_nothing(config: Path, tmp_path: Pat
     proc = run_cli("-c", str(config), "relocate", "--to", str(tmp_path / "volume"), "--create-dir")
     assert proc.returncode == 0, describe(proc)
     reads_change_nothing(None)
-
-
-# -- the setup guides' commands run as written --------------------------------------------
-
-
-def sh_blocks(page: Path) -> list[tuple[str, str]]:
-    """``[(h2 heading, code)]`` of every ```sh block of a guide."""
-    return [(block.section, block.code) for block in markdown.read(page).sh_blocks()]
-
-
-def run_block(code: str, cwd: Path, env: dict[str, str], page: Path, heading: str, shell: dict[str, str]) -> None:
-    full = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    full.update(shell)
-    full.update({"COLUMNS": "120", "NO_COLOR": "1"})
-    full.update(env)
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=cwd, env=full, text=True,
-                          capture_output=True, timeout=120)
-    assert proc.returncode == 0, f"{page.name}, section '{heading}':\n{code}\n{describe(proc)}"
-
-
-def orphan_wal_beside(path: Path, scratch: Path) -> None:
-    """Copy the -wal/-shm of another WAL-mode database (with committed frames) beside ``path``,
-    as a restore that copies the wrong files does."""
-    other = scratch / STATE_FILE
-    scratch.mkdir(parents=True, exist_ok=True)
-    writer = sqlite3.connect(other)
-    try:
-        writer.execute("PRAGMA journal_mode=wal")
-        writer.execute("PRAGMA wal_autocheckpoint=0")
-        writer.execute("CREATE TABLE rivet_exports (export_name TEXT PRIMARY KEY, mode TEXT)")
-        writer.execute("INSERT INTO rivet_exports VALUES ('orders', 'full')")
-        writer.commit()
-        shutil.copyfile(f"{other}-wal", f"{path}-wal")
-        shutil.copyfile(f"{other}-shm", f"{path}-shm")
-    finally:
-        writer.close()
-
-
-# Each section of a guide runs its ```sh blocks, in order, in a fresh pipeline directory
-# (tmp/pipeline, the conftest config) against the situation the section describes. A
-# section with blocks and no scenario here fails the test: the guide and its test move together.
-
-
-def _volume(tmp: Path) -> Path:
-    volume = tmp / "volume"
-    volume.mkdir()
-    return volume
-
-
-def _healthy(work: Path, tmp: Path, _stack: ExitStack) -> dict[str, str]:
-    build_state(work / "rivet.yaml", checkpoint_dir=work)
-    return {}
-
-
-def _state_beside_config_dir_declared(work: Path, tmp: Path, _stack: ExitStack) -> dict[str, str]:
-    build_state(work / "rivet.yaml", checkpoint_dir=work)
-    return {"RIVET_STATE_URL": f"sqlite:{_volume(tmp)}"}
-
-
-def _relocated(work: Path, tmp: Path, _stack: ExitStack) -> dict[str, str]:
-    build_state(work / "rivet.yaml", checkpoint_dir=work)
-    relocate(Context(work / "rivet.yaml", None, env={}), str(_volume(tmp)))
-    return {}
-
-
-def _not_mounted(work: Path, tmp: Path, _stack: ExitStack) -> dict[str, str]:
-    return {"RIVET_STATE_URL": f"sqlite:{tmp / 'volume'}"}
-
-
-def _on_tmpfs(work: Path, tmp: Path, stack: ExitStack) -> dict[str, str]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    volume = _volume(tmp)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(volume)], check=True, capture_output=True)
-    stack.callback(subprocess.run, ["umount", str(volume)], check=True, capture_output=True)
-    build_state(work / "rivet.yaml", f"sqlite:{volume}", checkpoint_dir=volume)
-    return {"RIVET_STATE_URL": f"sqlite:{volume}"}
-
-
-def _source_moved_host(work: Path, tmp: Path, _stack: ExitStack) -> dict[str, str]:
-    volume = _volume(tmp)
-    old = write_config(tmp / "before-the-move", source_url="postgresql://reader@db-old.internal:5432/sales")
-    build_state(old, f"sqlite:{volume}", checkpoint_dir=volume)
-    return {"RIVET_STATE_URL": f"sqlite:{volume}"}
-
-
-def _reset(work: Path, tmp: Path, _stack: ExitStack) -> dict[str, str]:
-    build_state(work / "rivet.yaml", checkpoint_dir=work)
-    reset_export(Context(work / "rivet.yaml", None, env={}), "orders")
-    return {}
-
-
-def _checkpoint_lost(work: Path, tmp: Path, _stack: ExitStack) -> dict[str, str]:
-    build_state(work / "rivet.yaml", checkpoint_dir=None)
-    write_checkpoint(work / "backup" / "order_events.json", json.dumps(POSITION))
-    return {}
-
-
-def _orphan_wal(work: Path, tmp: Path, _stack: ExitStack) -> dict[str, str]:
-    path = rollback_journal_state(work / "rivet.yaml")
-    migrate(Context(work / "rivet.yaml", None, env={}))
-    orphan_wal_beside(path, tmp / "elsewhere")
-    return {}
-
-
-def _legacy(work: Path, tmp: Path, _stack: ExitStack) -> dict[str, str]:
-    rollback_journal_state(work / "rivet.yaml")
-    return {}
-
-
-def _declared(work: Path, tmp: Path, _stack: ExitStack) -> dict[str, str]:
-    volume = _volume(tmp)
-    build_state(work / "rivet.yaml", f"sqlite:{volume}", checkpoint_dir=volume)
-    return {"RIVET_STATE_URL": f"sqlite:{volume}"}
-
-
-DIAGNOSING = GUIDES / "diagnosing-a-first-run.md"
-DIAGNOSING_SCENARIOS = {
-    "Ask doctor": _healthy,
-    "Gate a deploy on it": _healthy,
-    "No state where the settings point": _state_beside_config_dir_declared,
-    "The state was moved away": _relocated,
-    "The declared directory is not mounted": _not_mounted,
-    "The directory dies with the container": _on_tmpfs,
-    "The state belongs to another source": _source_moved_host,
-    "An export with no progress": _reset,
-    "A lost or unreadable CDC checkpoint": _checkpoint_lost,
-    "Leftover -wal and -shm files": _orphan_wal,
-    "A state written by an older release": _legacy,
-    "Where the setting came from": _declared,
-}
-
-
-def _text_codes(page: Path) -> dict[str, set[str]]:
-    """``{h2 heading: codes shown in its ```text blocks}`` (what doctor "looks like")."""
-    out: dict[str, set[str]] = {}
-    for block in markdown.read(page).blocks_in("text"):
-        out.setdefault(block.section, set()).update(re.findall(r"\[(RIVET_[A-Z_]+)\]", block.code))
-    return out
-
-
-def test_diagnosing_guide_blocks_run_against_the_situation_they_describe(tmp_path: Path,
-                                                                         guide_shell: dict[str, str]) -> None:
-    blocks = sh_blocks(DIAGNOSING)
-    assert blocks, "the guide has no ```sh block"
-    headings = [h for h, _ in blocks]
-    assert not set(headings) - set(DIAGNOSING_SCENARIOS), f"sections without a scenario: {set(headings)}"
-    shown = _text_codes(DIAGNOSING)
-    for n, heading in enumerate(dict.fromkeys(headings)):
-        tmp = tmp_path / f"s{n:02d}"
-        work = tmp / "pipeline"
-        write_config(work)
-        with ExitStack() as stack:
-            env = DIAGNOSING_SCENARIOS[heading](work, tmp, stack)
-            # What the section shows doctor printing is what doctor finds in that situation.
-            result = doctor_op(Context(work / "rivet.yaml", None, env=env)).as_dict()
-            found = {r["code"] for e in result["exports"] for r in e["reasons"]}
-            assert shown.get(heading, set()) <= found, f"'{heading}' shows {shown.get(heading)}; doctor finds {found}"
-            for code in (c for h, c in blocks if h == heading):
-                run_block(code, work, env, DIAGNOSING, heading, guide_shell)
-
-
-KUBERNETES = GUIDES / "kubernetes-pods.md"
-
-
-def _pg_empty(work: Path, tmp: Path, url: str) -> dict[str, str]:
-    return {"RIVET_STATE_URL": url}
-
-
-def _pg_with_progress(work: Path, tmp: Path, url: str) -> dict[str, str]:
-    build_state(work / "rivet.yaml", url, checkpoint_dir=work)
-    return {"RIVET_STATE_URL": url, "CHECKPOINT_VOLUME": str(_volume(tmp))}
-
-
-KUBERNETES_SCENARIOS = {
-    "Put the state in PostgreSQL": _pg_empty,
-    "Why a checkpoint on the pod's disk loses data": _pg_with_progress,
-    "Put the checkpoint on a volume": _pg_with_progress,
-    "What statetool checks": _pg_with_progress,
-}
-
-
-@pytest.mark.postgres
-def test_kubernetes_guide_blocks_run_against_a_postgresql_state(tmp_path: Path, pg_server: dict[str, str],
-                                                                guide_shell: dict[str, str]) -> None:
-    import psycopg
-
-    blocks = sh_blocks(KUBERNETES)
-    assert blocks, "the guide has no ```sh block"
-    headings = list(dict.fromkeys(h for h, _ in blocks))
-    assert not set(headings) - set(KUBERNETES_SCENARIOS), f"sections without a scenario: {headings}"
-    base = pg_server["url"]
-    schemas = []
-    try:
-        for n, heading in enumerate(headings):
-            schemas.append(f"t_k8s_{os.getpid()}_{n}")
-            url = f"{base}{'&' if '?' in base else '?'}schema={schemas[-1]}"
-            tmp = tmp_path / f"s{n:02d}"
-            work = tmp / "pipeline"
-            write_config(work)
-            env = KUBERNETES_SCENARIOS[heading](work, tmp, url)
-            for code in (c for h, c in blocks if h == heading):
-                run_block(code, work, env, KUBERNETES, heading, guide_shell)
-            if heading == "Put the checkpoint on a volume":
-                # The config now names the volume: the position moved with it, no warning left.
-                result = doctor_op(Context(work / "rivet.yaml", None, env=env)).as_dict()
-                events = exports(result)["order_events"]
-                assert events["verdict"] == "resumes" and events["reasons"] == []
-                assert env["CHECKPOINT_VOLUME"] in events["resumes_from"]
-    finally:
-        with psycopg.connect(base, autocommit=True) as conn:
-            for schema in schemas:
-                conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

@@ -45,12 +45,10 @@ from statetool.operations.context import Context
 from statetool.operations.inspect import info
 from statetool.operations.leasing import acquire, list_leases, this_holder
 from statetool.operations.migrate import migrate
-from support import markdown
 from support.backends import StateBackend
 
 RUN_KEY = "chunk-run:orders"
 SIDECAR_NAME = "chunk-run%3Aorders"
-GUIDE = Path(__file__).resolve().parent.parent / "docs" / "setup-guides" / "running-under-a-scheduler.md"
 
 #: The command a ``leases run`` holder wraps: writes its pid to READY, then waits for GO
 #: (or up to 120 s) and exits with CODE. On SIGTERM/SIGINT it writes the signal number to
@@ -884,36 +882,3 @@ def test_info_and_check_show_the_live_holder(state: State, spawn: Callable[..., 
     (leases_check,) = [c for c in json.loads(proc.stdout)["checks"] if c["id"] == "leases"]
     assert f"pid {holder.pid}" in leases_check["message"], leases_check
     assert holder.finish().returncode == 0
-
-
-# -- the scheduler guide ----------------------------------------------------------------
-
-
-def _guide_blocks() -> list[str]:
-    return [block.code for block in markdown.read(GUIDE).sh_blocks()]
-
-
-def test_scheduler_guide_exists_with_sh_blocks() -> None:
-    blocks = _guide_blocks()
-    assert len(blocks) >= 4, "the guide shows too few commands"
-    text = GUIDE.read_text().lower()
-    for phrase in ("chunk-run:<export>", "--lock-wait", "rivet_state_lock_timeout", "rivet_state_run_in_progress",
-                   "statetool leases release", "two hosts with two separate sqlite files", "network filesystem",
-                   "rivet_state_lease_lost", "pr_set_pdeathsig", "retryable", "refusal"):
-        assert phrase in text, phrase
-
-
-def test_every_sh_command_of_the_scheduler_guide_runs(state: State, spawn: Callable[..., LeaseRun],
-                                                      guide_shell: dict[str, str]) -> None:
-    env = process_env(state.env)
-    env.update(guide_shell)
-    for block in _guide_blocks():
-        if "leases release" in block:  # the guide releases a stale lease: leave one behind
-            stale = spawn(state)
-            stale.wait_ready()
-            stale.kill_group()
-        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=state.directory, env=env,
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, f"guide block failed:\n{block}\n{describe(proc)}"
-        for expected in re.findall(r"#\s*prints:\s*(.+)$", block, flags=re.M):
-            assert expected.strip() in proc.stdout + proc.stderr, f"{expected!r} not printed by\n{block}\n{describe(proc)}"

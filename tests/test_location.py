@@ -197,6 +197,78 @@ def test_postgres_display_masks_the_password_and_names_the_schema(tmp_path: Path
     assert "s2" in loc.display
 
 
+# -- a query libpq would misread (issue 12 item 8) ----------------------------------------
+
+#: ``(what follows postgresql://rivet@/pipelines, what the message must name)``: each one
+#: would reach libpq as a wrong socket directory or database name.
+MISREAD_QUERIES = [
+    ("?host=/run/pg?schema=s", "second '?'"),
+    ("?host=/run/pg?sslmode=require&schema=s", "second '?'"),
+    ("?host=/run/pg;schema=s", "'schema', after ';'"),
+    ("?host=/run/pg%3Fschema=s", "'schema', after '?'"),
+    ("?schema=s&host=/run/pg%26sslmode=require", "'sslmode', after '&'"),
+    ("&schema=s?host=/run/pg", "'&schema=' in its database name"),
+    ("?host", "parameter 'host' without a value"),
+    ("?host=/run/pg&=s", "a parameter without a name"),
+]
+
+
+@pytest.mark.parametrize(("suffix", "named"), MISREAD_QUERIES, ids=[s for s, _ in MISREAD_QUERIES])
+def test_a_query_libpq_would_misread_is_invalid_and_says_to_join_with_an_ampersand(
+        tmp_path: Path, suffix: str, named: str) -> None:
+    err = refused(f"postgresql://rivet@/pipelines{suffix}", None, tmp_path / "rivet.yaml")
+    assert (err.code, err.entry.retryable) == ("RIVET_STATE_URL_INVALID", False), err.message
+    assert named in err.message and "'&'" in err.message, err.message
+    assert "&schema=NAME" in err.entry.action
+
+
+def test_the_second_question_mark_is_shown_joined_with_an_ampersand(tmp_path: Path) -> None:
+    err = refused("postgresql://rivet@/pipelines?host=/run/pg?schema=s", None, tmp_path / "rivet.yaml")
+    assert "('?host=/run/pg&schema=s')" in err.message, err.message
+
+
+@pytest.mark.parametrize("url", ["postgresql://rivet@/pipelines?host=/run/pg&&schema=s&",
+                                 "postgresql://rivet@/pipelines?&host=/run/pg&schema=s",
+                                 "postgresql://rivet@/pipelines?options=-c%20search_path%3Dx&schema=s"])
+def test_empty_pieces_and_an_equals_sign_inside_a_value_are_accepted(tmp_path: Path, url: str) -> None:
+    assert resolve_location(url, None, tmp_path / "rivet.yaml").schema == "s"
+
+
+def test_a_password_parameter_is_never_searched_nor_quoted(tmp_path: Path) -> None:
+    loc = resolve_location("postgresql://rivet@/pipelines?password=a;schema=b&schema=s", None, tmp_path / "x.yaml")
+    assert loc.schema == "s"
+    err = refused("postgresql://rivet@/pipelines?host=/run/pg;password=hunter2", None, tmp_path / "x.yaml")
+    assert "'password', after ';'" in err.message and "hunter2" not in err.message, err.message
+
+
+@pytest.mark.postgres
+def test_schema_joined_to_a_socket_url_of_the_server(tmp_path: Path, pg_server: dict[str, str]) -> None:
+    """The suite's server, reached the way a socket URL names it (``?host=<socket dir>``):
+    ``?schema=`` appended is refused as a usage error naming the second ``?``, never a
+    retryable "unreachable"; ``&schema=`` opens that schema."""
+    import psycopg
+
+    base = pg_server["url"]
+    with_query = base if "?" in base else f"{base}?application_name=statetool-tests"
+    config = write_config(tmp_path / "pipeline")
+    schema = f"t_amp_{tmp_path.name[-20:].replace('-', '_')}"
+    wrong = run_cli("-c", str(config), "--json-errors", "init",
+                    env={"RIVET_STATE_URL": f"{with_query}?schema={schema}"})
+    assert wrong.returncode == 1, describe(wrong)
+    error = error_object(wrong)
+    assert (error["code"], error["retryable"]) == ("RIVET_STATE_URL_INVALID", False), describe(wrong)
+    assert "second '?'" in error["message"] and f"&schema={schema}" in error["message"], describe(wrong)
+    try:
+        right = run_cli("-c", str(config), "init", env={"RIVET_STATE_URL": f"{with_query}&schema={schema}"})
+        assert right.returncode == 0, describe(right)
+        info = run_cli("-c", str(config), "--json", "info", env={"RIVET_STATE_URL": f"{with_query}&schema={schema}"})
+        assert info.returncode == 0, describe(info)
+        assert json.loads(info.stdout)["location"]["schema"] == schema
+    finally:
+        with psycopg.connect(base.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
 # -- through the CLI: refused forms create nothing anywhere -----------------------------
 
 

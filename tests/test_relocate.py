@@ -35,7 +35,7 @@ from urllib.parse import quote
 
 import pytest
 
-from support import describe, error_object, fork_cli, markdown, process_env, run_cli, run_cli_forked, tree_digest, write_config
+from support import describe, error_object, fork_cli, process_env, run_cli, run_cli_forked, tree_digest, write_config
 from statetool.backends.tombstone import read_tombstone
 from statetool.errors import StateError
 from statetool.example import build_legacy_state
@@ -46,8 +46,6 @@ from statetool.runtime import StateStore
 from statetool.schema import IN_FLIGHT_REVISION
 from support.crash_driver import run_killed_at
 
-REPO = Path(__file__).resolve().parent.parent
-GUIDE = REPO / "docs" / "setup-guides" / "local-worker.md"
 STATE = ".rivet_state.db"
 KEPT = re.compile(r"^\.rivet_state\.db\.relocated-\d{8}T\d{6}Z$")
 CHECKPOINT = Path("checkpoints") / "order_events.json"
@@ -858,33 +856,3 @@ def test_the_relocation_audit_row_in_the_target_is_redacted(tmp_path: Path, smal
     assert secret not in repr(rows), f"a password reached the audit trail: {rows}"
     assert "postgresql://rivet:***@db.internal/sales" in rows[0][2], rows
     assert json.loads(rows[0][4])["to"] == str(target / STATE)
-
-
-# --------------------------------------------------------------------------------------
-# 7. The local-worker guide, run as written
-# --------------------------------------------------------------------------------------
-
-def test_local_worker_guide_commands_run_as_written(tmp_path: Path, small: Template,
-                                                   guide_shell: dict[str, str]) -> None:
-    """Every ```sh block of docs/setup-guides/local-worker.md, in order, in one shell, in the
-    pipeline directory (state beside the config), with STATE_DIR the mounted directory the
-    guide asks the reader to set; statetool on PATH."""
-    blocks = [block.code for block in markdown.read(GUIDE).sh_blocks()]
-    assert len(blocks) >= 5, "the guide lost its command blocks"
-    config = small.copy_to(tmp_path)
-    state_dir = tmp_path / "srv" / "rivet" / "state"
-    state_dir.mkdir(parents=True)
-    script = "set -euo pipefail\n" + "".join(
-        f"echo '=== guide block {i + 1}'\n{block}\n" for i, block in enumerate(blocks))
-    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    env.update({"STATE_DIR": str(state_dir), **guide_shell, "COLUMNS": "200", "NO_COLOR": "1"})
-    proc = subprocess.run(["bash", "-c", script], cwd=config.parent, env=env, text=True, capture_output=True,
-                          timeout=600)
-    assert proc.returncode == 0, describe(proc)
-    assert f"RIVET_STATE_URL=sqlite:{state_dir}" in proc.stdout, describe(proc)
-    assert "RIVET_STATE_RELOCATED" in proc.stdout + proc.stderr
-    assert "RIVET_STATE_MISSING" in proc.stdout + proc.stderr  # the empty directory of a wrong mount
-    # The guide ends with the rollback: the old bytes are the state beside the config again.
-    assert dump(config.parent / STATE) == small.rows
-    assert not [p for p in config.parent.iterdir() if p.name.startswith(f"{STATE}.relocated-")]
-    assert preflight_failures(config) == []

@@ -28,15 +28,13 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
 
-from support import (PG_PASSWORD, CliRun, Forked, describe, error_object, fork_cli, markdown, process_env, run_cli,
+from support import (PG_PASSWORD, CliRun, Forked, describe, error_object, fork_cli, process_env, run_cli,
                      tree_digest, write_config)
 from statetool.schema import IN_FLIGHT_REVISION
 from support.crash_driver import run_killed_at
 
 pytestmark = pytest.mark.postgres
 
-ROOT = Path(__file__).resolve().parent.parent
-GUIDE = ROOT / "docs" / "setup-guides" / "moving-state-to-postgresql.md"
 SOURCE_KEY = "postgresql://db.internal:5432/sales"
 #: Tables whose ``id`` the destination assigns itself (not compared).
 FRESH_IDS = {"rivet_audit", "rivet_load_ledger"}
@@ -838,53 +836,3 @@ def test_dry_run_changes_nothing_and_prints_tables_rows_bytes_checkpoints_and_th
         assert f"set cdc.checkpoint to {path}" in text
     assert "nothing was changed" in text
     no_secret(secret, human.stdout, human.stderr, as_json.stdout, as_json.stderr)
-
-
-# -- 6. the guide's commands run -------------------------------------------------------------
-
-
-def _fenced_sh(text: str) -> list[str]:
-    blocks = markdown.parse(text, GUIDE.name).blocks
-    for block in blocks:
-        assert block.info == "sh", f"every block of {GUIDE.name} is a runnable ```sh block: line {block.line}"
-    return [block.code for block in blocks]
-
-
-def test_the_moving_guide_commands_run_in_order(tmp_path: Path, admin: str, pg_server: dict[str, str],
-                                               guide_shell: dict[str, str]) -> None:
-    """Every ```sh block of docs/setup-guides/moving-state-to-postgresql.md, in order, in
-    one pipeline directory (examples/rivet.yaml, 2,000 runs, at head): dry run, transfer,
-    verify, checkpoints made absolute, then the rollback, which leaves the SQLite state
-    usable beside the config again and drops the PostgreSQL copy."""
-    work = tmp_path / "pipeline"
-    work.mkdir()
-    shutil.copy(ROOT / "examples" / "rivet.yaml", work / "rivet.yaml")
-    subprocess.run([sys.executable, "-m", "statetool.example", "--config", "rivet.yaml", "--runs", "2000"],
-                   cwd=work, check=True, capture_output=True)
-    _cli_ok("migrate", cwd=work)
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    base, _ = split_url(admin)
-    parts = urlsplit(base)
-    query = dict(parse_qsl(parts.query))
-    env = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
-    env.update({**guide_shell, "COLUMNS": "120", "NO_COLOR": "1", "PG_SCHEMA": schema,
-                "CHECKPOINT_DIR": str(tmp_path / "shared" / "checkpoints")})
-    if "host" in query:  # a socket directory: libpq takes it from PGHOST, so the URL can carry ?schema= alone
-        env["PGHOST"] = query.pop("host")
-    env["PG_URL"] = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))
-    (tmp_path / "shared").mkdir()
-    blocks = _fenced_sh(GUIDE.read_text())
-    assert len(blocks) >= 8
-    try:
-        for n, code in enumerate(blocks, 1):
-            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=work, env=env, text=True,
-                                  capture_output=True, timeout=300)
-            assert proc.returncode == 0, f"block {n} of {GUIDE.name} failed:\n{code}\n{describe(proc)}"
-        # the guide ends rolled back: the SQLite state beside the config, complete; no schema
-        info = run_cli("--json", "info", cwd=work)
-        assert info.returncode == 0, describe(info)
-        assert sum(e["runs_total"] for e in json.loads(info.stdout)["exports"]) == 2000
-        assert not schema_exists(admin, schema)
-        assert (tmp_path / "shared" / "checkpoints" / "order_events.json").is_file()
-    finally:
-        pg_fetch(admin, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
