@@ -58,44 +58,21 @@ DIE_HOLDING = textwrap.dedent("""\
 # -- the checks ------------------------------------------------------------------------------
 
 
-def _strings(value: Any) -> Iterator[str]:
+def _strings(value: Any, key: str = "") -> Iterator[tuple[str, str]]:
+    """Every string of a JSON ``value`` with the key it stands under ("" in a list's top)."""
     if isinstance(value, str):
-        yield value
+        yield key, value
     elif isinstance(value, dict):
-        for item in value.values():
-            yield from _strings(item)
+        for name, item in value.items():
+            yield from _strings(item, name)
     elif isinstance(value, list):
         for item in value:
-            yield from _strings(item)
-
-
-def _times(value: Any) -> Iterator[str]:
-    """Every value of a key ending in ``_at`` that holds fractions of a second."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if key.endswith("_at") and isinstance(item, str) and re.search(r":\d\d\.\d+", item):
-                yield item
-            yield from _times(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _times(item)
-
-
-def _actions(value: Any) -> Iterator[str]:
-    """Every ``action`` of ``value``: what to run next, printed whole whatever the width."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if key == "action" and isinstance(item, str):
-                yield item
-            yield from _actions(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _actions(item)
+            yield from _strings(item, key)
 
 
 def words(doc: dict[str, Any]) -> set[str]:
     """Every word of every string of ``doc``, without the punctuation around it."""
-    return {w.strip("'\"()[]{},;:.") for text in _strings(doc) for w in text.split()} - {""}
+    return {w.strip("'\"()[]{},;:.") for _, text in _strings(doc) for w in text.split()} - {""}
 
 
 def assert_readable(human: CliRun, doc: dict[str, Any], width: int | None) -> None:
@@ -110,15 +87,16 @@ def assert_readable(human: CliRun, doc: dict[str, Any], width: int | None) -> No
     for line in lines:
         assert line == line.rstrip(), f"a line ends in spaces: {line!r}\n{describe(human)}"
     if width is not None:
-        actions = tuple(_actions(doc))
+        actions = tuple(text for key, text in _strings(doc) if key == "action")  # what to run next: whole
         for line in human.stdout.splitlines():
             if len(line) > width and not (actions and line.endswith(actions)):
                 last = line.split()[-1]
                 assert len(line) - len(last) <= width and len(last) >= 20, \
                     f"a line is wider than {width} columns without need: {line!r}\n{describe(human)}"
     assert not re.search(r"\b\d+\.\d+ ?s\b|\b\d{3,} s\b", text), f"an age in raw seconds:\n{describe(human)}"
-    for when in _times(doc):
-        assert when not in text, f"a time with microseconds: {when}\n{describe(human)}"
+    for key, when in _strings(doc):
+        if key.endswith("_at") and re.search(r":\d\d\.\d+", when):
+            assert when not in text, f"a time with microseconds: {when}\n{describe(human)}"
 
 
 def read(config: Path, *args: str, width: int | None, env: dict[str, str] | None = None
