@@ -30,6 +30,7 @@ from support import CliRun, describe, fork_code, process_env, run_cli, write_con
 from statetool.errors import REGISTRY, WARNINGS
 from statetool.example import build_legacy_state
 from statetool.location import STATE_FILE
+from statetool import render
 from statetool.render import ago, duration, terminal_width, timestamp
 from statetool.runtime import StateStore
 
@@ -356,3 +357,34 @@ def test_the_width_is_columns_else_the_terminal_else_none(monkeypatch: pytest.Mo
     finally:
         os.close(master)
         os.close(slave)
+
+
+@pytest.mark.parametrize(("where", "no_color"), [("terminal", False), ("terminal", True), ("pipe", False)])
+def test_colour_only_on_a_terminal_unless_no_color(monkeypatch: pytest.MonkeyPatch, where: str, no_color: bool
+                                                   ) -> None:
+    doc = {"ok": False, "checks": [{"id": "integrity", "status": "fail", "code": "RIVET_STATE_CORRUPT",
+                                    "message": "quick_check: page 3 is never used", "action": "restore a backup"}]}
+    for name, value in (("TERM", "xterm-256color"), ("COLUMNS", "80"), ("NO_COLOR", "1" if no_color else None),
+                        ("FORCE_COLOR", None), ("COLORTERM", None), ("TTY_COMPATIBLE", None)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    reader, writer = os.openpty() if where == "terminal" else os.pipe()
+    try:
+        with open(writer, "w", closefd=False) as stdout:
+            monkeypatch.setattr("sys.stdout", stdout)
+            render.check(doc)
+            stdout.flush()
+        shown = os.read(reader, 1 << 16).decode()
+    finally:
+        os.close(reader)
+        os.close(writer)
+    colours = [p for codes in re.findall(r"\x1b\[([0-9;]*)m", shown) for p in codes.split(";")
+               if p and (30 <= int(p) <= 49 or 90 <= int(p) <= 107)]  # NO_COLOR keeps bold, drops colour
+    assert bool(colours) is (where == "terminal" and not no_color), repr(shown)
+    assert where == "terminal" or "\x1b" not in shown, repr(shown)
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", shown)
+    assert "RIVET_STATE_CORRUPT" in plain and "Try (integrity): restore a backup" in plain, repr(shown)
+    for line in shown.replace("\r\n", "\n").splitlines():  # not even before the codes that end a line
+        assert not re.sub(r"(\x1b\[[0-9;]*m)+$", "", line).endswith(" "), repr(line)
