@@ -224,6 +224,11 @@ def _plural(n: int, one: str) -> str:
     return f"{n} {one if n == 1 else one + 's'}"
 
 
+def _sentence(message: str) -> str:
+    """An operation's message (``re-keyed from A to B``) as the start of a sentence."""
+    return message[:1].upper() + message[1:]
+
+
 def _fmt(value: Any) -> str:
     if value is None:
         return "-"
@@ -619,7 +624,7 @@ def identity_change(doc: dict[str, Any]) -> None:
     """``statetool identity adopt`` / ``rekey`` for people: what the state records now."""
     page = Page()
     if doc["changed"]:
-        page.para(f"{doc['message'][:1].upper()}{doc['message'][1:]}; an audit row records the change.")
+        page.para(f"{_sentence(doc['message'])}; an audit row records the change.")
     else:
         page.para(f"Nothing was changed: the state already records {doc['recorded']}.")
     page.show()
@@ -692,7 +697,7 @@ def migrate(doc: dict[str, Any]) -> None:
                   f"{crossing} in one transaction" + ("; this downgrade drops the rows in the 'drops (rows)' "
                                                       "column." if drops else "."))
     else:  # at the target already, or another migration got there first
-        page.para(doc["message"][:1].upper() + doc["message"][1:] + ".")
+        page.para(_sentence(doc["message"]) + ".")
     page.show()
     print_warnings(doc.get("warnings", []))
 
