@@ -220,7 +220,7 @@ def init(ctx: typer.Context) -> None:
     from statetool.operations.create import init as op
 
     g = _g(ctx)
-    _emit(g, op(g.context()).as_dict(), lambda d: render.key_values("Created", d))
+    _emit(g, op(g.context()).as_dict(), render.init)
 
 
 @app.command(epilog="""
@@ -346,7 +346,7 @@ def identity_show(ctx: typer.Context) -> None:
     from statetool.operations.identity_ops import show
 
     g = _g(ctx)
-    _emit(g, show(g.context()).as_dict(), lambda d: render.key_values("Identity", d))
+    _emit(g, show(g.context()).as_dict(), render.identity)
 
 
 @identity_app.command("adopt")
@@ -356,7 +356,7 @@ def identity_adopt(ctx: typer.Context) -> None:
     from statetool.operations.identity_ops import adopt
 
     g = _g(ctx)
-    _emit(g, adopt(g.context()).as_dict(), lambda d: render.key_values("Identity", d))
+    _emit(g, adopt(g.context()).as_dict(), render.identity_change)
 
 
 @identity_app.command("rekey")
@@ -373,7 +373,7 @@ def identity_rekey(
     from statetool.operations.identity_ops import rekey
 
     g = _g(ctx)
-    _emit(g, rekey(g.context(), old, new, reason).as_dict(), lambda d: render.key_values("Identity", d))
+    _emit(g, rekey(g.context(), old, new, reason).as_dict(), render.identity_change)
 
 
 @exports_app.command("list")
@@ -414,7 +414,7 @@ def exports_set_cursor(ctx: typer.Context, name: ExportName,
     from statetool.operations.exports import set_cursor
 
     g = _g(ctx)
-    _emit(g, set_cursor(g.context(), name, value).as_dict(), lambda d: render.key_values("Export", d))
+    _emit(g, set_cursor(g.context(), name, value).as_dict(), render.export_change)
 
 
 @exports_app.command("reset")
@@ -428,7 +428,7 @@ def exports_reset(ctx: typer.Context, name: ExportName) -> None:
     from statetool.operations.exports import reset
 
     g = _g(ctx)
-    _emit(g, reset(g.context(), name).as_dict(), lambda d: render.key_values("Export", d))
+    _emit(g, reset(g.context(), name).as_dict(), render.export_change)
 
 
 @leases_app.callback(invoke_without_command=True)
@@ -462,7 +462,7 @@ def leases_release(
     from statetool.operations.leases import release
 
     g = _g(ctx)
-    _emit(g, release(g.context(), key, reason), lambda d: render.key_values("Released", d))
+    _emit(g, release(g.context(), key, reason), render.lease_release)
 
 
 @leases_app.command("run", context_settings={"allow_interspersed_args": False}, epilog="""

@@ -1,7 +1,23 @@
-"""Turning results into what people read (rich tables) and what machines read (JSON).
+"""Turning results into what people read (tables, sentences) and what machines read (JSON).
 
 Human output goes to stdout; warnings, errors and progress go to stderr, so stdout stays
 one JSON document under ``--json``.
+
+The rules of the output for people (issue 12 items 1-5; docs/decisions.md, "Output for
+people"), each kept in one place here:
+
+- **Width**: ``COLUMNS`` when set, else the terminal's; not on a terminal there is none,
+  and nothing is wrapped (:func:`terminal_width`).
+- **Words are never broken**: codes, keys, names, modes, revisions, paths, times. A
+  table is laid out only when its word columns and the longest word of its prose columns
+  fit the width; otherwise each row is printed as a list of ``name  value`` lines
+  (:meth:`Page.table`). Prose is wrapped at spaces only (:func:`wrap`).
+- **Lines to copy** (``RIVET_STATE_URL=...``, a backup's path) are printed whole on a
+  line of their own (:meth:`Page.line`). No line ends in spaces (:meth:`Page.show`).
+- **Times and ages**: a time to the second (:func:`timestamp`), an age as a person says it
+  (:func:`ago`, :func:`duration`); the exact values stay in ``--json``.
+- **Results are sentences**: a change says what it changed, where the backup is and what
+  the next run does; the raw result is ``--json``'s.
 """
 
 from __future__ import annotations
@@ -9,32 +25,56 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
-from collections.abc import Callable, Iterator
+import textwrap
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
+from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from statetool.errors import StateError
 
+# -- the console: width, colour, stderr ---------------------------------------------------
 
-def out() -> Console:
-    """A console on the current ``sys.stdout``, made per call: each invocation (also one
-    run in-process by the tests) gets the stdout, width and ``NO_COLOR`` it runs with.
+#: The width a console gets where there is none to keep to (not a terminal, no COLUMNS):
+#: wider than any line statetool prints, so nothing is wrapped or cut.
+_UNBOUNDED = 1 << 20
 
-    Not a terminal (a log, CI) and no COLUMNS: wide enough that paths and the one line an
-    operator must copy (RIVET_STATE_URL=...) are never cut mid-token at rich's default 80.
-    markup=False: paths, URLs, cursors and messages are the user's text, and "[/x]" in them
-    is no style tag (SPEC §8a); styles are given as Text objects instead.
-    """
-    return Console(highlight=False, soft_wrap=False, markup=False,
-                   width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
+
+def terminal_width() -> int | None:
+    """The width people read stdout at, in columns: ``COLUMNS`` when it is a whole number
+    of at least 1, else the terminal's when stdout is one; None when stdout is not a
+    terminal (a log, a pipe, CI), where no width is forced and nothing is wrapped
+    (issue 12 item 2)."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        if sys.stdout.isatty():
+            return os.get_terminal_size(sys.stdout.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor, or a closed one
+        pass
+    return None
+
+
+def _console(width: int | None) -> Console:
+    """A console on the current ``sys.stdout`` (made per call: each invocation, also one run
+    in-process by the tests, gets the stdout it runs with). Colour follows rich's rules:
+    only on a terminal, never under ``NO_COLOR``. markup=False: paths, URLs, cursors and
+    messages are the user's text, and "[/x]" in them is no style tag (SPEC §8a)."""
+    return Console(width=width or _UNBOUNDED, highlight=False, markup=False, emoji=False, soft_wrap=False)
 
 
 def err() -> Console:
-    """A console on the current ``sys.stderr``, made per call (as :func:`out`)."""
+    """A console on the current ``sys.stderr``, made per call; its lines are never wrapped
+    (``soft_wrap``): a message or an action is copied whole."""
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -81,7 +121,7 @@ def print_failure_line(code: str, message: str, error: StateError | None = None,
 
 
 def print_warnings(warnings: list[dict[str, str]]) -> None:
-    """Each warning on stderr: ``Warning [CODE]: message`` and its action."""
+    """Each warning on stderr: ``Warning [CODE]: message`` and its action, each one line."""
     for w in warnings:
         err().print(Text.assemble(("Warning", "yellow"), f" [{w['code']}]: {w['message']}"))
         err().print(f"  Try: {w['action']}")
@@ -102,6 +142,93 @@ def rich_progress(description: str) -> Iterator[Callable[[int, int], None]]:
         yield update
 
 
+# -- times, ages, sizes ----------------------------------------------------------------
+
+_MINUTE, _HOUR, _DAY = 60, 3600, 86400
+
+
+def duration(seconds: float) -> str:
+    """A span of time as a person says it, rounded down to its largest unit (issue 12
+    item 4): below a minute ``23 s``, below an hour ``5 min``, below a day ``3 h``, below
+    45 days ``2 days`` ("40 days" says more than "1 month"), below 365 days months of 30
+    days (``8 months``), then years of 365 days (``3 years``). A negative span is said by
+    its size."""
+    size = abs(seconds)
+    if size < _MINUTE:
+        return f"{int(size)} s"
+    if size < _HOUR:
+        return f"{int(size // _MINUTE)} min"
+    if size < _DAY:
+        return f"{int(size // _HOUR)} h"
+    if size < 45 * _DAY:
+        return _plural(int(size // _DAY), "day")
+    if size < 365 * _DAY:
+        return _plural(int(size // (30 * _DAY)), "month")
+    return _plural(int(size // (365 * _DAY)), "year")
+
+
+def ago(seconds: float | None) -> str:
+    """An age in seconds as ``23 s ago``; ``in 23 s`` for a negative age (a clock ahead of
+    this host's); ``-`` for None."""
+    if seconds is None:
+        return "-"
+    return f"in {duration(seconds)}" if seconds < 0 else f"{duration(seconds)} ago"
+
+
+def _parse_time(value: Any) -> datetime | None:
+    """An ISO-8601 time (``Z`` or an offset; naive is UTC, as the state's times are) as an
+    aware datetime, None when ``value`` is not one."""
+    if isinstance(value, datetime):
+        when = value
+    else:
+        try:
+            when = datetime.fromisoformat(str(value))
+        except ValueError:
+            return None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def timestamp(value: Any) -> str:
+    """A time for a table, in UTC to the second: ``2026-01-04 11:15:00Z`` (issue 12 item 1);
+    ``-`` for None; any other text as it is."""
+    if value is None:
+        return "-"
+    when = _parse_time(value)
+    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ") if when else str(value)
+
+
+def since(value: Any, now: datetime) -> str:
+    """How long before ``now`` the time ``value`` was (:func:`ago`); ``-`` for None, the text
+    as it is when it is no time."""
+    when = _parse_time(value) if value is not None else None
+    if when is None:
+        return "-" if value is None else str(value)
+    return ago((now - when).total_seconds())
+
+
+def size(n: int | None) -> str:
+    """A size in bytes as ``45056 bytes (44 KiB)`` (the number as ``--json`` has it, to
+    compare); ``-`` for None."""
+    if n is None:
+        return "-"
+    scaled, unit = float(n), "bytes"
+    for name in ("KiB", "MiB", "GiB", "TiB"):
+        if scaled < 1024:
+            break
+        scaled, unit = scaled / 1024, name
+    return f"{n} bytes" if unit == "bytes" else f"{n} bytes ({scaled:.0f} {unit})"
+
+
+def _plural(n: int, one: str) -> str:
+    """``1 day``, ``2 days``."""
+    return f"{n} {one if n == 1 else one + 's'}"
+
+
+def _sentence(message: str) -> str:
+    """An operation's message (``re-keyed from A to B``) as the start of a sentence."""
+    return message[:1].upper() + message[1:]
+
+
 def _fmt(value: Any) -> str:
     if value is None:
         return "-"
@@ -110,136 +237,546 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _kv(title: str, rows: list[tuple[str, Any]]) -> Table:
-    table = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column(overflow="fold")
-    for key, value in rows:
-        table.add_row(key, _fmt(value))
-    return table
+# -- the page: what one command prints on stdout --------------------------------------------
 
 
-def info(doc: dict[str, Any]) -> None:
-    """``statetool info`` for people."""
-    loc, rev, ident = doc["location"], doc["revision"], doc["identity"]
-    real = [("real file", loc["real_path"])] if loc.get("real_path") not in (None, loc["path"]) else []
-    out().print(_kv("State", [("location", loc["display"]), *real, ("backend", loc["backend"]),
-                            ("scope", loc["scope"]), ("set by", loc["origin"])]))
-    pending = ", ".join(rev["pending"]) or "none"
-    current = "legacy (no version table)" if rev["legacy"] else rev["current"]
-    out().print(_kv("Revision", [("current", current), ("head", rev["head"]), ("pending", pending),
-                               ("status", rev["status"])]))
-    out().print(_kv("Identity", [("recorded", ident["recorded"]), ("computed", ident["computed"] or "(unknown)"),
-                               ("verdict", ident["verdict"]), ("", ident["message"])]))
-    exports(doc["exports"])
-    if doc.get("leases"):
-        leases({"leases": doc["leases"]})
-    print_warnings(doc["warnings"])
+def wrap(text: str, width: int | None, first: str = "", rest: str = "") -> list[str]:
+    """``text`` as lines of at most ``width`` columns, broken at spaces only: a word longer
+    than the line stands whole on a line of its own. The first line starts with ``first``,
+    every other with ``rest``; each newline of ``text`` starts a new line. ``width`` None:
+    one line per line of ``text``, never wrapped."""
+    lines: list[str] = []
+    for n, part in enumerate(text.split("\n")):
+        lead = first if n == 0 else rest
+        if width is None:
+            lines.append(lead + part)
+            continue
+        # At least 20 columns for the text itself: a deep indent at a narrow width goes past it.
+        lines += textwrap.wrap(part, max(width, len(lead) + 20, len(rest) + 20), initial_indent=lead,
+                               subsequent_indent=rest, break_long_words=False, break_on_hyphens=False) or [lead]
+    return lines
 
 
-def exports(rows: list[dict[str, Any]]) -> None:
-    """The per-export progress table."""
-    table = Table(title="Exports", title_justify="left")
-    for col in ("export", "mode", "cursor", "last run", "status", "runs (ok/failed)", "chunks"):
-        table.add_column(col, overflow="fold")
+@dataclass
+class Column:
+    """A table column: its header, whether it holds prose (wrapped at spaces; every other
+    column holds words, never broken), and the rich style of some of its values."""
+
+    header: str
+    prose: bool = False
+    styles: dict[str, str] = field(default_factory=dict)
+
+
+#: Columns between two columns of a table: the (blank) rule and one padding (collapsed).
+_GAP = 2
+#: Trailing spaces and tabs at a line's end, also before the colour codes that close it.
+_TRAILING = re.compile(r"(?:[ \t]|\x1b\[[0-9;]*m)+$", re.MULTILINE)
+_SGR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _words(text: str) -> int:
+    """The width of the longest word of ``text`` (0 for none)."""
+    return max((cell_len(w) for w in text.split()), default=0)
+
+
+def _widest(text: str) -> int:
+    """The width of the longest line of ``text``."""
+    return max(cell_len(line) for line in text.split("\n"))
+
+
+def _fit(columns: Sequence[Column], cells: list[list[str]], width: int | None) -> list[int] | None:
+    """The width of each column of a table that fits ``width`` with no word broken: a
+    word column is as wide as its widest value (and header); a prose column at least as
+    wide as its longest word, and widened towards its widest value with what is left.
+    None when that does not fit; ``width`` None: every column as wide as its widest value."""
+    widest = [max([cell_len(c.header), *(_widest(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    if width is None:
+        return widest
+    least = [max([cell_len(c.header), *(_words(row[i]) for row in cells)]) if c.prose else widest[i]
+             for i, c in enumerate(columns)]
+    spare = width - _GAP * (len(columns) - 1) - sum(least)
+    if spare < 0:
+        return None
+    widths = list(least)
+    growing = [i for i, c in enumerate(columns) if c.prose and widths[i] < widest[i]]
+    while spare > 0 and growing:
+        share = max(1, spare // len(growing))
+        for i in list(growing):
+            step = min(share, widest[i] - widths[i], spare)
+            widths[i] += step
+            spare -= step
+            if widths[i] == widest[i]:
+                growing.remove(i)
+    return widths
+
+
+class Page:
+    """What one command prints for people, block by block, written to stdout by
+    :meth:`show` with no line ending in spaces."""
+
+    def __init__(self) -> None:
+        self.width = terminal_width()
+        self._parts: list[str | Table] = []
+
+    def line(self, text: str = "") -> None:
+        """One line as it is, never wrapped or padded: a heading, a blank line, or a line to
+        copy (``RIVET_STATE_URL=...``, a path) that must be pasted whole (issue 12 item 2)."""
+        self._parts.append(text)
+
+    def para(self, text: str, first: str = "", rest: str = "") -> None:
+        """Prose wrapped at spaces at the width (:func:`wrap`)."""
+        self._parts.extend(wrap(text, self.width, first, rest))
+
+    def pairs(self, title: str | None, rows: Sequence[tuple[str, Any]], indent: str = "") -> None:
+        """A ``key  value`` list under ``title``, each value wrapped at spaces under itself."""
+        if title:
+            self.line(title)
+        keys = max((len(key) for key, _ in rows), default=0)
+        for key, value in rows:
+            label = f"{indent}{key:<{keys}}  "
+            self.para(_fmt(value), label, " " * len(label))
+
+    def table(self, title: str | None, columns: Sequence[Column], rows: Sequence[Sequence[Any]]) -> None:
+        """A table under ``title`` when it fits the width without breaking a word
+        (:func:`_fit`); else each row as its first value and a ``header  value`` line per
+        other value that is not empty (``-``): a list reads better than a table whose
+        names wrap (issue 12 item 1). No rows: the title alone."""
+        cells = [[_fmt(value) for value in row] for row in rows]
+        if title:
+            self.line(title)
+        if not cells:
+            return
+        widths = _fit(columns, cells, self.width)
+        if widths is None:
+            for row in cells:
+                self.line(row[0])
+                self.pairs(None, [(c.header, v) for c, v in zip(columns[1:], row[1:]) if v != "-"], indent="  ")
+            return
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True,
+                      header_style="bold")
+        for column, width in zip(columns, widths):
+            table.add_column(column.header, width=width, no_wrap=not column.prose, overflow="fold")
+        for row in cells:
+            table.add_row(*(Text(v, style=c.styles.get(v, "")) for c, v in zip(columns, row)))
+        self._parts.append(table)
+
+    def show(self) -> None:
+        """Write the page to stdout. A table is laid out by rich at the page's width; no
+        line ends in spaces (issue 12 item 2: a log keeps no padding)."""
+        console = _console(self.width)
+        text: list[str] = []
+        for part in self._parts:
+            if isinstance(part, str):
+                text.append(part + "\n")
+                continue
+            with console.capture() as captured:
+                console.print(part)
+            text.append(captured.get())
+        sys.stdout.write(_TRAILING.sub(lambda m: "".join(_SGR.findall(m.group())), "".join(text)))
+
+
+# -- reads -------------------------------------------------------------------------------
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+_EXPORT_COLUMNS = (Column("export"), Column("mode"), Column("cursor"), Column("last run"), Column("status"),
+                   Column("runs (ok/failed)"), Column("chunks"))
+
+
+def _exports(page: Page, rows: list[dict[str, Any]], now: datetime) -> None:
+    """The per-export progress table; ``last run`` is the age of the last run's start."""
+    table = []
     for row in rows:
         last = row.get("last_run") or {}
-        name = row["name"] + ("" if row.get("in_config", True) else " (not in config)")
-        chunks = f"{row['chunks_done']}/{row['chunks_total']}" if row["chunks_total"] else "-"
-        table.add_row(name, _fmt(row.get("mode")), _fmt(row.get("cursor")), _fmt(last.get("started_at")),
-                      _fmt(last.get("status")), f"{row['runs_total']} ({row['runs_succeeded']}/{row['runs_failed']})",
-                      chunks)
-    out().print(table)
+        table.append([row["name"] + ("" if row.get("in_config", True) else " (not in config)"), row.get("mode"),
+                      row.get("cursor"), since(last.get("started_at"), now) if last else None, last.get("status"),
+                      f"{row['runs_total']} ({row['runs_succeeded']}/{row['runs_failed']})",
+                      f"{row['chunks_done']}/{row['chunks_total']}" if row["chunks_total"] else None])
+    page.table("Exports", _EXPORT_COLUMNS, table)
 
 
-def export_list(doc: dict[str, Any]) -> None:
-    """``statetool exports list`` for people: the progress table, then the warnings."""
-    exports(doc["exports"])
-    print_warnings(doc.get("warnings", []))
+_LEASE_STYLES = {"live": "bold", "stale": "yellow", "free": "dim"}
 
 
-def export_detail(doc: dict[str, Any]) -> None:
-    """``statetool exports show`` for people."""
-    exports([doc["export"]])
-    table = Table(title="Recent runs", title_justify="left")
-    for col in ("run id", "status", "started", "finished", "rows", "files", "error"):
-        table.add_column(col, overflow="fold")
-    for run in doc["recent_runs"]:
-        table.add_row(run["run_id"], run["status"], run["started_at"], _fmt(run["finished_at"]), _fmt(run["rows"]),
-                      _fmt(run["files"]), _fmt(run["error"]))
-    out().print(table)
-    print_warnings(doc.get("warnings", []))
-
-
-_STATUS_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
-
-
-def check(doc: dict[str, Any]) -> None:
-    """``statetool check`` for people: one row per check."""
-    table = Table(title="Pre-flight", title_justify="left")
-    for col in ("check", "status", "code", "message"):
-        table.add_column(col, overflow="fold")
-    for row in doc["checks"]:
-        style = _STATUS_STYLE[row["status"]]
-        table.add_row(row["id"], Text(row["status"], style=style), _fmt(row["code"]), row["message"])
-    out().print(table)
-    failing = [r for r in doc["checks"] if r["status"] in ("fail", "warn") and r["action"]]
-    for row in failing:
-        out().print(f"Try ({row['id']}): {row['action']}")
-    out().print(Text("ok", style="green") if doc["ok"] else Text("not ok", style="bold red"))
-
-
-def migrate(doc: dict[str, Any]) -> None:
-    """``statetool migrate`` for people: the plan, then what was done."""
-    if doc.get("sql"):
-        sys.stdout.write(doc["sql"])
-        return
-    table = Table(title=f"Plan: {doc['from_revision']} -> {doc['to_revision']} ({doc['direction']})",
-                  title_justify="left")
-    for col in ("revision", "description", "rebuilds (rows)", "drops (rows)"):
-        table.add_column(col, overflow="fold")
-    for step in doc["steps"]:
-        table.add_row(step["id"], step["description"],
-                      ", ".join(f"{t} ({n})" for t, n in step["rebuilds"].items()) or "-",
-                      ", ".join(f"{t} ({n})" for t, n in step["loses"].items()) or "-")
-    out().print(table)
-    if doc.get("backup"):
-        out().print(f"backup: {doc['backup']}")
-    if doc.get("verified_rows"):
-        out().print("verified: integrity ok, row counts equal (" +
-                  ", ".join(f"{t} {n}" for t, n in doc["verified_rows"].items()) + ")")
-    out().print(doc["message"])
-    print_warnings(doc.get("warnings", []))
+def _lease_table(page: Page, rows: list[dict[str, Any]]) -> None:
+    """The lease table. The heartbeat and TTL columns only when a lease has them: a
+    PostgreSQL lease row does, an flock sidecar (SQLite) never (issue 12 item 1)."""
+    beats = any(row.get("heartbeat_age") is not None for row in rows)
+    columns = [Column("key"), Column("state", styles=_LEASE_STYLES), Column("pid"), Column("host"), Column("user"),
+               Column("acquired"), *([Column("heartbeat"), Column("TTL left")] if beats else []),
+               Column("command", prose=True)]
+    table = []
+    for row in rows:
+        ttl = row.get("ttl_left")
+        table.append([row["key"], row["state"], row["holder_pid"], row["host"], row["user"],
+                      timestamp(row["acquired_at"]),
+                      *([ago(row["heartbeat_age"]), None if ttl is None else duration(ttl)] if beats else []),
+                      row["command"]])
+    page.table("Leases", columns, table)
 
 
 def leases(doc: dict[str, Any]) -> None:
     """``statetool leases`` for people."""
-    table = Table(title="Leases", title_justify="left")
-    for col in ("key", "state", "pid", "host", "user", "acquired", "heartbeat age (s)", "TTL left (s)", "command"):
-        table.add_column(col, overflow="fold")
-    for row in doc["leases"]:
-        style = {"live": "bold", "stale": "yellow", "free": "dim"}[row["state"]]
-        table.add_row(row["key"], Text(row["state"], style=style), _fmt(row["holder_pid"]), _fmt(row["host"]),
-                      _fmt(row["user"]), _fmt(row["acquired_at"]), _fmt(row["heartbeat_age"]), _fmt(row["ttl_left"]),
-                      _fmt(row["command"]))
-    out().print(table)
+    page = Page()
+    _lease_table(page, doc["leases"])
     if not doc["leases"]:
-        out().print("no lease has ever been taken on this state")
+        page.line("no lease has ever been taken on this state")
+    page.show()
+
+
+def info(doc: dict[str, Any]) -> None:
+    """``statetool info`` for people: where, revision, identity, then the tables."""
+    loc, rev, ident = doc["location"], doc["revision"], doc["identity"]
+    page = Page()
+    real = [("real file", loc["real_path"])] if loc.get("real_path") not in (None, loc["path"]) else []
+    page.pairs("State", [("location", loc["display"]), *real, ("backend", loc["backend"]), ("scope", loc["scope"]),
+                         ("set by", loc["origin"])])
+    page.line()
+    current = "legacy (no version table)" if rev["legacy"] else rev["current"]
+    page.pairs("Revision", [("current", current), ("head", rev["head"]),
+                            ("pending", ", ".join(rev["pending"]) or "none"), ("status", rev["status"])])
+    page.line()
+    page.pairs("Identity", [("recorded", ident["recorded"]), ("computed", ident["computed"] or "(unknown)"),
+                            ("verdict", ident["verdict"]), ("", ident["message"])])
+    page.line()
+    _exports(page, doc["exports"], _now())
+    if doc.get("leases"):
+        page.line()
+        _lease_table(page, doc["leases"])
+    page.show()
+    print_warnings(doc["warnings"])
+
+
+def export_list(doc: dict[str, Any]) -> None:
+    """``statetool exports list`` for people: the progress table, then the warnings."""
+    page = Page()
+    _exports(page, doc["exports"], _now())
+    page.show()
+    print_warnings(doc.get("warnings", []))
+
+
+_RUN_COLUMNS = (Column("run id"), Column("status"), Column("started"), Column("finished"), Column("rows"),
+                Column("files"), Column("error", prose=True))
+
+
+def export_detail(doc: dict[str, Any]) -> None:
+    """``statetool exports show`` for people: its progress, then its recent runs."""
+    page = Page()
+    _exports(page, [doc["export"]], _now())
+    page.line()
+    page.table("Recent runs", _RUN_COLUMNS, [[run["run_id"], run["status"], timestamp(run["started_at"]),
+                                              timestamp(run["finished_at"]), run["rows"], run["files"], run["error"]]
+                                             for run in doc["recent_runs"]])
+    if not doc["recent_runs"]:
+        page.line("no run recorded")
+    page.show()
+    print_warnings(doc.get("warnings", []))
+
+
+_STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+_CHECK_COLUMNS = (Column("check"), Column("status", styles=_STATUS_STYLES), Column("message", prose=True))
+
+
+def check(doc: dict[str, Any]) -> None:
+    """``statetool check`` for people: one row per check. A failing or warning row's code
+    and message follow as a paragraph under the table, then its action on a line, where a long message reads
+    as prose, not as a tall cell (issue 12 item 1), and each code is printed once. Then
+    ``ok`` / ``not ok``."""
+    findings = [row for row in doc["checks"] if row["status"] in ("fail", "warn")]
+    page = Page()
+    page.table("Pre-flight", _CHECK_COLUMNS, [[row["id"], row["status"], "see below" if row in findings
+                                               else row["message"]] for row in doc["checks"]])
+    for row in findings:
+        page.line()
+        page.para(row["message"], f"{row['id']}: {row['status']} [{_fmt(row['code'])}] ", "  ")
+        if row["action"]:  # what to run next: whole on its line, to copy (issue 12 item 2)
+            page.line(f"Try ({row['id']}): {row['action']}")
+    page.line()
+    page.line("ok" if doc["ok"] else "not ok")
+    page.show()
+
+
+def _reason(page: Page, reason: dict[str, Any], indent: str) -> None:
+    """One finding of ``doctor``: ``[CODE] message``, and ``fix: action`` under it whole on
+    its line: what to run next is copied, never wrapped (issue 12 item 2)."""
+    page.para(reason["message"], f"{indent}[{reason['code']}] ", indent + "  ")
+    page.line(f"{indent}  fix: {reason['action']}")
+
+
+def _candidate(page: Page, found: dict[str, Any], now: datetime) -> None:
+    """A place ``doctor`` found where the state probably is, and the line that selects it."""
+    facts = [f"the old place of a state moved to {found.get('moved_to')}" if found.get("kind") == "relocated"
+             else "a state"]
+    for key in ("identity", "revision"):
+        if found.get(key):
+            facts.append(f"{key} {found[key]}")
+    if found.get("last_run_finished_at"):
+        facts.append(f"last run finished {since(found['last_run_finished_at'], now)}")
+    if found.get("exports_with_cursor") is not None:
+        facts.append(_plural(int(found["exports_with_cursor"]), "export") + " with a cursor")
+    page.para(", ".join(facts), f"  {found['path']}: ", "    ")
+    url = found.get("state_url")
+    if url:
+        page.line("  to use it, every task must set:")
+        page.line(f"RIVET_STATE_URL={url}")
+    elif url is not None:
+        page.line("  to use it: RIVET_STATE_URL unset (or empty) and this config")
+
+
+def doctor(doc: dict[str, Any]) -> None:
+    """``statetool doctor`` for people: the state (where, what set it, the line every task
+    must share, what was found about it as a whole, once), then one block per export, its
+    verdict first, with only its own reasons (issue 12 item 5: a state-wide reason,
+    such as ``RIVET_STATE_ORPHAN_WAL``, is every export's and is printed once, above)."""
+    state, now = doc["state"], _now()
+    page = Page()
+    page.pairs("State", [("location", state["location"]["display"]), ("set by", state["set_by"])])
+    page.line("every task must share:")
+    page.line(state["every_task_must_share"])
+    shared = state.get("reasons", [])
+    if shared:
+        page.line()
+        page.line("About the state (every export):")
+        for reason in shared:
+            _reason(page, reason, "  ")
+    if state.get("candidates"):
+        page.line()
+        page.line("Where the state may be:")
+        for found in state["candidates"]:
+            _candidate(page, found, now)
+    page.line()
+    for export in doc["exports"]:
+        own = [r for r in export["reasons"] if r not in shared]
+        line = f"{export['name']} ({export['mode']}): "
+        if export["verdict"] == "resumes":
+            line += "resumes" + (f" from {export['resumes_from']}" if export["resumes_from"] else "")
+            if export["age_seconds"] is not None:
+                line += f" ({duration(export['age_seconds'])} old)"
+        else:
+            line += "FIRST RUN" + ("" if own else " (because of the state, above)")
+        page.para(line, "", "  ")
+        for reason in own:
+            _reason(page, reason, "  ")
+    page.show()
+
+
+_CHECKPOINT_COLUMNS = (Column("export"), Column("engine"), Column("resolved path"), Column("why", prose=True),
+                       Column("present"), Column("bytes"), Column("written"), Column("position", prose=True))
+
+
+def checkpoints(doc: dict[str, Any]) -> None:
+    """``statetool checkpoints`` for people; ``written`` is the file's age."""
+    page = Page()
+    rows = []
+    for row in doc["checkpoints"]:
+        position = row["error"] or (json.dumps(row["position"]) if row["position"] is not None else None)
+        rows.append([row["export"], row["engine"], row["path"], row["why"], row["present"], row["size_bytes"],
+                     ago(row["age_seconds"]), position])
+    page.table("CDC checkpoints", _CHECKPOINT_COLUMNS, rows)
+    if not rows:
+        page.line("no CDC export in the config")
+    page.show()
+    print_warnings(doc["warnings"])
+
+
+def revisions(doc: dict[str, Any]) -> None:
+    """``statetool revisions`` for people."""
+    page = Page()
+    page.table("Revisions (oldest first)", (Column("revision"), Column("description", prose=True),
+                                            Column("applied")),
+               [[row["id"], row["description"], row["applied"]] for row in doc["revisions"]])
+    page.show()
+
+
+def identity(doc: dict[str, Any]) -> None:
+    """``statetool identity show`` for people: the keys, the verdict here and in each scope."""
+    page = Page()
+    page.pairs("Identity", [("recorded", doc["recorded"]), ("computed", doc["computed"] or "(unknown)"),
+                            ("scope", doc["scope"]), ("verdict", doc["verdict"]), ("code", doc["code"]),
+                            ("", doc["message"])])
+    if doc["by_scope"]:
+        page.line()
+        page.pairs("A write would, by scope", list(doc["by_scope"].items()))
+    page.show()
+    print_warnings(doc.get("warnings", []))
+
+
+# -- writes: what happened, in a sentence or two ---------------------------------------------
+
+
+def init(doc: dict[str, Any]) -> None:
+    """``statetool init`` for people: where the new state is, and its identity."""
+    page = Page()
+    page.para(f"Created a new, empty state at {doc['location']['display']} (revision {doc['revision']}).")
+    if doc["state_key"]:
+        page.para(f"It records the identity {doc['state_key']}; each export's next run is its first and is "
+                  "recorded here.")
+    else:
+        page.para("No identity was recorded (the config's source URL gives no state_key here): the first write "
+                  "that has one stamps it. Each export's next run is its first and is recorded here.")
+    page.show()
+
+
+def identity_change(doc: dict[str, Any]) -> None:
+    """``statetool identity adopt`` / ``rekey`` for people: what the state records now."""
+    page = Page()
+    if doc["changed"]:
+        page.para(f"{_sentence(doc['message'])}; an audit row records the change.")
+    else:
+        page.para(f"Nothing was changed: the state already records {doc['recorded']}.")
+    page.show()
+    print_warnings(doc.get("warnings", []))
+
+
+def _backup(page: Page, backup: str | None) -> None:
+    """Where the copy of the state from before a change is: its path whole, to copy."""
+    if backup:
+        page.line("backup of the state before the change:")
+        page.line(backup)
+
+
+def export_change(doc: dict[str, Any]) -> None:
+    """``statetool exports set-cursor`` / ``reset`` for people: the change, the next run,
+    the backup."""
+    before, name = doc["before"], doc["export"]
+    page = Page()
+    if doc["action"] == "reset":
+        cleared = f"cursor {before['cursor']!r} cleared" if before.get("cursor") is not None else "no cursor to clear"
+        page.para(f"Reset {name}: {cleared}, {_plural(int(before.get('chunks') or 0), 'chunk checkpoint')} "
+                  "removed; its run history and load ledger are kept.")
+    else:
+        old = "none" if before.get("cursor") is None else repr(before["cursor"])
+        page.para(f"Set the cursor of {name} from {old} to {doc['after']['cursor']!r}.")
+    page.para(f"Next run of {name}: {doc['next_run']}.")
+    _backup(page, doc["backup"])
+    page.show()
+    print_warnings(doc.get("warnings", []))
+
+
+def lease_release(doc: dict[str, Any]) -> None:
+    """``statetool leases release`` for people: whose record was removed, or that none was."""
+    page = Page()
+    gone = doc["released"]
+    if gone is None:
+        page.para(f"Lease {doc['key']} was already free: nothing was changed.")
+    else:
+        page.para(f"Released lease {doc['key']}, last held by pid {gone['holder_pid']} on {gone['host']} as "
+                  f"{gone['user']} since {timestamp(gone['acquired_at'])} ({gone['state']}): {gone['command']}")
+        page.para("An audit row records it" + (f" (reason: {doc['reason']})." if doc["reason"] else ".")
+                  + (f" The next run of {gone['export']} takes the lease at once." if gone.get("export") else ""))
+    page.show()
+
+
+def migrate(doc: dict[str, Any]) -> None:
+    """``statetool migrate`` for people: the plan of a dry run as a table, else what was
+    done in a sentence (with the backup), or that nothing was to do."""
+    if doc.get("sql"):
+        sys.stdout.write(doc["sql"])
+        return
+    page = Page()
+    crossing = f"from {doc['from_revision']} to {doc['to_revision']}"
+    if doc["applied"]:
+        steps = ", ".join(step["id"] for step in doc["steps"]) or "none"
+        page.para(f"Migrated the state at {doc['location']['display']} {crossing} (revisions {steps}), in one "
+                  f"transaction; verified: integrity ok and the row counts of "
+                  f"{_plural(len(doc['verified_rows']), 'table')} unchanged.")
+        _backup(page, doc["backup"])
+    elif doc["dry_run"] and doc["steps"]:
+        drops = any(n for step in doc["steps"] for n in step["loses"].values())
+        page.table(f"Plan: {crossing} ({doc['direction']})",
+                   (Column("revision"), Column("description", prose=True), Column("rebuilds (rows)", prose=True),
+                    Column("drops (rows)", prose=True)),
+                   [[step["id"], step["description"],
+                     ", ".join(f"{t} ({n})" for t, n in step["rebuilds"].items()) or None,
+                     ", ".join(f"{t} ({n})" for t, n in step["loses"].items()) or None] for step in doc["steps"]])
+        page.line()
+        page.para(f"Dry run: nothing was changed; migrate would move the state at {doc['location']['display']} "
+                  f"{crossing} in one transaction" + ("; this downgrade drops the rows in the 'drops (rows)' "
+                                                      "column." if drops else "."))
+    else:  # at the target already, or another migration got there first
+        page.para(_sentence(doc["message"]) + ".")
+    page.show()
+    print_warnings(doc.get("warnings", []))
+
+
+def _every_task(page: Page, doc: dict[str, Any], heading: str) -> None:
+    """The line every task must run with after a move, whole on a line of its own."""
+    page.line(heading)
+    page.line(f"RIVET_STATE_URL={doc['state_url']}")
+
+
+def _move_end(page: Page, doc: dict[str, Any], checkpoints: list[str], kept: str, move: str) -> None:
+    """The end of a relocation's or a transfer's page: its CDC checkpoints, where the old
+    bytes are kept, and the ``RIVET_STATE_URL`` line every task must set."""
+    if checkpoints:
+        page.line()
+    for line in checkpoints:
+        page.para(line, "", "  ")
+    if doc.get("kept_as"):
+        page.line()
+        page.line(kept)
+        page.line(doc["kept_as"])
+    page.line()
+    _every_task(page, doc, f"After the {move}, every task must run with:" if doc["dry_run"]
+                else "From now on, every task must run with:")
+    page.show()
 
 
 def relocate(doc: dict[str, Any]) -> None:
-    """``statetool relocate`` for people: the plan, then the outcome."""
-    out().print(_kv("Relocation", [("from", doc["source"]), ("to", doc["target"]), ("size (bytes)", doc["size_bytes"]),
-                                 ("writers held off by", doc["lock"]), ("every task must set",
-                                                                       f"RIVET_STATE_URL={doc['state_url']}")]))
-    if doc["tables"]:
-        out().print(_kv("Tables (rows)", list(doc["tables"].items())))
-    for move in doc["checkpoints"]:
-        state = f"{move['bytes']} bytes" if move["present"] else "MISSING"
-        out().print(f"checkpoint {move['export']}: {move['source']} -> {move['target']} ({state})")
-    if doc.get("kept_as"):
-        out().print(f"old bytes kept as {doc['kept_as']}")
-    out().print(doc["message"])
+    """``statetool relocate`` for people: the plan of a dry run, else what was moved, where
+    the old bytes are kept, and the ``RIVET_STATE_URL`` line every task must set."""
+    page = Page()
+    if doc.get("already"):
+        page.para(f"Already relocated to {doc['target']}: nothing to move.")
+        _every_task(page, doc, "Every task must run with:")
+        page.show()
+        return
+    if doc["dry_run"]:
+        page.pairs("Relocation plan (dry run: nothing was changed)",
+                   [("from", doc["source"]), ("to", doc["target"]), ("size", size(doc["size_bytes"])),
+                    ("writers held off by", doc["lock"])])
+        if doc["tables"]:
+            page.line()
+            page.pairs("Tables (rows)", list(doc["tables"].items()))
+    else:
+        page.para(f"Relocated {doc['source']} to {doc['target']}" + (" (finishing an interrupted relocation)"
+                                                                  if doc["resumed"] else "")
+                  + f": {size(doc['size_bytes'])} copied and verified; the old place now refuses every open "
+                    "(RIVET_STATE_RELOCATED).")
+    _move_end(page, doc, [f"checkpoint {m['export']}: {m['source']} -> {m['target']} "
+                          + (f"({m['bytes']} bytes)" if m["present"] else "(MISSING)") for m in doc["checkpoints"]],
+              "old bytes kept as:", "move")
+
+
+def transfer(doc: dict[str, Any]) -> None:
+    """``statetool transfer`` for people: the plan of a dry run, else what was copied and
+    verified, where the old bytes are kept, and the ``RIVET_STATE_URL`` line every task
+    must set."""
+    page = Page()
+    if doc.get("already"):
+        page.para(f"Already transferred to {doc['destination']}: nothing to copy.")
+        _every_task(page, doc, "Every task must run with:")
+        page.show()
+        print_warnings(doc.get("warnings", []))
+        return
+    if doc["dry_run"]:
+        page.pairs("Transfer plan (dry run: nothing was changed)",
+                   [("from", doc["source"]), ("to", doc["destination"]), ("size", size(doc["size_bytes"]))])
+        page.line()
+        page.table("Tables", (Column("table"), Column("rows")), [[t["table"], t["rows"]] for t in doc["tables"]])
+    else:
+        rows = sum(t["rows"] for t in doc["tables"])
+        page.para(f"Transferred {doc['source']} into {doc['destination']}" + (
+            " (finishing an interrupted transfer)" if doc["resumed"] else "")
+            + f": {_plural(len(doc['tables']), 'table')}, {_plural(rows, 'row')}, each verified by its row count "
+              "and checksum; the old place now refuses every open (RIVET_STATE_RELOCATED).")
+    _move_end(page, doc, [f"checkpoint {cp['export']}: {cp['configured']} stays on this worker's disk; set "
+                          f"cdc.checkpoint to {cp['set_to']}" for cp in doc["checkpoints"]],
+              "old SQLite bytes kept as:", "transfer")
+    print_warnings(doc.get("warnings", []))
 
 
 def _annotation_escape(text: str) -> str:
@@ -255,74 +792,3 @@ def github_annotations(rows: list[dict[str, Any]], to_stderr: bool) -> None:
             title = _annotation_escape(f"statetool {row['id']}: {row['code']}")
             body = _annotation_escape(f"{row['message']} (try: {row['action']})")
             stream.write(f"::{level} title={title.replace(',', '%2C').replace(':', '%3A')}::{body}\n")
-
-
-def doctor(doc: dict[str, Any]) -> None:
-    """``statetool doctor`` for people: one block per export, verdict first."""
-    state = doc["state"]
-    out().print(_kv("State", [("location", state["location"]["display"]), ("set by", state["set_by"]),
-                            ("every task must share", state["every_task_must_share"])]))
-    for candidate in state.get("candidates", []):
-        out().print(f"  possible state: {json.dumps(candidate, sort_keys=True)}")
-    lines = []  # plain text: thousands of exports print in well under a second
-    for export in doc["exports"]:
-        line = f"{export['name']} ({export['mode']}): " + ("resumes" if export["verdict"] == "resumes" else "FIRST RUN")
-        if export["resumes_from"]:
-            line += f" from {export['resumes_from']}"
-            if export["age_seconds"] is not None:
-                line += f" ({export['age_seconds']:.0f} s old)"
-        lines.append(line)
-        for reason in export["reasons"]:
-            lines.append(f"  [{reason['code']}] {reason['message']}")
-            lines.append(f"    fix: {reason['action']}")
-    sys.stdout.write("\n".join(lines) + "\n")
-
-
-def checkpoints(doc: dict[str, Any]) -> None:
-    """``statetool checkpoints`` for people."""
-    table = Table(title="CDC checkpoints", title_justify="left")
-    for col in ("export", "engine", "resolved path", "why", "present", "bytes", "age (s)", "position"):
-        table.add_column(col, overflow="fold")
-    for row in doc["checkpoints"]:
-        position = row["error"] or (json.dumps(row["position"]) if row["position"] is not None else "-")
-        table.add_row(row["export"], row["engine"], _fmt(row["path"]), row["why"], _fmt(row["present"]),
-                      _fmt(row["size_bytes"]), _fmt(row["age_seconds"]), position)
-    out().print(table)
-    print_warnings(doc["warnings"])
-
-
-def transfer(doc: dict[str, Any]) -> None:
-    """``statetool transfer`` for people: the plan, then the outcome."""
-    out().print(_kv("Transfer", [("from", doc["source"]), ("to", doc["destination"]), ("size (bytes)", doc["size_bytes"]),
-                               ("every task must set", f"RIVET_STATE_URL={doc['state_url']}")]))
-    table = Table(title="Tables", title_justify="left")
-    for col in ("table", "rows", "verified"):
-        table.add_column(col)
-    for row in doc["tables"]:
-        table.add_row(row["table"], str(row["rows"]), _fmt(row["verified"]))
-    out().print(table)
-    for cp in doc["checkpoints"]:
-        out().print(f"checkpoint {cp['export']}: {cp['configured']} -> set cdc.checkpoint to {cp['set_to']}")
-    if doc.get("kept_as"):
-        out().print(f"old SQLite bytes kept as {doc['kept_as']}")
-    out().print(doc["message"])
-    print_warnings(doc.get("warnings", []))
-
-
-def revisions(doc: dict[str, Any]) -> None:
-    """``statetool revisions`` for people."""
-    table = Table(title="Revisions (oldest first)", title_justify="left")
-    for col in ("revision", "description", "applied"):
-        table.add_column(col)
-    for row in doc["revisions"]:
-        table.add_row(row["id"], row["description"], _fmt(row["applied"]))
-    out().print(table)
-
-
-def key_values(title: str, doc: dict[str, Any]) -> None:
-    """A flat result (init, identity, exports changes) as a two-column table."""
-    out().print(_kv(title, [(k, v) for k, v in doc.items() if k != "warnings" and not isinstance(v, dict)]))
-    for key, value in doc.items():
-        if isinstance(value, dict) and value:
-            out().print(_kv(f"{title}: {key}", list(value.items())))
-    print_warnings(doc.get("warnings", []))

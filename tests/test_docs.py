@@ -578,7 +578,7 @@ def test_the_main_job_tells_the_story_and_leaves_nothing_running(tmp_path: Path,
     assert sorted(steps) == list(range(1, 10)), describe(proc)
 
     assert "RIVET_STATE_MIGRATION_PENDING" in steps[2] and "(exit 3)" in steps[2], steps[2]
-    assert "migrated from legacy to" in steps[3] and ".rivet_state.db.backup-legacy-" in steps[3], steps[3]
+    assert "from legacy to" in steps[3] and ".rivet_state.db.backup-legacy-" in steps[3], steps[3]
     first_runs = re.findall(r"^(\S+) \(\w+\): FIRST RUN$", steps[5], re.M)
     assert first_runs == ["order_events"], steps[5]
     assert "[RIVET_STATE_CHECKPOINT_MISSING]" in steps[5] and "(exit 5)" in steps[5], steps[5]

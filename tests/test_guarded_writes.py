@@ -275,7 +275,8 @@ def test_a_run_during_a_migration_is_refused_at_once_or_waits_until_the_migratio
             if proc_ is not None and proc_.poll() is None:
                 os.killpg(proc_.pid, signal.SIGKILL)
                 proc_.wait()
-    assert "migrated from legacy to" in (logs / "migrate.out").read_text()
+    said = " ".join((logs / "migrate.out").read_text().split())
+    assert said.startswith("Migrated the state at") and " from legacy to " in said, said
 
     record = json.loads(marker.read_text())
     # When the command ran, the migration's state lease was released (the record of a clean

@@ -490,7 +490,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(target: Target) -> None:
     proc = cli(target, "migrate", "--dry-run")
     assert proc.returncode == 0, describe(proc)
     out = " ".join(proc.stdout.split())
-    assert "legacy -> 0004" in out, describe(proc)
+    assert "from legacy to 0004" in out, describe(proc)
     for rev in migrations.revisions()[1:]:
         assert rev.id in out and rev.description.split(";")[0] in out, describe(proc)
     assert f"rivet_runs ({runs})" in out, describe(proc)

@@ -418,7 +418,7 @@ def test_a_symlinked_state_is_relocated_by_retiring_its_real_file(tmp_path: Path
     assert _open(config, None) == "RIVET_STATE_RELOCATED"
     assert _open(config, f"sqlite:{target}") == "live"
     again = run_cli("-c", str(config), "relocate", "--to", str(target))
-    assert again.returncode == 0 and "already relocated" in again.stdout, describe(again)
+    assert again.returncode == 0 and "Already relocated" in again.stdout, describe(again)
 
 
 @pytest.mark.parametrize("where", ["target copy", "target copy -wal", "source tombstone"])
@@ -584,4 +584,4 @@ def test_a_symlinked_state_is_transferred_by_retiring_its_real_file(
     assert len(list(real_dir.glob(f"{STATE}.relocated-*"))) == 1
     assert _open(config, None) == "RIVET_STATE_RELOCATED" and _open(config, url) == "live"
     again = run_cli("-c", str(config), "transfer", "--to", url)
-    assert again.returncode == 0 and "already transferred" in again.stdout, describe(again)
+    assert again.returncode == 0 and "Already transferred" in again.stdout, describe(again)

@@ -96,6 +96,9 @@ class RelocateResult:
     kept_as: str | None = None
     source_digest: str | None = None
     message: str = ""
+    #: True when an earlier run had finished this relocation: this one moved nothing (it
+    #: only finished the last step when a kill had interrupted it). For the sentence people read.
+    already: bool = False
 
     def as_dict(self) -> dict[str, object]:
         """JSON shape of the plan and outcome (a missing checkpoint has ``present: false``)."""
@@ -218,7 +221,7 @@ def _already_relocated(move: FileMoves, target: Location, tomb: dict[str, Any], 
     return RelocateResult(str(move.source), tomb["to"], target.state_url, 0, {}, [], "none", dry_run, True, True,
                           tomb.get("kept_as"), tomb.get("source_digest"),
                           f"already relocated to {target.directory}; every task must run with "
-                          f"RIVET_STATE_URL={target.state_url}")
+                          f"RIVET_STATE_URL={target.state_url}", already=True)
 
 
 def _pre_flight(ctx: Context, move: FileMoves, target: Location, dry_run: bool

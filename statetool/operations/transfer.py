@@ -107,6 +107,9 @@ class TransferResult:
     kept_as: str | None = None
     message: str = ""
     warnings: list[dict[str, str]] = field(default_factory=list)
+    #: True when an earlier run had finished this transfer: this one copied nothing (it
+    #: only finished the last step when a kill had interrupted it). For the sentence people read.
+    already: bool = False
 
     def as_dict(self) -> dict[str, object]:
         """JSON shape of the plan and outcome."""
@@ -315,7 +318,7 @@ def _already_transferred(dest: TransferDestination, move: FileMoves, tomb: dict[
     return TransferResult(str(source), dest.location.display, url, 0, [], [], dry_run=dry_run, done=True,
                           resumed=True, kept_as=tomb.get("kept_as"),
                           message=f"already transferred to {dest.location.display}; every task must run with "
-                                  f"{ENV_VAR}={url}")
+                                  f"{ENV_VAR}={url}", already=True)
 
 
 def _copy(ctx: Context, source: TransferSource, source_conn: Connection, dest: TransferDestination,

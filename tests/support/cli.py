@@ -2,9 +2,10 @@
 
 :func:`run_cli` runs ``statetool.cli.main(argv)`` in this process, under typer's test
 isolation (stdin empty, stdout and stderr captured, the environment overridden), at a
-fixed width of 200 columns without colour, in ``cwd``; everything a run could leave
-behind is put back afterwards (environment, cwd, umask, signal handlers, logging), so
-runs are as independent as processes. :func:`run_cli_process` runs the installed package
+fixed width of 200 columns (or the ``columns`` a run asks for, or none, as in a log)
+without colour, in ``cwd``; everything a run could leave behind is put back afterwards
+(environment, cwd, umask, signal handlers, logging), so runs are as independent as
+processes. :func:`run_cli_process` runs the installed package
 (``python -m statetool``) as a real process, for the tests where the process is what is
 tested: a signal, a crash or SIGKILL, a lease held by another process, stdin or a
 terminal, exit by ``os._exit``, or ``leases run -- CMD``, which forks a child.
@@ -30,6 +31,8 @@ from typer.testing import CliRunner
 
 #: What every run sees on top of the environment: a fixed width, no colour.
 FIXED_ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
+#: The width of a run that asks for no other.
+DEFAULT_COLUMNS = int(FIXED_ENV["COLUMNS"])
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGALRM, signal.SIGCHLD)
 
 
@@ -73,10 +76,11 @@ def _forks(args: list[str]) -> bool:
     return any(a == "leases" and b == "run" for a, b in zip(head, head[1:]))
 
 
-def _overrides(env: dict[str, str] | None) -> dict[str, str | None]:
-    """The environment of one run: RIVET_STATE_URL removed unless ``env`` gives it, the
-    fixed width, then ``env``."""
-    return {"RIVET_STATE_URL": None, **FIXED_ENV, **(env or {})}
+def _overrides(env: dict[str, str] | None, columns: int | None) -> dict[str, str | None]:
+    """The environment of one run: RIVET_STATE_URL removed unless ``env`` gives it, no
+    colour, ``COLUMNS`` set to ``columns`` (removed for None: stdout is no terminal, so
+    the run has no width at all, as in a log), then ``env``."""
+    return {"RIVET_STATE_URL": None, **FIXED_ENV, "COLUMNS": None if columns is None else str(columns), **(env or {})}
 
 
 @contextmanager
@@ -132,17 +136,18 @@ def _restored(cwd: Path | None) -> Iterator[None]:
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
-            timeout: float = 120) -> CliRun:
+            timeout: float = 120, columns: int | None = DEFAULT_COLUMNS) -> CliRun:
     """Run ``statetool ARGS`` in this process (``statetool.cli.main``) and return its exit
-    code, stdout and stderr: stdin empty, 200 columns, no colour, no RIVET_STATE_URL
-    unless ``env`` gives one, in ``cwd``; fails the test after ``timeout`` seconds. Main
-    thread only (the isolation swaps the process's stdout; threads use :func:`run_cli_process`)."""
+    code, stdout and stderr: stdin empty, ``columns`` wide (200; None: no ``COLUMNS``, as
+    in a log, where stdout is no terminal), no colour, no RIVET_STATE_URL unless ``env``
+    gives one, in ``cwd``; fails the test after ``timeout`` seconds. Main thread only (the
+    isolation swaps the process's stdout; threads use :func:`run_cli_process`)."""
     from statetool.cli import main
 
     given = [str(arg) for arg in args]
     assert threading.current_thread() is threading.main_thread(), \
         "run_cli swaps this process's stdout and cwd: from a thread use run_cli_process"
-    overrides = _overrides(env)
+    overrides = _overrides(env, columns)
     runner = CliRunner()
     code = 0
     with _restored(cwd), runner.isolation(env=overrides) as (out, err, _):
