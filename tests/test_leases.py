@@ -752,6 +752,32 @@ def test_leases_run_exits_with_the_command_exit_code(state: State) -> None:
     assert state.leases().get(RUN_KEY, {"state": "free"})["state"] == "free"
 
 
+@pytest.mark.parametrize("ends", ["the wrapper gets SIGTERM", "the command exits"])
+def test_no_process_the_command_started_outlives_its_lease(state: State, tmp_path: Path, ends: str) -> None:
+    """A command that starts a process of its own (a script's background job): SIGTERM to
+    the wrapper reaches that process too, and a command that exits leaving it behind has it
+    ended before the lease is released, so no process of the run works beside the next
+    holder (the tester's ``-- sh -c 'sleep 25; echo x'``, issue 12 review)."""
+    pid_file = tmp_path / "job.pid"
+    script = f"sleep 60 & echo $! > {pid_file}; " + ("wait" if ends == "the wrapper gets SIGTERM" else "exit 0")
+    log = tmp_path / "wrapper.err"
+    with open(log, "w") as err:  # not a pipe: the job would hold it open, and a reader wait for the job
+        wrapper = state.popen("leases", "run", "--export", "orders", "--", "sh", "-c", script,
+                              stdout=subprocess.DEVNULL, stderr=err)
+    wait_for(lambda: pid_file.exists() and pid_file.read_text().strip().isdigit(), "the background job to start")
+    job = int(pid_file.read_text())
+    if ends == "the wrapper gets SIGTERM":
+        os.kill(wrapper.pid, signal.SIGTERM)
+    code = wrapper.wait(timeout=30)
+    job_alive = alive(job, None)
+    if job_alive:
+        os.kill(job, signal.SIGKILL)
+    assert code == (128 + signal.SIGTERM if ends == "the wrapper gets SIGTERM" else 0), log.read_text()
+    assert not job_alive, f"the background job {job} outlived its wrapper ({ends})"
+    proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 0, describe(proc)
+
+
 def test_a_sigkilled_wrapper_takes_its_command_with_it_and_only_then_frees_the_lease(
         state: State, spawn: Callable[..., LeaseRun]) -> None:
     holder = spawn(state)

@@ -61,3 +61,23 @@ def alive(pid: int | None, started: int | None) -> bool:
         return started is None or int(fields[19]) == started
     except (IndexError, ValueError):
         return True
+
+
+def group_alive(group: int) -> bool:
+    """True when a live process (not a zombie) of process group ``group`` runs on this host.
+    Read from ``/proc`` (field 5 of each ``stat`` is the process group): a zombie's group
+    still answers a signal probe until something reaps it, and the reaper of an orphan
+    (pid 1 of a container) may never do so. Without ``/proc``, a killpg(2) probe."""
+    try:
+        pids = [name for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for name in pids:
+        fields = _stat_fields(int(name))
+        if fields and len(fields) > 2 and fields[2] == str(group).encode() and fields[0] not in (b"Z", b"X"):
+            return True
+    return False

@@ -14,9 +14,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 
-from statetool.backends.processes import process_started
+from statetool.backends.processes import group_alive, process_started
 from statetool.errors import StateError
 from statetool.operations.context import Context
 from statetool.operations.leasing import (
@@ -73,30 +74,88 @@ def release(ctx: Context, key: str, reason: str) -> dict[str, object]:
     return {"key": key, "released": doc, "reason": reason}
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """What the child runs before exec: ask Linux for SIGKILL when the wrapper dies
-    (prctl(2) ``PR_SET_PDEATHSIG``), and die at once if the wrapper died already. Resolved
-    here, in the parent, so the forked child calls one C function and loads nothing.
-    None where there is no ``prctl`` (not Linux: the limit docs/decisions.md names)."""
-    if sys.platform != "linux":
+def _terminal() -> int | None:
+    """The wrapper's terminal (stdin) when the wrapper runs in its foreground, else None:
+    the command's process group then takes the foreground, as a shell's job does, so that
+    it can read the terminal and Ctrl-C reaches all of it."""
+    try:
+        return 0 if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp() else None
+    except OSError:
         return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _set_foreground(terminal: int, group: int) -> None:
+    """Give ``terminal`` to process ``group`` (SIGTTOU ignored meanwhile: a process not in
+    the foreground group may then still change it; tcsetpgrp(3))."""
+    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(terminal, group)
+    finally:
+        signal.signal(signal.SIGTTOU, previous)
+
+
+def _child_setup(terminal: int | None) -> Callable[[], None]:
+    """What the child runs before exec: lead a process group of its own (every process the
+    command starts belongs to it, so the wrapper signals and ends all of them, never the
+    command alone), take the terminal's foreground when the wrapper had it, and ask Linux
+    for SIGKILL when the wrapper dies (prctl(2) ``PR_SET_PDEATHSIG``), dying at once if the
+    wrapper died already. ``prctl`` is resolved here, in the parent, so the forked child
+    loads nothing; where there is none (not Linux: the limit docs/decisions.md names) the
+    command can outlive a killed wrapper."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
     parent = os.getpid()
 
     def in_child() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
+        os.setpgid(0, 0)
+        if terminal is not None:
+            _set_foreground(terminal, os.getpgrp())
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGKILL)
 
     return in_child
 
 
+def _signal_group(group: int, signum: int) -> None:
+    """Send ``signum`` to every process of ``group`` (none left: nothing to do)."""
+    try:
+        os.killpg(group, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _end_group(group: int, grace: float) -> None:
+    """End what is left of the command's process group once the command has ended (a
+    process it started in the background, or one that ignored the signal that ended the
+    command): SIGTERM, SIGKILL after ``grace`` seconds, so that no process of the run
+    outlives its lease. Returns when no live process of the group is left (a zombie does
+    no work: :func:`group_alive`), at most 2 s after the SIGKILL."""
+    if not group_alive(group):
+        return
+    _signal_group(group, signal.SIGTERM)
+    if not _gone_within(group, grace):
+        _signal_group(group, signal.SIGKILL)
+        _gone_within(group, 2.0)
+
+
+def _gone_within(group: int, seconds: float) -> bool:
+    """Wait up to ``seconds`` for process ``group`` to have no live process; True if it has none."""
+    deadline = time.monotonic() + seconds
+    while group_alive(group):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def _stop(child: subprocess.Popen[bytes], grace: float) -> None:
-    child.terminate()
+    """SIGTERM the command's whole process group, SIGKILL after ``grace`` seconds."""
+    _signal_group(child.pid, signal.SIGTERM)
     try:
         child.wait(timeout=grace)
     except subprocess.TimeoutExpired:
-        child.kill()
+        _signal_group(child.pid, signal.SIGKILL)
         child.wait()
 
 
@@ -108,9 +167,13 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
     for the lease as every acquirer does; the command cannot outlive the wrapper (Linux
     ``PR_SET_PDEATHSIG``), and its pid and start time are recorded with the lease, so on
     PostgreSQL a wrapper that died while its command lives still holds the lease on this
-    host; on SQLite the command inherits the lock. Forwards SIGINT and SIGTERM. When the
-    lease is lost (taken over, or unconfirmed for a TTL), the command gets SIGTERM, SIGKILL after ``grace`` seconds,
-    and ``RIVET_STATE_LEASE_LOST`` is raised (exit 2), never a success. Returns the
+    host; on SQLite the command inherits the lock. The command leads a process group of
+    its own: SIGINT and SIGTERM are forwarded to the whole group, and once the command has
+    ended, what is left of its group gets SIGTERM, then SIGKILL after ``grace`` seconds,
+    before the lease is released (a process the command started cannot run on beside the
+    next holder; one that leaves the group, setsid(2), is its own). When the lease is lost
+    (taken over, or unconfirmed for a TTL), the group gets SIGTERM, SIGKILL after ``grace``
+    seconds, and ``RIVET_STATE_LEASE_LOST`` is raised (exit 2), never a success. Returns the
     command's exit code (128 + N when killed by signal N). Raises ``RIVET_CLI_USAGE`` when
     the command cannot start.
     """
@@ -125,22 +188,23 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
 
         def forward(signum: int, _frame: object) -> None:
             if started:
-                started[0].send_signal(signum)
+                _signal_group(started[0].pid, signum)
             else:
                 held.append(signum)
 
         # Forwarding starts before the command does: a SIGTERM between the start and the
         # handler would kill the wrapper alone (its command then dies of PR_SET_PDEATHSIG).
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        terminal = _terminal()
         try:
             try:
                 child = subprocess.Popen(list(argv), pass_fds=lease.inheritable_fds(),
-                                         preexec_fn=_die_with_parent())
+                                         preexec_fn=_child_setup(terminal))
             except OSError as err:
                 raise StateError("RIVET_CLI_USAGE", f"cannot start {argv[0]}: {err.strerror}") from None
             started.append(child)
             for signum in held:
-                child.send_signal(signum)
+                _signal_group(child.pid, signum)
             lease.set_child(child.pid, process_started(child.pid))
             while True:
                 try:
@@ -150,7 +214,10 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
                     if lease.lost:
                         _stop(child, grace)
                         break
+            _end_group(child.pid, grace)  # before the lease goes: no process of the run outlives it
         finally:
+            if terminal is not None:
+                _set_foreground(terminal, os.getpgrp())
             for s, handler in previous.items():
                 signal.signal(s, handler)
         if lease.lost:
