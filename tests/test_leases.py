@@ -628,6 +628,46 @@ def test_leases_read_a_config_that_is_there_or_named_and_keep_its_guards(tmp_pat
     assert proc.returncode == 0, describe(proc)  # a read compares no identity
 
 
+@pytest.fixture(params=["declared", pytest.param("postgres", marks=pytest.mark.postgres)])
+def no_state(request: pytest.FixtureRequest, tmp_path: Path) -> State:
+    """Nothing where RIVET_STATE_URL points: an empty declared directory, or a schema that
+    does not exist."""
+    if request.param == "postgres":
+        return _make_state(StateBackend.postgres(tmp_path, request.getfixturevalue("pg_url")), init=False)
+    declared = tmp_path / "declared"
+    declared.mkdir()
+    return _make_state(StateBackend.sqlite(tmp_path, declared), init=False)
+
+
+def test_every_leases_command_refuses_a_missing_state_alike_and_creates_nothing(no_state: State) -> None:
+    """A list of no state is not "nobody runs here" (issue 12 fixB item 1): ``leases``,
+    ``leases list``, ``release`` and ``run`` all refuse RIVET_STATE_MISSING, exit 5."""
+    before = tree_digest(no_state.directory.parent)
+    for args in (("leases",), ("leases", "list"), ("--json", "leases", "list"),
+                 ("leases", "release", RUN_KEY), ("leases", "run", "--export", "orders", "--", "true")):
+        proc = no_state.cli("--json-errors", *args)
+        err = error_object(proc)
+        assert (proc.returncode, err["code"]) == (5, "RIVET_STATE_MISSING"), (args, describe(proc))
+        assert "no lease" not in proc.stdout, describe(proc)
+    assert tree_digest(no_state.directory.parent) == before
+    if no_state.backend == "postgres":
+        with no_state.pg() as conn:
+            schema = _pg_dsn(no_state.pg_url)[1]
+            assert conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone() is None
+
+
+def test_the_empty_list_says_what_is_true_after_leases_were_taken_and_released(state: State) -> None:
+    """On PostgreSQL a finished run leaves no row, on SQLite a free sidecar: either way the
+    list must not claim that no lease was ever taken (issue 12 fixB item 1)."""
+    proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 0, describe(proc)
+    proc = state.cli("leases")
+    assert proc.returncode == 0, describe(proc)
+    assert "ever" not in proc.stdout, describe(proc)
+    if not state.leases():
+        assert "no lease is held or recorded" in proc.stdout, describe(proc)
+
+
 # -- PostgreSQL takeover race ------------------------------------------------------------
 
 

@@ -30,13 +30,27 @@ from statetool.operations.leasing import (
 )
 from statetool.redact import command_line, redact_text
 
-__all__ = ["LeasesResult", "list_leases", "release", "run_under_lease"]
+__all__ = ["LeasesResult", "list_leases", "release", "run_under_lease", "show_leases"]
 
 #: Seconds a command whose lease was lost gets between SIGTERM and SIGKILL.
 GRACE_SECONDS = 10.0
 #: Seconds between two looks at a running command's lease.
 WATCH_SECONDS = 0.2
 _PR_SET_PDEATHSIG = 1
+
+
+def show_leases(ctx: Context) -> LeasesResult:
+    """``statetool leases [list]``: every lease of the state with its state (live, stale,
+    free) and holder, read without taking any lock and creating no file.
+
+    A state that is not where it resolves is refused as ``leases release`` and ``leases
+    run`` refuse it (issue 12 fixB item 1): ``RIVET_STATE_MISSING`` (no file, an empty
+    schema, no such schema), ``RIVET_STATE_RELOCATED``, ``RIVET_STATE_NOT_A_STATE``; an
+    empty list of a missing state would read as "nobody runs here". A state without a
+    lease table yet (before revision 0002) lists nothing.
+    """
+    lease_store(ctx).require_state(to_hold=False)
+    return list_leases(ctx)
 
 
 def release(ctx: Context, key: str, reason: str) -> dict[str, object]:
