@@ -445,10 +445,10 @@ def leases_list(ctx: typer.Context) -> None:
     Read without taking any lock.
     """
     from statetool import render
-    from statetool.operations.leases import list_leases
+    from statetool.operations.leases import show_leases
 
     g = _g(ctx)
-    _emit(g, list_leases(g.context()).as_dict(), render.leases)
+    _emit(g, show_leases(g.context()).as_dict(), render.leases)
 
 
 @leases_app.command("release")

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import sqlite3
 import subprocess
 import textwrap
 from collections.abc import Iterator
@@ -490,6 +491,31 @@ def test_orphaned_wal_and_shm_beside_a_rollback_journal_state(config: Path, tmp_
         assert export["verdict"] == "resumes"
         assert "RIVET_STATE_ORPHAN_WAL" in codes(export)
     assert exports(doc)["orders"]["resumes_from"].startswith("cursor '2026-01-01T00:")
+
+
+@pytest.mark.parametrize("beside", ["rollback-journal state", "wal state"])
+def test_info_shows_the_orphan_wal_warning_once_as_check_does(config: Path, tmp_path: Path, beside: str) -> None:
+    """``info`` shows the warnings a write would give (issue 12 fixB item 5): a -wal/-shm the
+    state did not leave (a write refuses it, RIVET_STATE_FOREIGN_WAL) is warned once, as in
+    ``check``, in the JSON and for people."""
+    build_state(config, checkpoint_dir=config.parent)
+    path = config.parent / STATE_FILE
+    if beside == "wal state":
+        Path(f"{path}-shm").write_bytes(b"\0" * 32768)
+    else:
+        db = sqlite3.connect(path)
+        db.execute("PRAGMA journal_mode=DELETE").fetchone()
+        db.close()
+        orphan_wal_beside(path, tmp_path / "elsewhere")
+    proc = run_cli("-c", str(config), "--json", "info")
+    assert proc.returncode == 0, describe(proc)
+    found = [w for w in json.loads(proc.stdout)["warnings"] if w["code"] == "RIVET_STATE_ORPHAN_WAL"]
+    assert len(found) == 1, describe(proc)
+    checked = run_cli("-c", str(config), "--json", "check")
+    rows = [r for r in json.loads(checked.stdout)["checks"] if r["code"] == "RIVET_STATE_ORPHAN_WAL"]
+    assert [r["message"] for r in rows] == [found[0]["message"]], describe(checked)
+    proc = run_cli("-c", str(config), "info")
+    assert proc.stderr.count("Warning [RIVET_STATE_ORPHAN_WAL]") == 1, describe(proc)  # warnings go to stderr
 
 
 def test_stray_shm_without_its_wal_beside_a_wal_state(config: Path) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from support import Forked, describe, error_object, fork_code, process_env, run_cli_forked, tree_digest, write_config
+from support import Forked, declare_export, describe, error_object, fork_code, process_env, run_cli_forked, tree_digest, write_config
 from statetool import migrations
 from statetool.errors import StateError
 from statetool.example import build_legacy_state
@@ -642,6 +642,7 @@ WHOLE_STATE_HOLDER = textwrap.dedent("""\
 def test_a_run_of_an_export_the_whole_state_write_does_not_know_gives_its_lease_back_and_waits(
         state: State, tmp_path: Path) -> None:
     ready, go = tmp_path / "whole-ready", tmp_path / "whole-go"
+    declare_export(state.config, "late_export")  # new in the config, never run: the writer does not hold it
     writer = fork_code(WHOLE_STATE_HOLDER, str(state.config), str(ready), str(go), "orders", "order_lines",
                        env=process_env(state.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, new_session=True)
     waiter: Forked | None = None
@@ -649,7 +650,7 @@ def test_a_run_of_an_export_the_whole_state_write_does_not_know_gives_its_lease_
         wait_for(lambda: ready.exists() or writer.poll() is not None, "the whole-state writer to hold")
         assert ready.exists(), writer.communicate()
         assert json.loads(ready.read_text()) == ["chunk-run:order_lines", RUN_KEY, STATE_LEASE]
-        late_key = "chunk-run:late_export"  # an export in neither the config nor the state
+        late_key = "chunk-run:late_export"  # an export the state does not know yet
         before = content(state)
 
         # leases run, --lock-wait 0: refused at once, naming the whole-state writer
@@ -712,6 +713,7 @@ def test_a_run_refused_beside_a_whole_state_write_creates_no_lease_file(
     """SPEC §9 "a refused command creates no file": the refused run of an export nobody
     ran before leaves no sidecar of its own behind."""
     ready, go = tmp_path / "whole-ready", tmp_path / "whole-go"
+    declare_export(sqlite_state.config, "late_export")
     writer = fork_code(WHOLE_STATE_HOLDER, str(sqlite_state.config), str(ready), str(go), "orders", env=process_env(),
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, new_session=True)
     try:

@@ -6,6 +6,7 @@ Each test names the class of fault it closes; the inputs are the ones operators 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sqlite3
@@ -265,6 +266,47 @@ def test_an_export_name_too_long_for_its_lease_is_refused_where_the_config_says_
         assert proc.returncode != 0, describe(proc)  # check: the worst row wins (no state: 5); relocate: 1
         out = proc.stdout + proc.stderr
         assert "RIVET_CONFIG_INVALID" in out and f"{config}:4:" in out, describe(proc)
+
+
+#: The longest export names the config accepts (their lease file name takes 240 bytes at
+#: most): two that differ only in their last character, and one that percent-encodes long.
+LONGEST_NAMES = ("o" * 227 + "a", "o" * 227 + "b", "o" * 200 + "é" * 4)
+
+
+def test_the_longest_export_names_get_backups_whose_names_fit_and_stay_apart(tmp_path: Path) -> None:
+    """A backup's name embeds the export name (issue 12 fixB item 3): with the longest
+    names it is shortened to fit 255 bytes with room for its temporary directory, the
+    names of two exports still differ, and nothing temporary is left behind."""
+    exports = "exports:\n" + "".join(f"  - name: {n}\n    mode: incremental\n" for n in LONGEST_NAMES)
+    config = write_config(tmp_path / "pipeline", exports=exports)
+    assert run_cli("-c", str(config), "init").returncode == 0
+    backups: list[str] = []
+    for name in LONGEST_NAMES:
+        for args in (("set-cursor", name, "2026-01-01"), ("reset", name)):
+            proc = run_cli("-c", str(config), "--json", "exports", *args)
+            assert proc.returncode == 0, describe(proc)
+            backups.append(Path(json.loads(proc.stdout)["backup"]).name)
+    assert len(set(backups)) == len(backups), backups
+    assert all(len(b.encode()) <= 255 - 13 and b.startswith(".rivet_state.db.backup-") for b in backups), backups
+    left = [p.name for p in config.parent.iterdir() if p.name.endswith((".tmp", "-journal"))]
+    assert left == [], left
+
+
+def test_a_checkpoint_whose_file_name_takes_255_bytes_is_moved_by_relocate(tmp_path: Path) -> None:
+    """A move copies a CDC checkpoint beside its target first (``.<name>.relocating``):
+    that name is shortened too, so the longest name a file system allows still moves."""
+    point = "p" * 250 + ".json"
+    exports = (f"exports:\n  - name: order_events\n    mode: cdc\n    cdc:\n      engine: mysql\n"
+               f"      checkpoint: {point}\n")
+    config = write_config(tmp_path / "pipeline", exports=exports)
+    assert run_cli("-c", str(config), "init").returncode == 0
+    (config.parent / point).write_text('{"file": "mysql-bin.000042", "pos": 91234}')
+    target = tmp_path / "declared"
+    target.mkdir()
+    proc = run_cli("-c", str(config), "relocate", "--to", str(target))
+    assert proc.returncode == 0, describe(proc)
+    assert (target / point).read_text() == '{"file": "mysql-bin.000042", "pos": 91234}'
+    assert [p.name for p in target.iterdir() if p.name.endswith(".relocating")] == []
 
 
 def test_doctor_json_errors_prints_the_error_object_of_its_worst_verdict(tmp_path: Path) -> None:

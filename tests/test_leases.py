@@ -34,8 +34,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
 
-from support import (CliRun, Forked, describe, error_object, fork_cli, fork_code, process_env, run_cli, run_cli_forked,
-                     tree_digest, write_config)
+from support import (CliRun, Forked, declare_export, describe, error_object, fork_cli, fork_code, process_env, run_cli,
+                     run_cli_forked, tree_digest, write_config)
 from statetool.backends.base import Holder, LeaseInfo
 from statetool.backends.processes import alive, process_started
 from statetool.backends.proclocks import lock_holders
@@ -628,6 +628,66 @@ def test_leases_read_a_config_that_is_there_or_named_and_keep_its_guards(tmp_pat
     assert proc.returncode == 0, describe(proc)  # a read compares no identity
 
 
+def test_leases_run_of_an_export_the_config_does_not_declare_is_refused_before_any_lease(
+        url_state: State, tmp_path: Path) -> None:
+    """A typo in ``--export`` (issue 12 fixB item 2): with a config there, RIVET_EXPORT_UNKNOWN
+    (exit 1), the command not run, no lease record; without a config there is nothing to
+    check against, and the run goes ahead (docs/decisions.md)."""
+    marker = tmp_path / "ran"
+    before = url_state.leases()
+    proc = url_state.cli_process("--json-errors", "leases", "run", "--export", "nope", "--", "touch", str(marker))
+    err = error_object(proc)
+    assert (proc.returncode, err["code"]) == (1, "RIVET_EXPORT_UNKNOWN"), describe(proc)
+    assert "nope" in err["message"] and str(url_state.config) in err["message"], err
+    assert not marker.exists()
+    assert url_state.leases() == before
+    dba = tmp_path / "dba"
+    dba.mkdir()
+    proc = run_cli_forked("leases", "run", "--export", "nope", "--", "touch", str(marker), cwd=dba,
+                          env=url_state.env)
+    assert proc.returncode == 0 and marker.exists(), describe(proc)
+
+
+@pytest.fixture(params=["declared", pytest.param("postgres", marks=pytest.mark.postgres)])
+def no_state(request: pytest.FixtureRequest, tmp_path: Path) -> State:
+    """Nothing where RIVET_STATE_URL points: an empty declared directory, or a schema that
+    does not exist."""
+    if request.param == "postgres":
+        return _make_state(StateBackend.postgres(tmp_path, request.getfixturevalue("pg_url")), init=False)
+    declared = tmp_path / "declared"
+    declared.mkdir()
+    return _make_state(StateBackend.sqlite(tmp_path, declared), init=False)
+
+
+def test_every_leases_command_refuses_a_missing_state_alike_and_creates_nothing(no_state: State) -> None:
+    """A list of no state is not "nobody runs here" (issue 12 fixB item 1): ``leases``,
+    ``leases list``, ``release`` and ``run`` all refuse RIVET_STATE_MISSING, exit 5."""
+    before = tree_digest(no_state.directory.parent)
+    for args in (("leases",), ("leases", "list"), ("--json", "leases", "list"),
+                 ("leases", "release", RUN_KEY), ("leases", "run", "--export", "orders", "--", "true")):
+        proc = no_state.cli("--json-errors", *args)
+        err = error_object(proc)
+        assert (proc.returncode, err["code"]) == (5, "RIVET_STATE_MISSING"), (args, describe(proc))
+        assert "no lease" not in proc.stdout, describe(proc)
+    assert tree_digest(no_state.directory.parent) == before
+    if no_state.backend == "postgres":
+        with no_state.pg() as conn:
+            schema = _pg_dsn(no_state.pg_url)[1]
+            assert conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone() is None
+
+
+def test_the_empty_list_says_what_is_true_after_leases_were_taken_and_released(state: State) -> None:
+    """On PostgreSQL a finished run leaves no row, on SQLite a free sidecar: either way the
+    list must not claim that no lease was ever taken (issue 12 fixB item 1)."""
+    proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 0, describe(proc)
+    proc = state.cli("leases")
+    assert proc.returncode == 0, describe(proc)
+    assert "ever" not in proc.stdout, describe(proc)
+    if not state.leases():
+        assert "no lease is held or recorded" in proc.stdout, describe(proc)
+
+
 # -- PostgreSQL takeover race ------------------------------------------------------------
 
 
@@ -701,6 +761,7 @@ def test_lease_key_with_slashes_dots_quotes_and_non_ascii_stays_inside_the_sidec
     finally:
         for lease in held:
             lease.release()
+    declare_export(state.config, "../../outside")
     proc = state.cli_process("leases", "run", "--export", "../../outside", "--", "true")
     assert proc.returncode == 0, describe(proc)
     proc = state.cli("--json", "leases")
@@ -720,11 +781,18 @@ def test_lease_key_with_slashes_dots_quotes_and_non_ascii_stays_inside_the_sidec
         assert not state.leases_dir.exists()
 
 
-def test_sqlite_lease_key_too_long_for_a_file_name_is_refused_as_usage(sqlite_state: State) -> None:
-    proc = sqlite_state.cli_process("--json-errors", "leases", "run", "--export", "x" * 300, "--", "true")
+def test_sqlite_lease_key_too_long_for_a_file_name_is_refused_as_usage(tmp_path: Path) -> None:
+    """A config refuses such a name itself; without one (a declared directory) the lease
+    store refuses it."""
+    declared = tmp_path / "declared"
+    declared.mkdir()
+    _make_state(StateBackend.sqlite(tmp_path, declared))
+    proc = run_cli_forked("--json-errors", "leases", "run", "--export", "x" * 300, "--", "true", cwd=declared,
+                          env={"RIVET_STATE_URL": f"sqlite:{declared}"})
     assert proc.returncode == 1, describe(proc)
     assert error_object(proc)["code"] == "RIVET_CLI_USAGE"
-    assert not any(sqlite_state.leases_dir.iterdir()) if sqlite_state.leases_dir.exists() else True
+    leases_dir = declared / ".rivet_state.leases"
+    assert not any(leases_dir.iterdir()) if leases_dir.exists() else True
 
 
 # -- leases run -------------------------------------------------------------------------

@@ -473,3 +473,34 @@ def test_leases_run_waiting_or_holding_when_the_server_stops_ends_with_a_registe
             if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGKILL)
                 process.wait()
+
+
+# -- a refused login is permanent (issue 12 fixB item 4) ------------------------------------
+
+
+@pytest.mark.parametrize("who", ["a role that does not exist", "a role that may not log in"])
+def test_a_login_the_server_refuses_for_its_role_is_auth_failed_not_retryable(
+        cfg: Path, admin: str, role: Role, schema: str, who: str) -> None:
+    """SQLSTATE 28000 (invalid_authorization_specification: no such role, NOLOGIN, no
+    pg_hba.conf entry) refuses the same login every time: RIVET_STATE_AUTH_FAILED (exit 1),
+    never RIVET_STATE_UNREACHABLE (exit 2, retried by a scheduler for ever)."""
+    name = f"nobody_{uuid.uuid4().hex[:8]}" if who.startswith("a role that does") else role()
+    if who.endswith("may not log in"):
+        _sql(admin, f"ALTER ROLE {name} NOLOGIN")
+    for args in (("info",), ("leases",), ("init",)):
+        proc = _cli(cfg, _url_as(admin, name, schema), *args)
+        _assert_refused(proc, "RIVET_STATE_AUTH_FAILED", name)
+    assert not _schema_exists(admin, schema)
+
+
+@pytest.mark.parametrize("fatal", ['no pg_hba.conf entry for host "[local]", user "etl", database "postgres", no encryption',
+                                   'pg_hba.conf rejects connection for host "[local]", user "etl", database "postgres"',
+                                   'Peer authentication failed for user "etl"'])
+def test_the_other_refused_logins_the_server_names_are_auth_failed(fatal: str) -> None:
+    """What libpq raises for a login refused by pg_hba.conf (its text, no SQLSTATE): the
+    suite's one server accepts every local login, so the driver's own exception is built
+    here with the text the server sends. Never unreachable, never "no such database"."""
+    orig = psycopg.OperationalError('connection failed: connection to server on socket "/tmp/.s.PGSQL.5432" '
+                                    f"failed: FATAL:  {fatal}")
+    error = driver_error(sa.exc.OperationalError(None, None, orig), "the test server")
+    assert (error.code, error.entry.retryable) == ("RIVET_STATE_AUTH_FAILED", False), error.message

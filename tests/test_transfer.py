@@ -737,7 +737,9 @@ def test_a_live_run_of_an_export_known_only_to_the_state_holds_the_transfer_off_
                    "VALUES ('old-run', 'retired', 'full', 'succeeded', '2025-12-01T00:00:00.000000Z')")
     db.close()
     _checkpoint_wal(cfg.parent / ".rivet_state.db")
-    holder = fork_cli("-c", str(cfg), "leases", "run", "--export", "retired", "--", "sleep", "60", env=process_env(),
+    # held as a DBA would, with no config (a config would refuse an export it does not declare)
+    holder = fork_cli("leases", "run", "--export", "retired", "--", "sleep", "60", cwd=cfg.parent.parent,
+                      env=process_env({"RIVET_STATE_URL": f"sqlite:{cfg.parent}"}),
                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60

@@ -122,9 +122,11 @@ class LeaseStore(Protocol):
     def info(self, key: str) -> LeaseInfo:
         """One lease with its state, read without taking any lock."""
 
-    def require_state(self) -> None:
+    def require_state(self, *, to_hold: bool = True) -> None:
         """Raise ``RIVET_STATE_MISSING`` / ``RIVET_STATE_RELOCATED`` (and the like) unless a
-        state is where this store keeps its leases; cheap, loads no database driver for SQLite."""
+        state is where this store keeps its leases; cheap, loads no database driver for SQLite.
+        ``to_hold`` False (``leases list``, reading only, issue 12 fixB item 1) checks only
+        that the state is there; True also that a command run under a lease may use it."""
 
     def list(self) -> list[LeaseInfo]:
         """Every lease with its state, read without taking any lock."""

@@ -44,10 +44,38 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+#: The longest file name (one path component, in bytes) of Linux's file systems (NAME_MAX).
+NAME_MAX = 255
+#: Hex digits of the sha256 of the whole text that a shortened name keeps (issue 12 fixB item 3).
+_NAME_HASH = 10
+
+
+def fitting_name(head: str, text: str, tail: str, *, room: int = 0) -> str:
+    """``head + text + tail``, a file name that fits :data:`NAME_MAX` bytes with ``room``
+    bytes to spare (for what is added to it later: ``mkdtemp``'s random part, SQLite's
+    ``-journal``).
+
+    ``text`` is the part that comes from the operator (an export name, a checkpoint's file
+    name): when the whole would not fit, it is cut at a character boundary and
+    ``~<10 hex of its sha256>`` added, so two long names that share their start still get
+    two names, and ``head`` and ``tail`` (what globs and ``ls`` sort by) stay whole. Raises
+    ``ValueError`` when ``head`` and ``tail`` alone leave no room (a bug, not an input).
+    """
+    whole = f"{head}{text}{tail}"
+    if len(whole.encode()) + room <= NAME_MAX:
+        return whole
+    mark = "~" + hashlib.sha256(text.encode()).hexdigest()[:_NAME_HASH]
+    budget = NAME_MAX - room - len(f"{head}{mark}{tail}".encode())
+    if budget < 0:
+        raise ValueError(f"no room for a name between {head!r} and {tail!r}")
+    cut = text.encode()[:budget].decode(errors="ignore")
+    return f"{head}{cut}{mark}{tail}"
+
+
 def side_copy(target: Path) -> Path:
     """The temporary file :func:`copy_verified` writes before it renames it to ``target``:
-    ``.<name>.relocating`` beside it."""
-    return target.with_name(f".{target.name}.relocating")
+    ``.<name>.relocating`` beside it (a long name shortened by :func:`fitting_name`)."""
+    return target.with_name(fitting_name(".", target.name, ".relocating"))
 
 
 def holds_other_bytes(target: Path, source: Path) -> bool:

@@ -18,6 +18,14 @@ from statetool.schema import LEASE_TABLES, STATE_TABLES, VERSION_TABLE, audit
 
 #: SQLSTATEs of a refused login (invalid_password, invalid_authorization_specification).
 _AUTH_STATES = {"28P01", "28000"}
+#: The server's FATAL texts of those SQLSTATEs. libpq reports a refused login as a failed
+#: connection without a SQLSTATE, so the text is all there is: a role that does not exist,
+#: one that may not log in, no pg_hba.conf line for it, or a failed password/peer/ident
+#: check (https://www.postgresql.org/docs/15/client-authentication-problems.html).
+_AUTH_TEXT = re.compile(r'FATAL:\s+(role "[^"]*" (does not exist|is not permitted to log in)'
+                        r"|no pg_hba\.conf entry|pg_hba\.conf rejects connection"
+                        r"|(password|peer|ident|ldap|radius|pam|gss|sspi|cert) authentication failed)"
+                        r"|password authentication failed|no password supplied", re.IGNORECASE)
 #: SQLSTATE classes and codes a re-run may get past (https://www.postgresql.org/docs/15/errcodes-appendix.html):
 #: connection exceptions, insufficient resources, operator intervention; serialization failure, deadlock,
 #: lock_not_available. disk_full (53100) is not among them: it stays until someone frees space.
@@ -46,7 +54,8 @@ def driver_error(err: sa.exc.DBAPIError, where: str) -> StateError:
     operation's own SQL. ``where`` names the state (its display URL).
 
     Faults of the environment keep their code everywhere: ``RIVET_STATE_AUTH_FAILED``
-    (28P01, 28000), ``RIVET_STATE_URL_INVALID`` (3D000: no such database),
+    (28P01, 28000, and a connection the server refused with their texts: no such role, a
+    role that may not log in, no pg_hba.conf entry, a failed password; issue 12 fixB item 4), ``RIVET_STATE_URL_INVALID`` (3D000: no such database),
     ``RIVET_STATE_PERMISSION_DENIED`` (42501), ``RIVET_STATE_READ_ONLY`` (25006),
     ``RIVET_STATE_DISK_FULL`` (53100), ``RIVET_STATE_WRITE_REFUSED`` (classes 23, P0),
     ``RIVET_STATE_UNREACHABLE`` (classes 08, 53, 57, states 40001, 40P01, 55P03, and a
@@ -58,7 +67,7 @@ def driver_error(err: sa.exc.DBAPIError, where: str) -> StateError:
     sqlstate = getattr(orig, "sqlstate", None)
     text = _first_line(orig)
     details = {"sqlstate": sqlstate} if sqlstate else {}
-    if sqlstate in _AUTH_STATES or "password authentication failed" in text or "no password supplied" in text:
+    if sqlstate in _AUTH_STATES or sqlstate is None and _AUTH_TEXT.search(text):
         return StateError("RIVET_STATE_AUTH_FAILED", f"the state database at {where} refused the login: {text}")
     if sqlstate == "3D000" or sqlstate is None and "does not exist" in text and "database" in text:
         return StateError("RIVET_STATE_URL_INVALID", f"the state database named in {where} does not exist "

@@ -192,18 +192,22 @@ class RowLeases:
                                  "the lease table is locked by a migration or another write under way") from None
             raise driver_error(err, self.where) from None
 
-    def require_state(self) -> None:
-        """Raise ``RIVET_STATE_MISSING`` when the schema holds no table,
-        ``RIVET_STATE_MIGRATION_PENDING`` when it has no lease table yet, and
-        ``RIVET_STATE_PERMISSION_DENIED`` when the role may not write the lease tables
-        (so a lease is refused before anything is written, SPEC §8a)."""
+    def require_state(self, *, to_hold: bool = True) -> None:
+        """Raise ``RIVET_STATE_MISSING`` when the schema holds no table (or does not
+        exist); with ``to_hold``, also ``RIVET_STATE_MIGRATION_PENDING`` when it has no lease
+        table yet, and ``RIVET_STATE_PERMISSION_DENIED`` when the role may not write the
+        lease tables (so a lease is refused before anything is written, SPEC §8a). A list
+        (``to_hold`` False) of a state without a lease table lists nothing."""
         with self.connect() as conn:
             schema = self.schema or conn.execute(sa.text("SELECT current_schema()")).scalar()
             tables = set(conn.execute(sa.text(
                 "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
                 "WHERE n.nspname = :s AND c.relkind IN ('r', 'p')"), {"s": schema}).scalars())
             if not tables:
-                raise StateError("RIVET_STATE_MISSING", "no state here: the state schema holds no table")
+                raise StateError("RIVET_STATE_MISSING", f"no state here: the state schema {schema} holds no table "
+                                 "(or does not exist)", {"schema": str(schema)})
+            if not to_hold:
+                return
             if LEASE_TABLE not in tables:
                 raise StateError("RIVET_STATE_MIGRATION_PENDING",
                                  "this state has no lease table (revision 0002); run statetool migrate")

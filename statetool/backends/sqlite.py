@@ -44,7 +44,7 @@ from sqlalchemy.pool import NullPool
 
 from statetool.access import denied
 from statetool.backends.base import Progress
-from statetool.backends.durable import fsync_dir, fsync_file
+from statetool.backends.durable import fitting_name, fsync_dir, fsync_file
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.sqlite_rows import copy_blocks
@@ -56,6 +56,11 @@ from statetool.location import LEASE_DIR, Location
 if TYPE_CHECKING:
     from statetool.backends.copy_text import Block
     from statetool.backends.sqlite_leases import FlockLeases
+
+#: Bytes a backup's private directory adds to the backup's name: "." + mkdtemp's 8 random
+#: characters + ".tmp".
+_PRIVATE_DIR_ROOM = 13
+
 
 def content_digest(path: Path) -> str:
     """sha256 of a SQLite file's pages with the header fields a backup rewrites zeroed (the
@@ -517,7 +522,9 @@ class SqliteBackend:
         label = quote(label, safe="-_.")
         while True:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-            final = self.path.with_name(f"{self.path.name}.backup-{label}-{stamp}")
+            # a long export name is shortened: the name must leave room for its private directory
+            final = self.path.with_name(fitting_name(f"{self.path.name}.backup-", label, f"-{stamp}",
+                                                     room=_PRIVATE_DIR_ROOM))
             if not os.path.lexists(final):
                 break
             # A backup of the same label was taken within this second (two changes in a row):
@@ -525,7 +532,9 @@ class SqliteBackend:
             time.sleep(0.05)
         self._remove_stale_temps()
         with self._private_dir(f"{final.name}.") as private:
-            tmp = private / final.name
+            # a short name inside: SQLite opens no path longer than 512 bytes (unix VFS
+            # MAX_PATHNAME), and the directory's name alone may take 255
+            tmp = private / "backup.db"
             self._copy(conn, tmp, progress, self_contained=True)
             try:
                 os.link(tmp, final)  # never replaces, never follows what stands at that name

@@ -52,8 +52,12 @@ def read_header(path: Path) -> bytes:
     ``RIVET_STATE_CORRUPT`` (shorter than its header says: truncated, unless a journal is
     beside it, whose roll-back restores the size the file had).
     """
-    if not os.path.lexists(path):
-        raise StateError("RIVET_STATE_MISSING", f"no state at {path}", {"path": str(path)})
+    try:
+        # lstat, not os.path.lexists: a directory this user may not search is a permission
+        # fault (raised as it is, for the caller's fault()), never a missing state (SPEC §8a)
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise StateError("RIVET_STATE_MISSING", f"no state at {path}", {"path": str(path)}) from None
     try:
         # O_NONBLOCK: a FIFO is never waited on; it is refused by what fstat says below.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)

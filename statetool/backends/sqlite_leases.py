@@ -185,14 +185,17 @@ class FlockLeases:
         self.state_path = state_path
         self.directory = state_path.parent / LEASE_DIR
 
-    def require_state(self) -> None:
+    def require_state(self, *, to_hold: bool = True) -> None:
         """Raise unless a state file is at its place (``RIVET_STATE_MISSING``,
         ``RIVET_STATE_RELOCATED``, ``RIVET_STATE_NOT_A_STATE``): a lease beside no state
-        guards nothing, and its folder would make an empty directory look used), or when
-        a companion of the state is unsafe (``RIVET_STATE_UNSAFE_FILE``) or another copy's
-        (``RIVET_STATE_FOREIGN_WAL``): the command run under the lease would open the state
-        through it."""
+        guards nothing, and its folder would make an empty directory look used), or, with
+        ``to_hold``, when a companion of the state is unsafe (``RIVET_STATE_UNSAFE_FILE``)
+        or another copy's (``RIVET_STATE_FOREIGN_WAL``): the command run under the lease
+        would open the state through it. A list (``to_hold`` False) opens only the file's
+        header, read-only, and creates nothing."""
         header = read_header(self.state_path)
+        if not to_hold:
+            return
         refuse_unsafe_companions(self.state_path)
         foreign = foreign_companions(self.state_path, header)
         if foreign:

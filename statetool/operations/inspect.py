@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 
 from statetool import migrations, schema
-from statetool.errors import StateError
+from statetool.backends import orphan_companions
+from statetool.errors import StateError, StateWarning
 from statetool.identity import identity_message
 from statetool.operations.context import Context
 from statetool.operations.leasing import list_leases
@@ -78,13 +79,24 @@ def info(ctx: Context) -> InfoResult:
     }
     from statetool.operations.checkpoints import checkpoints
 
-    warnings = [w.as_dict() for w in pf.warnings + checkpoints(ctx).warnings]
+    warnings = [w.as_dict() for w in pf.warnings + _companion_warnings(ctx, pf.warnings) + checkpoints(ctx).warnings]
     leases = list_leases(ctx).leases if snap is not None and snap.known else []
     location = ctx.location
     # A symlinked state file: the configured path and the file it resolves to, both shown.
     where = {**location.as_dict(), "real_path": str(location.real_path) if location.real_path else None}
     return InfoResult(where, _revision_doc(snap), identity, _export_rows(ctx, snap), warnings,
                       leases)
+
+
+def _companion_warnings(ctx: Context, given: list[StateWarning]) -> list[StateWarning]:
+    """``RIVET_STATE_ORPHAN_WAL`` for a ``-wal``/``-shm`` the state did not leave, judged where
+    ``doctor`` and ``check`` judge it (:func:`statetool.backends.orphan_companions`), unless
+    ``given`` already has it: a write refuses such a file (``RIVET_STATE_FOREIGN_WAL``), and
+    info shows the warnings a write would give (issue 12 fixB item 5)."""
+    orphans = orphan_companions(ctx.location)
+    if orphans is None or any(w.code == "RIVET_STATE_ORPHAN_WAL" for w in given):
+        return []
+    return [StateWarning("RIVET_STATE_ORPHAN_WAL", orphans.message)]
 
 
 @dataclass

@@ -31,13 +31,27 @@ from statetool.operations.leasing import (
 )
 from statetool.redact import command_line, redact_text
 
-__all__ = ["LeasesResult", "list_leases", "release", "run_under_lease"]
+__all__ = ["LeasesResult", "list_leases", "release", "run_under_lease", "show_leases"]
 
 #: Seconds a command whose lease was lost gets between SIGTERM and SIGKILL.
 GRACE_SECONDS = 10.0
 #: Seconds between two looks at a running command's lease.
 WATCH_SECONDS = 0.2
 _PR_SET_PDEATHSIG = 1
+
+
+def show_leases(ctx: Context) -> LeasesResult:
+    """``statetool leases [list]``: every lease of the state with its state (live, stale,
+    free) and holder, read without taking any lock and creating no file.
+
+    A state that is not where it resolves is refused as ``leases release`` and ``leases
+    run`` refuse it (issue 12 fixB item 1): ``RIVET_STATE_MISSING`` (no file, an empty
+    schema, no such schema), ``RIVET_STATE_RELOCATED``, ``RIVET_STATE_NOT_A_STATE``; an
+    empty list of a missing state would read as "nobody runs here". A state without a
+    lease table yet (before revision 0002) lists nothing.
+    """
+    lease_store(ctx).require_state(to_hold=False)
+    return list_leases(ctx)
 
 
 def release(ctx: Context, key: str, reason: str) -> dict[str, object]:
@@ -175,13 +189,23 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
     (taken over, or unconfirmed for a TTL), the group gets SIGTERM, SIGKILL after ``grace``
     seconds, and ``RIVET_STATE_LEASE_LOST`` is raised (exit 2), never a success. Returns the
     command's exit code (128 + N when killed by signal N). Raises ``RIVET_CLI_USAGE`` when
-    the command cannot start.
+    the command cannot start, and ``RIVET_EXPORT_UNKNOWN`` before any lease is taken when
+    a pipeline config is there and does not declare ``export`` (issue 12 fixB item 2;
+    without a config any export name is accepted).
     """
     if not argv:
         raise StateError("RIVET_CLI_USAGE", "give the command to run after --")
     command = command_line(argv)  # shell-quoted, each argument redacted: the holder record is readable by all
     key = valid_key(run_lease_key(export))  # the name is the operator's input: no control characters
-    lease_store(ctx).require_state()
+    store = lease_store(ctx)
+    config = ctx.config_or_none()
+    # A typo would hold a lease no run ever takes, and leave its record behind for good.
+    # Without a config there is nothing to check against: the state knows only the exports
+    # that ran before, and a new export's first run must be wrappable (docs/decisions.md).
+    if config is not None and config.export(export) is None:
+        raise StateError("RIVET_EXPORT_UNKNOWN", f"export '{export}' is not in {config.path}; nothing was run "
+                         "and no lease was taken", {"export": export})
+    store.require_state()
     with holding(ctx, key, command) as lease:
         started: list[subprocess.Popen[bytes]] = []
         held: list[int] = []  # signals that came before the command started: it gets them first thing

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import textwrap
 from pathlib import Path
 
@@ -29,6 +30,12 @@ def write_config(directory: Path, *, source_url: str | None = "postgresql://read
     path = directory / name
     path.write_text(source + body)
     return path
+
+
+def declare_export(config: Path, name: str, mode: str = "full") -> None:
+    """Add export ``name`` to the end of the ``exports`` list of ``config`` (written by
+    :func:`write_config`): what an operator does before the first run of a new export."""
+    config.write_text(config.read_text().rstrip("\n") + f"\n  - name: {json.dumps(name)}\n    mode: {mode}\n")
 
 
 def tree_digest(directory: Path) -> dict[str, str]:
