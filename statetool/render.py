@@ -773,10 +773,18 @@ def transfer(doc: dict[str, Any]) -> None:
             " (finishing an interrupted transfer)" if doc["resumed"] else "")
             + f": {_plural(len(doc['tables']), 'table')}, {_plural(rows, 'row')}, each verified by its row count "
               "and checksum; the old place now refuses every open (RIVET_STATE_RELOCATED).")
-    _move_end(page, doc, [f"checkpoint {cp['export']}: {cp['configured']} stays on this worker's disk; set "
-                          f"cdc.checkpoint to {cp['set_to']}" for cp in doc["checkpoints"]],
-              "old SQLite bytes kept as:", "transfer")
-    print_warnings(doc.get("warnings", []))
+    # A relative checkpoint's warning (RIVET_STATE_CHECKPOINT_RELATIVE, SPEC §6) is the
+    # finding about that checkpoint: it is its line here, in full, and not again on
+    # stderr (issue 12 item 5: each finding once per command).
+    relative = [w for w in doc.get("warnings", []) if w["code"] == "RIVET_STATE_CHECKPOINT_RELATIVE"]
+    lines = []
+    for cp in doc["checkpoints"]:
+        found = next((w for w in relative if cp["resolves_to"] in w["message"]), None)
+        lines.append(f"checkpoint {cp['export']}: [{found['code']}] {found['message']} At least, set "
+                     f"cdc.checkpoint to {cp['set_to']}." if found else
+                     f"checkpoint {cp['export']}: {cp['configured']} (absolute: nothing to change)")
+    _move_end(page, doc, lines, "old SQLite bytes kept as:", "transfer")
+    print_warnings([w for w in doc.get("warnings", []) if not any(w["message"] in line for line in lines)])
 
 
 def _annotation_escape(text: str) -> str:

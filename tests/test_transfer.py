@@ -831,7 +831,7 @@ def test_dry_run_changes_nothing_and_prints_tables_rows_bytes_checkpoints_and_th
     assert str(size) in text
     assert f"RIVET_STATE_URL={state_url}" in human.stdout.splitlines()  # whole, on a line of its own
     for name, path in absolute.items():
-        assert f"RIVET_STATE_CHECKPOINT_RELATIVE]: CDC export {name}: its checkpoint resolves to {path}" in text
+        assert f"RIVET_STATE_CHECKPOINT_RELATIVE] CDC export {name}: its checkpoint resolves to {path}" in text
         assert f"set cdc.checkpoint to {path}" in text
     assert "nothing was changed" in text
     no_secret(secret, human.stdout, human.stderr, as_json.stdout, as_json.stderr)
