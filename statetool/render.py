@@ -526,6 +526,16 @@ def _candidate(page: Page, found: dict[str, Any], now: datetime) -> None:
         page.line("  to use it: RIVET_STATE_URL unset (or empty) and this config")
 
 
+def verdict(export: dict[str, Any], own_reasons: bool = True) -> str:
+    """What doctor says of one export's next run, from its diagnosis (``doctor --json``'s
+    ``exports[i]``): ``resumes from cursor '…' (4 h old)``, or ``FIRST RUN``, with
+    ``(because of the state, above)`` when the export has no reason of its own."""
+    if export["verdict"] != "resumes":
+        return "FIRST RUN" + ("" if own_reasons else " (because of the state, above)")
+    words = "resumes" + (f" from {export['resumes_from']}" if export["resumes_from"] else "")
+    return words + (f" ({duration(export['age_seconds'])} old)" if export["age_seconds"] is not None else "")
+
+
 def doctor(doc: dict[str, Any]) -> None:
     """``statetool doctor`` for people: the state (where, what set it, the line every task
     must share, what was found about it as a whole, once), then one block per export, its
@@ -550,14 +560,7 @@ def doctor(doc: dict[str, Any]) -> None:
     page.line()
     for export in doc["exports"]:
         own = [r for r in export["reasons"] if r not in shared]
-        line = f"{export['name']} ({export['mode']}): "
-        if export["verdict"] == "resumes":
-            line += "resumes" + (f" from {export['resumes_from']}" if export["resumes_from"] else "")
-            if export["age_seconds"] is not None:
-                line += f" ({duration(export['age_seconds'])} old)"
-        else:
-            line += "FIRST RUN" + ("" if own else " (because of the state, above)")
-        page.para(line, "", "  ")
+        page.para(f"{export['name']} ({export['mode']}): {verdict(export, bool(own))}", "", "  ")
         for reason in own:
             _reason(page, reason, "  ")
     page.show()
@@ -650,7 +653,11 @@ def export_change(doc: dict[str, Any]) -> None:
     else:
         old = "none" if before.get("cursor") is None else repr(before["cursor"])
         page.para(f"Set the cursor of {name} from {old} to {doc['after']['cursor']!r}.")
-    page.para(f"Next run of {name}: {doc['next_run']}.")
+    diagnosis = doc.get("diagnosis")
+    if diagnosis is None:
+        page.para(f"Next run of {name}: {doc['next_run']}.")
+    else:  # doctor's words: the cursor alone does not decide (a CDC stream, a full export)
+        page.para(f"Next run of {name}: {verdict(diagnosis)}.")
     _backup(page, doc["backup"])
     page.show()
     print_warnings(doc.get("warnings", []))

@@ -283,7 +283,7 @@ def test_writes_say_what_they_did_in_sentences(tmp_path: Path) -> None:
     assert lines["init"][0].startswith("Created a new, empty state at") and state in " ".join(lines["init"])
     assert lines["at head"] == ["Already at 0004; nothing to do."]
     said = " ".join(lines["set-cursor"])
-    assert "from none to '2026-11-01'" in said and "Next run of orders: resumes after cursor '2026-11-01'" in said
+    assert "from none to '2026-11-01'" in said and "Next run of orders: resumes from cursor '2026-11-01'" in said
     said = " ".join(lines["reset"])
     assert "cursor '2026-11-01' cleared" in said and "Next run of orders: FIRST RUN" in said
     for name in ("set-cursor", "reset"):  # the backup's path, whole on a line, to copy
@@ -291,6 +291,36 @@ def test_writes_say_what_they_did_in_sentences(tmp_path: Path) -> None:
     assert " ".join(lines["adopt"]) == "Nothing was changed: the state already records " \
                                        "postgresql://db.internal:5432/sales."
     assert "re-keyed from postgresql://db.internal:5432/sales to" in " ".join(lines["rekey"]).lower()
+
+
+def _doctor_says(config: Path, name: str) -> str:
+    """The words ``doctor`` gives export ``name``'s next run, after ``name (mode): ``."""
+    proc = run_cli("-c", str(config), "doctor", "--export", name, columns=None)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith(f"{name} ("))
+    return line.split("): ", 1)[1]
+
+
+def test_a_cursor_change_says_of_the_next_run_what_doctor_says(tmp_path: Path) -> None:
+    """Issue 12 item 3: the next run after ``set-cursor``/``reset`` in doctor's words for
+    the export's mode: a CDC export reset resumes from its stream position, a full export
+    reads everything whatever its cursor, a chunked export with only a cursor resumes
+    from it (not a bare "resumes")."""
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    record_progress(StateStore.open(config, env={}, create=True))
+    checkpoint_file(config.parent)
+    fresh = write_config(tmp_path / "fresh", exports=EXPORTS)
+    assert run_cli("-c", str(fresh), "init").returncode == 0
+    for where, args, expected in (
+            (config, ("reset", "order_events"), "resumes from CDC position"),
+            (config, ("set-cursor", "customer_addresses_history", "bar"), "resumes from a full read"),
+            (fresh, ("set-cursor", "order_lines_by_warehouse_region", "5"), "resumes from cursor '5'")):
+        human = run_cli("-c", str(where), "exports", *args, columns=None)
+        assert human.returncode == 0, describe(human)
+        said = next(line for line in human.stdout.splitlines() if line.startswith("Next run of "))
+        assert said == f"Next run of {args[1]}: {_doctor_says(where, args[1])}.", describe(human)
+        assert expected in said, describe(human)
+        doc = json.loads(run_cli("-c", str(where), "--json", "exports", *args).stdout)
+        assert doc["diagnosis"]["name"] == args[1] and doc["diagnosis"]["verdict"] == "resumes", doc
 
 
 def test_leases_release_names_the_holder_it_removed(tmp_path: Path) -> None:

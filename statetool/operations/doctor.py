@@ -230,6 +230,10 @@ def _diagnose(ctx: Context, export: Export, progress: ResumePoint | None, state_
                            f"{progress.chunks_total} chunks done"
         elif progress.last_success:
             resumes_from, age = f"the run finished at {progress.last_success}", _age(progress.last_success)
+        elif progress.cursor is not None:  # a chunked export with a cursor and no run or chunk to go on
+            resumes_from, age = f"cursor {progress.cursor!r}", _age(progress.cursor_updated_at)
+        else:  # progress in the ledger or in finished chunks only
+            resumes_from = "the progress the state holds (finished chunks or load ledger rows)"
         if export.mode == "full":
             resumes_from, age = "a full read (by design: a full export keeps no position)", None
     if export.cdc is not None:
