@@ -13,7 +13,8 @@ people"), each kept in one place here:
   fit the width; otherwise each row is printed as a list of ``name  value`` lines
   (:meth:`Page.table`). Prose is wrapped at spaces only (:func:`wrap`).
 - **Lines to copy** (``RIVET_STATE_URL=...``, a backup's path) are printed whole on a
-  line of their own (:meth:`Page.line`). No line ends in spaces (:meth:`Page.show`).
+  line of their own (:meth:`Page.line`); a setting is shell-quoted when it needs it
+  (:meth:`Page.setting`). No line ends in spaces (:meth:`Page.show`).
 - **Times and ages**: a time to the second (:func:`timestamp`), an age as a person says it
   (:func:`ago`, :func:`duration`); the exact values stay in ``--json``.
 - **Results are sentences**: a change says what it changed, where the backup is and what
@@ -26,6 +27,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import sys
 import textwrap
 from collections.abc import Callable, Iterator, Sequence
@@ -323,6 +325,15 @@ class Page:
         copy (``RIVET_STATE_URL=...``, a path) that must be pasted whole (issue 12 item 2)."""
         self._parts.append(text)
 
+    def setting(self, text: str) -> None:
+        """A line to paste into a shell, ``NAME=value`` (``RIVET_STATE_URL=...``), whole on
+        its line, the value shell-quoted when it needs it (issue 12 item 4:
+        ``RIVET_STATE_URL='postgresql://...?host=%2Ftmp&schema=x'``; a ``&``, a space or a
+        ``$`` would otherwise end, split or expand it). A text that is no assignment
+        (``RIVET_STATE_URL unset ...``) is printed as it is."""
+        name, sep, value = text.partition("=")
+        self.line(f"{name}={shlex.quote(value)}" if sep and name.isidentifier() else text)
+
     def para(self, text: str, first: str = "", rest: str = "") -> None:
         """Prose wrapped at spaces at the width (:func:`wrap`)."""
         self._parts.extend(wrap(text, self.width, first, rest))
@@ -521,7 +532,7 @@ def _candidate(page: Page, found: dict[str, Any], now: datetime) -> None:
     url = found.get("state_url")
     if url:
         page.line("  to use it, every task must set:")
-        page.line(f"RIVET_STATE_URL={url}")
+        page.setting(f"RIVET_STATE_URL={url}")
     elif url is not None:
         page.line("  to use it: RIVET_STATE_URL unset (or empty) and this config")
 
@@ -545,7 +556,7 @@ def doctor(doc: dict[str, Any]) -> None:
     page = Page()
     page.pairs("State", [("location", state["location"]["display"]), ("set by", state["set_by"])])
     page.line("every task must share:")
-    page.line(state["every_task_must_share"])
+    page.setting(state["every_task_must_share"])
     shared = state.get("reasons", [])
     if shared:
         page.line()
@@ -712,7 +723,7 @@ def migrate(doc: dict[str, Any]) -> None:
 def _every_task(page: Page, doc: dict[str, Any], heading: str) -> None:
     """The line every task must run with after a move, whole on a line of its own."""
     page.line(heading)
-    page.line(f"RIVET_STATE_URL={doc['state_url']}")
+    page.setting(f"RIVET_STATE_URL={doc['state_url']}")
 
 
 def _move_end(page: Page, doc: dict[str, Any], checkpoints: list[str], kept: str, move: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import textwrap
 from collections.abc import Iterator
@@ -224,6 +225,34 @@ def test_relocate_dry_run_prints_the_url_to_set_whole(tmp_path: Path, width: int
     assert f"RIVET_STATE_URL=sqlite:{target}" in human.stdout.splitlines(), describe(human)
 
 
+def pasted(line: str) -> str:
+    """What ``RIVET_STATE_URL`` holds in bash after ``export LINE`` is pasted there."""
+    proc = subprocess.run(["bash", "-c", f'export {line}\nprintf %s "$RIVET_STATE_URL"'], capture_output=True,
+                          text=True, timeout=30, env={"PATH": os.environ["PATH"]})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_a_setting_to_copy_pastes_into_a_shell(tmp_path: Path, pg_url: str) -> None:
+    """Issue 12 item 4: the ``RIVET_STATE_URL=`` lines of ``relocate``, ``transfer`` and
+    ``doctor`` are shell-quoted when the value needs it (a space, a ``$``, the ``&`` of a
+    socket URL's ``&schema=``) and bare when not, so ``export LINE`` sets exactly the URL."""
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    record_progress(StateStore.open(config, env={}, create=True))
+    awkward, plain = tmp_path / "state dir $HOME", tmp_path / "state"
+    awkward.mkdir()
+    plain.mkdir()
+    doctor_env = {"RIVET_STATE_URL": f"sqlite:{awkward}"}
+    for args, env in ((("relocate", "--dry-run", "--to", str(awkward)), None),
+                      (("relocate", "--dry-run", "--to", str(plain)), None),
+                      (("transfer", "--dry-run", "--to", pg_url), None), (("doctor",), doctor_env)):
+        human, doc = read(config, *args, width=80, env=env)
+        url = doc["state_url"] if "state_url" in doc else doc["state"]["every_task_must_share"].partition("=")[2]
+        line = next(line for line in human.stdout.splitlines() if line.startswith("RIVET_STATE_URL="))
+        assert pasted(line) == url, describe(human)
+        assert (line == f"RIVET_STATE_URL={url}") == (url == f"sqlite:{plain}"), describe(human)  # quoted if needed
+
+
 @pytest.mark.postgres
 @pytest.mark.parametrize("width", WIDTHS)
 def test_transfer_dry_run_prints_the_url_to_set_whole(tmp_path: Path, pg_url: str, width: int | None) -> None:
@@ -233,7 +262,7 @@ def test_transfer_dry_run_prints_the_url_to_set_whole(tmp_path: Path, pg_url: st
     human, doc = read(config, "transfer", "--dry-run", "--to", pg_url, width=width)
     assert human.returncode == 0, describe(human)
     assert_readable(human, doc, width)
-    assert f"RIVET_STATE_URL={doc['state_url']}" in human.stdout.splitlines(), describe(human)
+    assert f"RIVET_STATE_URL={shlex.quote(doc['state_url'])}" in human.stdout.splitlines(), describe(human)
     # the relative checkpoint's finding once: its paragraph on stdout, not again on stderr
     assert (human.stdout + human.stderr).count("RIVET_STATE_CHECKPOINT_RELATIVE") == 1, describe(human)
     assert "RIVET_STATE_CHECKPOINT_RELATIVE" in human.stdout, describe(human)
