@@ -42,6 +42,7 @@ from rich.table import Table
 from rich.text import Text
 
 from statetool.errors import StateError
+from statetool.moments import moment, parse_time
 
 # -- the console: width, colour, stderr ---------------------------------------------------
 
@@ -177,32 +178,17 @@ def ago(seconds: float | None) -> str:
     return f"in {duration(seconds)}" if seconds < 0 else f"{duration(seconds)} ago"
 
 
-def _parse_time(value: Any) -> datetime | None:
-    """An ISO-8601 time (``Z`` or an offset; naive is UTC, as the state's times are) as an
-    aware datetime, None when ``value`` is not one."""
-    if isinstance(value, datetime):
-        when = value
-    else:
-        try:
-            when = datetime.fromisoformat(str(value))
-        except ValueError:
-            return None
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
-
-
 def timestamp(value: Any) -> str:
-    """A time for a table, in UTC to the second: ``2026-01-04 11:15:00Z`` (issue 12 item 1);
-    ``-`` for None; any other text as it is."""
-    if value is None:
-        return "-"
-    when = _parse_time(value)
-    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ") if when else str(value)
+    """A time for a table or a sentence, in UTC to the second: ``2026-01-04 11:15:00Z``
+    (issue 12 item 1; :func:`statetool.moments.moment`, the one helper every message uses
+    too); ``-`` for None; any other text as it is."""
+    return moment(value)
 
 
 def since(value: Any, now: datetime) -> str:
     """How long before ``now`` the time ``value`` was (:func:`ago`); ``-`` for None, the text
     as it is when it is no time."""
-    when = _parse_time(value) if value is not None else None
+    when = parse_time(value) if value is not None else None
     if when is None:
         return "-" if value is None else str(value)
     return ago((now - when).total_seconds())
@@ -510,10 +496,21 @@ def check(doc: dict[str, Any]) -> None:
     page.show()
 
 
+def _said(text: str, *times: Any) -> str:
+    """``text`` (a sentence of a JSON document, which keeps its exact times) with each of
+    ``times`` that it names said to the second (:func:`timestamp`; issue 12 item 4)."""
+    for when in times:
+        if when:
+            text = text.replace(str(when), timestamp(when))
+    return text
+
+
 def _reason(page: Page, reason: dict[str, Any], indent: str) -> None:
-    """One finding of ``doctor``: ``[CODE] message``, and ``fix: action`` under it whole on
-    its line: what to run next is copied, never wrapped (issue 12 item 2)."""
-    page.para(reason["message"], f"{indent}[{reason['code']}] ", indent + "  ")
+    """One finding of ``doctor``: ``[CODE] message`` (the time of a reset it names to the
+    second), and ``fix: action`` under it whole on its line: what to run next is copied,
+    never wrapped (issue 12 item 2)."""
+    reset = (reason.get("evidence") or {}).get("reset") or {}
+    page.para(_said(reason["message"], reset.get("at")), f"{indent}[{reason['code']}] ", indent + "  ")
     page.line(f"{indent}  fix: {reason['action']}")
 
 
@@ -543,7 +540,8 @@ def verdict(export: dict[str, Any], own_reasons: bool = True) -> str:
     ``(because of the state, above)`` when the export has no reason of its own."""
     if export["verdict"] != "resumes":
         return "FIRST RUN" + ("" if own_reasons else " (because of the state, above)")
-    words = "resumes" + (f" from {export['resumes_from']}" if export["resumes_from"] else "")
+    words = "resumes" + (f" from {_said(export['resumes_from'], export.get('resumes_from_at'))}"
+                         if export["resumes_from"] else "")
     return words + (f" ({duration(export['age_seconds'])} old)" if export["age_seconds"] is not None else "")
 
 

@@ -198,6 +198,50 @@ def test_ages_and_times_are_what_a_person_reads(sqlite_state: Path) -> None:
     assert re.search(r"\b\d+ s ago\b", human.stdout), describe(human)
 
 
+#: A time as the state keeps it (microseconds, ``T``, ``Z`` or ``+00:00``): never in prose.
+RAW_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+")
+#: A time as people read it: UTC to the second.
+MOMENT = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ"
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def test_a_busy_lease_names_its_holders_time_to_the_second(tmp_path: Path, backend: str,
+                                                            request: pytest.FixtureRequest) -> None:
+    """Issue 12 item 4: the lease-held message gives the holder's start in one format on
+    both backends (SQLite kept ``…448002Z``, PostgreSQL ``…570659+00:00``)."""
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    url = request.getfixturevalue("pg_url") if backend == "postgresql" else None
+    env = {"RIVET_STATE_URL": url} if url else None
+    store = StateStore.open(config, state_url=url, env={}, create=True)
+    with store.run("orders", "incremental"):
+        busy = run_cli("-c", str(config), "--lock-wait", "0", "exports", "set-cursor", "orders", "x", env=env)
+    assert busy.returncode == 2 and "RIVET_STATE_RUN_IN_PROGRESS" in busy.stderr, describe(busy)
+    assert re.search(rf"as \S+ since {MOMENT}: ", busy.stderr), describe(busy)
+    assert not RAW_TIME.search(busy.stderr) and "+00:00" not in busy.stderr, describe(busy)
+
+
+def test_moves_and_finished_runs_are_said_to_the_second(tmp_path: Path) -> None:
+    """Issue 12 item 4: ``RIVET_STATE_RELOCATED``'s "on …" and doctor's "resumes from the
+    run finished at …" give the time to the second (--json keeps the exact value)."""
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    store = StateStore.open(config, env={}, create=True)
+    with store.transaction() as tx:  # a finished run and no cursor: doctor resumes from the run
+        tx.finish_run(tx.start_run("orders", "incremental", started_at=STARTED), "succeeded", rows=1,
+                      finished_at=FINISHED)
+    human = run_cli("-c", str(config), "doctor", "--export", "orders")
+    assert re.search(rf"^orders \(incremental\): resumes from the run finished at {MOMENT} \(4 h old\)$",
+                     human.stdout, re.M), describe(human)
+    orders = json.loads(run_cli("-c", str(config), "--json", "doctor", "--export", "orders").stdout)["exports"][0]
+    assert orders["resumes_from"] == f"the run finished at {orders['resumes_from_at']}", orders  # exact in JSON
+    assert orders["resumes_from_at"] == FINISHED, orders
+    target = tmp_path / "declared"
+    target.mkdir()
+    assert run_cli("-c", str(config), "relocate", "--to", str(target)).returncode == 0
+    refused = run_cli("-c", str(config), "info")
+    assert refused.returncode == 5 and "RIVET_STATE_RELOCATED" in refused.stderr, describe(refused)
+    assert re.search(rf" on {MOMENT} by ", refused.stderr) and not RAW_TIME.search(refused.stderr), describe(refused)
+
+
 # -- the writes' dry runs: the plan, and the line to copy ------------------------------------
 
 
