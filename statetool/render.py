@@ -179,10 +179,10 @@ def ago(seconds: float | None) -> str:
 
 
 def timestamp(value: Any) -> str:
-    """A time for a table or a sentence, in UTC to the second: ``2026-01-04 11:15:00Z``
-    (issue 12 item 1; :func:`statetool.moments.moment`, the one helper every message uses
-    too); ``-`` for None; any other text as it is."""
-    return moment(value)
+    """A time for a table, in UTC to the second: ``2026-01-04 11:15:00Z`` (issue 12 item 1;
+    :func:`statetool.moments.moment`, the helper every message uses, with a space: a
+    table cell is never wrapped); ``-`` for None; any other text as it is."""
+    return moment(value, " ")
 
 
 def since(value: Any, now: datetime) -> str:
@@ -498,10 +498,11 @@ def check(doc: dict[str, Any]) -> None:
 
 def _said(text: str, *times: Any) -> str:
     """``text`` (a sentence of a JSON document, which keeps its exact times) with each of
-    ``times`` that it names said to the second (:func:`timestamp`; issue 12 item 4)."""
+    ``times`` that it names said to the second (:func:`statetool.moments.moment`; issue 12
+    item 4)."""
     for when in times:
         if when:
-            text = text.replace(str(when), timestamp(when))
+            text = text.replace(str(when), moment(when))
     return text
 
 
@@ -622,7 +623,9 @@ def identity(doc: dict[str, Any]) -> None:
 def init(doc: dict[str, Any]) -> None:
     """``statetool init`` for people: where the new state is, and its identity."""
     page = Page()
-    page.para(f"Created a new, empty state at {doc['location']['display']} (revision {doc['revision']}).")
+    # The display of a PostgreSQL state ends in "(schema NAME)": a second parenthesis after
+    # it read as "(schema s) (revision 0004)", so the revision is its own clause.
+    page.para(f"Created a new, empty state at {doc['location']['display']}, at revision {doc['revision']}.")
     if doc["state_key"]:
         page.para(f"It records the identity {doc['state_key']}; each export's next run is its first and is "
                   "recorded here.")

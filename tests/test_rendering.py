@@ -200,8 +200,8 @@ def test_ages_and_times_are_what_a_person_reads(sqlite_state: Path) -> None:
 
 #: A time as the state keeps it (microseconds, ``T``, ``Z`` or ``+00:00``): never in prose.
 RAW_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+")
-#: A time as people read it: UTC to the second.
-MOMENT = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ"
+#: A time as people read it in a sentence: UTC to the second, one word.
+MOMENT = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
 
 
 @pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
@@ -394,6 +394,44 @@ def test_a_cursor_change_says_of_the_next_run_what_doctor_says(tmp_path: Path) -
         assert expected in said, describe(human)
         doc = json.loads(run_cli("-c", str(where), "--json", "exports", *args).stdout)
         assert doc["diagnosis"]["name"] == args[1] and doc["diagnosis"]["verdict"] == "resumes", doc
+
+
+def test_a_rekey_to_the_same_key_says_nothing_changed_and_writes_nothing(tmp_path: Path) -> None:
+    """Issue 12: ``identity rekey --old X --new X`` is no change: it says so, exits 0, and
+    writes no byte (no audit row, no backup); a wrong ``--old`` is still refused."""
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    assert run_cli("-c", str(config), "init").returncode == 0
+    key = "postgresql://db.internal:5432/sales"
+    state = config.parent / STATE_FILE
+    before = sorted(p.name for p in config.parent.iterdir()), state.read_bytes()
+    same = run_cli("-c", str(config), "identity", "rekey", "--old", key, "--new", key)
+    assert same.returncode == 0, describe(same)
+    assert same.stdout.splitlines() == [f"Nothing was changed: the state already records {key}."], describe(same)
+    assert (sorted(p.name for p in config.parent.iterdir()), state.read_bytes()) == before
+    doc = json.loads(run_cli("-c", str(config), "--json", "identity", "rekey", "--old", key, "--new", key).stdout)
+    assert doc["changed"] is False and doc["recorded"] == key, doc
+    wrong = run_cli("-c", str(config), "identity", "rekey", "--old", "mysql://x:3306/y", "--new", "mysql://x:3306/y")
+    assert wrong.returncode != 0 and "RIVET_STATE_IDENTITY_MISMATCH" in wrong.stderr, describe(wrong)
+
+
+@pytest.mark.postgres
+def test_init_and_check_on_postgresql_say_it_in_plain_sentences(tmp_path: Path, pg_url: str) -> None:
+    """Issue 12: ``init`` on PostgreSQL names the schema and the revision without doubled
+    parentheses, and ``check`` after a transfer says the state arrived by that transfer
+    (its audit records it), not "no relocation or transfer recorded"."""
+    fresh = write_config(tmp_path / "fresh", exports=EXPORTS)
+    init = run_cli("-c", str(fresh), "init", env={"RIVET_STATE_URL": pg_url})
+    assert init.returncode == 0, describe(init)
+    assert ") (" not in init.stdout and ", at revision 0004." in init.stdout, describe(init)
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    record_progress(StateStore.open(config, env={}, create=True))
+    target = pg_url.replace(pg_url.rsplit("schema=", 1)[1], pg_url.rsplit("schema=", 1)[1] + "_moved")
+    assert run_cli("-c", str(config), "transfer", "--to", target).returncode == 0
+    check = run_cli("-c", str(config), "check", env={"RIVET_STATE_URL": target}, columns=None)
+    row = next(line for line in check.stdout.splitlines() if line.startswith("relocated "))
+    assert "no relocation or transfer recorded" not in row, describe(check)
+    assert re.search(rf"a transfer from {re.escape(str(config.parent / STATE_FILE))} brought it on {MOMENT}$", row), \
+        describe(check)
 
 
 def test_leases_release_names_the_holder_it_removed(tmp_path: Path) -> None:
