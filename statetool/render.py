@@ -13,7 +13,8 @@ people"), each kept in one place here:
   fit the width; otherwise each row is printed as a list of ``name  value`` lines
   (:meth:`Page.table`). Prose is wrapped at spaces only (:func:`wrap`).
 - **Lines to copy** (``RIVET_STATE_URL=...``, a backup's path) are printed whole on a
-  line of their own (:meth:`Page.line`). No line ends in spaces (:meth:`Page.show`).
+  line of their own (:meth:`Page.line`); a setting is shell-quoted when it needs it
+  (:meth:`Page.setting`). No line ends in spaces (:meth:`Page.show`).
 - **Times and ages**: a time to the second (:func:`timestamp`), an age as a person says it
   (:func:`ago`, :func:`duration`); the exact values stay in ``--json``.
 - **Results are sentences**: a change says what it changed, where the backup is and what
@@ -26,6 +27,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import sys
 import textwrap
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +42,7 @@ from rich.table import Table
 from rich.text import Text
 
 from statetool.errors import StateError
+from statetool.moments import moment, parse_time
 
 # -- the console: width, colour, stderr ---------------------------------------------------
 
@@ -175,32 +178,17 @@ def ago(seconds: float | None) -> str:
     return f"in {duration(seconds)}" if seconds < 0 else f"{duration(seconds)} ago"
 
 
-def _parse_time(value: Any) -> datetime | None:
-    """An ISO-8601 time (``Z`` or an offset; naive is UTC, as the state's times are) as an
-    aware datetime, None when ``value`` is not one."""
-    if isinstance(value, datetime):
-        when = value
-    else:
-        try:
-            when = datetime.fromisoformat(str(value))
-        except ValueError:
-            return None
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
-
-
 def timestamp(value: Any) -> str:
-    """A time for a table, in UTC to the second: ``2026-01-04 11:15:00Z`` (issue 12 item 1);
-    ``-`` for None; any other text as it is."""
-    if value is None:
-        return "-"
-    when = _parse_time(value)
-    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ") if when else str(value)
+    """A time for a table, in UTC to the second: ``2026-01-04 11:15:00Z`` (issue 12 item 1;
+    :func:`statetool.moments.moment`, the helper every message uses, with a space: a
+    table cell is never wrapped); ``-`` for None; any other text as it is."""
+    return moment(value, " ")
 
 
 def since(value: Any, now: datetime) -> str:
     """How long before ``now`` the time ``value`` was (:func:`ago`); ``-`` for None, the text
     as it is when it is no time."""
-    when = _parse_time(value) if value is not None else None
+    when = parse_time(value) if value is not None else None
     if when is None:
         return "-" if value is None else str(value)
     return ago((now - when).total_seconds())
@@ -322,6 +310,15 @@ class Page:
         """One line as it is, never wrapped or padded: a heading, a blank line, or a line to
         copy (``RIVET_STATE_URL=...``, a path) that must be pasted whole (issue 12 item 2)."""
         self._parts.append(text)
+
+    def setting(self, text: str) -> None:
+        """A line to paste into a shell, ``NAME=value`` (``RIVET_STATE_URL=...``), whole on
+        its line, the value shell-quoted when it needs it (issue 12 item 4:
+        ``RIVET_STATE_URL='postgresql://...?host=%2Ftmp&schema=x'``; a ``&``, a space or a
+        ``$`` would otherwise end, split or expand it). A text that is no assignment
+        (``RIVET_STATE_URL unset ...``) is printed as it is."""
+        name, sep, value = text.partition("=")
+        self.line(f"{name}={shlex.quote(value)}" if sep and name.isidentifier() else text)
 
     def para(self, text: str, first: str = "", rest: str = "") -> None:
         """Prose wrapped at spaces at the width (:func:`wrap`)."""
@@ -500,10 +497,22 @@ def check(doc: dict[str, Any]) -> None:
     page.show()
 
 
+def _said(text: str, *times: Any) -> str:
+    """``text`` (a sentence of a JSON document, which keeps its exact times) with each of
+    ``times`` that it names said to the second (:func:`statetool.moments.moment`; issue 12
+    item 4)."""
+    for when in times:
+        if when:
+            text = text.replace(str(when), moment(when))
+    return text
+
+
 def _reason(page: Page, reason: dict[str, Any], indent: str) -> None:
-    """One finding of ``doctor``: ``[CODE] message``, and ``fix: action`` under it whole on
-    its line: what to run next is copied, never wrapped (issue 12 item 2)."""
-    page.para(reason["message"], f"{indent}[{reason['code']}] ", indent + "  ")
+    """One finding of ``doctor``: ``[CODE] message`` (the time of a reset it names to the
+    second), and ``fix: action`` under it whole on its line: what to run next is copied,
+    never wrapped (issue 12 item 2)."""
+    reset = (reason.get("evidence") or {}).get("reset") or {}
+    page.para(_said(reason["message"], reset.get("at")), f"{indent}[{reason['code']}] ", indent + "  ")
     page.line(f"{indent}  fix: {reason['action']}")
 
 
@@ -522,9 +531,20 @@ def _candidate(page: Page, found: dict[str, Any], now: datetime) -> None:
     url = found.get("state_url")
     if url:
         page.line("  to use it, every task must set:")
-        page.line(f"RIVET_STATE_URL={url}")
+        page.setting(f"RIVET_STATE_URL={url}")
     elif url is not None:
         page.line("  to use it: RIVET_STATE_URL unset (or empty) and this config")
+
+
+def verdict(export: dict[str, Any], own_reasons: bool = True) -> str:
+    """What doctor says of one export's next run, from its diagnosis (``doctor --json``'s
+    ``exports[i]``): ``resumes from cursor '…' (4 h old)``, or ``FIRST RUN``, with
+    ``(because of the state, above)`` when the export has no reason of its own."""
+    if export["verdict"] != "resumes":
+        return "FIRST RUN" + ("" if own_reasons else " (because of the state, above)")
+    words = "resumes" + (f" from {_said(export['resumes_from'], export.get('resumes_from_at'))}"
+                         if export["resumes_from"] else "")
+    return words + (f" ({duration(export['age_seconds'])} old)" if export["age_seconds"] is not None else "")
 
 
 def doctor(doc: dict[str, Any]) -> None:
@@ -536,7 +556,7 @@ def doctor(doc: dict[str, Any]) -> None:
     page = Page()
     page.pairs("State", [("location", state["location"]["display"]), ("set by", state["set_by"])])
     page.line("every task must share:")
-    page.line(state["every_task_must_share"])
+    page.setting(state["every_task_must_share"])
     shared = state.get("reasons", [])
     if shared:
         page.line()
@@ -551,14 +571,7 @@ def doctor(doc: dict[str, Any]) -> None:
     page.line()
     for export in doc["exports"]:
         own = [r for r in export["reasons"] if r not in shared]
-        line = f"{export['name']} ({export['mode']}): "
-        if export["verdict"] == "resumes":
-            line += "resumes" + (f" from {export['resumes_from']}" if export["resumes_from"] else "")
-            if export["age_seconds"] is not None:
-                line += f" ({duration(export['age_seconds'])} old)"
-        else:
-            line += "FIRST RUN" + ("" if own else " (because of the state, above)")
-        page.para(line, "", "  ")
+        page.para(f"{export['name']} ({export['mode']}): {verdict(export, bool(own))}", "", "  ")
         for reason in own:
             _reason(page, reason, "  ")
     page.show()
@@ -611,7 +624,9 @@ def identity(doc: dict[str, Any]) -> None:
 def init(doc: dict[str, Any]) -> None:
     """``statetool init`` for people: where the new state is, and its identity."""
     page = Page()
-    page.para(f"Created a new, empty state at {doc['location']['display']} (revision {doc['revision']}).")
+    # The display of a PostgreSQL state ends in "(schema NAME)": a second parenthesis after
+    # it read as "(schema s) (revision 0004)", so the revision is its own clause.
+    page.para(f"Created a new, empty state at {doc['location']['display']}, at revision {doc['revision']}.")
     if doc["state_key"]:
         page.para(f"It records the identity {doc['state_key']}; each export's next run is its first and is "
                   "recorded here.")
@@ -651,7 +666,11 @@ def export_change(doc: dict[str, Any]) -> None:
     else:
         old = "none" if before.get("cursor") is None else repr(before["cursor"])
         page.para(f"Set the cursor of {name} from {old} to {doc['after']['cursor']!r}.")
-    page.para(f"Next run of {name}: {doc['next_run']}.")
+    diagnosis = doc.get("diagnosis")
+    if diagnosis is None:
+        page.para(f"Next run of {name}: {doc['next_run']}.")
+    else:  # doctor's words: the cursor alone does not decide (a CDC stream, a full export)
+        page.para(f"Next run of {name}: {verdict(diagnosis)}.")
     _backup(page, doc["backup"])
     page.show()
     print_warnings(doc.get("warnings", []))
@@ -706,7 +725,7 @@ def migrate(doc: dict[str, Any]) -> None:
 def _every_task(page: Page, doc: dict[str, Any], heading: str) -> None:
     """The line every task must run with after a move, whole on a line of its own."""
     page.line(heading)
-    page.line(f"RIVET_STATE_URL={doc['state_url']}")
+    page.setting(f"RIVET_STATE_URL={doc['state_url']}")
 
 
 def _move_end(page: Page, doc: dict[str, Any], checkpoints: list[str], kept: str, move: str) -> None:
@@ -774,10 +793,18 @@ def transfer(doc: dict[str, Any]) -> None:
             " (finishing an interrupted transfer)" if doc["resumed"] else "")
             + f": {_plural(len(doc['tables']), 'table')}, {_plural(rows, 'row')}, each verified by its row count "
               "and checksum; the old place now refuses every open (RIVET_STATE_RELOCATED).")
-    _move_end(page, doc, [f"checkpoint {cp['export']}: {cp['configured']} stays on this worker's disk; set "
-                          f"cdc.checkpoint to {cp['set_to']}" for cp in doc["checkpoints"]],
-              "old SQLite bytes kept as:", "transfer")
-    print_warnings(doc.get("warnings", []))
+    # A relative checkpoint's warning (RIVET_STATE_CHECKPOINT_RELATIVE, SPEC §6) is the
+    # finding about that checkpoint: it is its line here, in full, and not again on
+    # stderr (issue 12 item 5: each finding once per command).
+    relative = [w for w in doc.get("warnings", []) if w["code"] == "RIVET_STATE_CHECKPOINT_RELATIVE"]
+    lines = []
+    for cp in doc["checkpoints"]:
+        found = next((w for w in relative if cp["resolves_to"] in w["message"]), None)
+        lines.append(f"checkpoint {cp['export']}: [{found['code']}] {found['message']} At least, set "
+                     f"cdc.checkpoint to {cp['set_to']}." if found else
+                     f"checkpoint {cp['export']}: {cp['configured']} (absolute: nothing to change)")
+    _move_end(page, doc, lines, "old SQLite bytes kept as:", "transfer")
+    print_warnings([w for w in doc.get("warnings", []) if not any(w["message"] in line for line in lines)])
 
 
 def _annotation_escape(text: str) -> str:

@@ -73,6 +73,32 @@ _EXIT = re.compile(r"\s+#\s*exit\s+(\d+)\s*$")
 WIDTH = "200"
 
 
+#: What a transcript may no longer show, because statetool no longer prints it (issue 12
+#: items 1, 2 and 4): a boxed table (its vertical rules and corners; a plain table's header
+#: rule ``─`` stays), an age in raw seconds past a minute, and the line every task must
+#: share squeezed into a table row instead of standing whole on its own.
+OLD_LAYOUT = {
+    "a boxed table": re.compile(r"[│┃┏┓┗┛┡┩╇┳┻└┘┌┐├┤┼━]"),
+    "an age in raw seconds past a minute": re.compile(r"\b(?:[6-9]\d|\d{3,}) s old\b"),
+    "the shared line in a table row": re.compile(r"^every task must share +RIVET_STATE_URL=", re.M),
+}
+
+
+def old_layout(text: str) -> list[str]:
+    """The old layouts of :data:`OLD_LAYOUT` that ``text`` shows, by name."""
+    return [name for name, pattern in OLD_LAYOUT.items() if pattern.search(text)]
+
+
+def test_no_transcript_shows_the_old_layout() -> None:
+    """Every sample output in the guides is laid out as statetool prints now: no boxed
+    table, no raw seconds past a minute, no shared line as a table row (issue 12 item 8)."""
+    assert old_layout("┃ check ┃\n(3614 s old)\nevery task must share  RIVET_STATE_URL=x") == list(OLD_LAYOUT)
+    assert old_layout("check  status\n──────\n(12 s old)\nevery task must share:\nRIVET_STATE_URL=x") == []
+    found = {f"{guide.name}:{block.line}": old_layout(block.code)
+             for guide in sorted(GUIDES.glob("*.md")) for block in markdown.read(guide).blocks_in("text")}
+    assert not {where: names for where, names in found.items() if names}
+
+
 # -- transcripts ----------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import textwrap
 from collections.abc import Iterator
@@ -197,6 +198,50 @@ def test_ages_and_times_are_what_a_person_reads(sqlite_state: Path) -> None:
     assert re.search(r"\b\d+ s ago\b", human.stdout), describe(human)
 
 
+#: A time as the state keeps it (microseconds, ``T``, ``Z`` or ``+00:00``): never in prose.
+RAW_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+")
+#: A time as people read it in a sentence: UTC to the second, one word.
+MOMENT = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def test_a_busy_lease_names_its_holders_time_to_the_second(tmp_path: Path, backend: str,
+                                                            request: pytest.FixtureRequest) -> None:
+    """Issue 12 item 4: the lease-held message gives the holder's start in one format on
+    both backends (SQLite kept ``…448002Z``, PostgreSQL ``…570659+00:00``)."""
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    url = request.getfixturevalue("pg_url") if backend == "postgresql" else None
+    env = {"RIVET_STATE_URL": url} if url else None
+    store = StateStore.open(config, state_url=url, env={}, create=True)
+    with store.run("orders", "incremental"):
+        busy = run_cli("-c", str(config), "--lock-wait", "0", "exports", "set-cursor", "orders", "x", env=env)
+    assert busy.returncode == 2 and "RIVET_STATE_RUN_IN_PROGRESS" in busy.stderr, describe(busy)
+    assert re.search(rf"as \S+ since {MOMENT}: ", busy.stderr), describe(busy)
+    assert not RAW_TIME.search(busy.stderr) and "+00:00" not in busy.stderr, describe(busy)
+
+
+def test_moves_and_finished_runs_are_said_to_the_second(tmp_path: Path) -> None:
+    """Issue 12 item 4: ``RIVET_STATE_RELOCATED``'s "on …" and doctor's "resumes from the
+    run finished at …" give the time to the second (--json keeps the exact value)."""
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    store = StateStore.open(config, env={}, create=True)
+    with store.transaction() as tx:  # a finished run and no cursor: doctor resumes from the run
+        tx.finish_run(tx.start_run("orders", "incremental", started_at=STARTED), "succeeded", rows=1,
+                      finished_at=FINISHED)
+    human = run_cli("-c", str(config), "doctor", "--export", "orders")
+    assert re.search(rf"^orders \(incremental\): resumes from the run finished at {MOMENT} \(4 h old\)$",
+                     human.stdout, re.M), describe(human)
+    orders = json.loads(run_cli("-c", str(config), "--json", "doctor", "--export", "orders").stdout)["exports"][0]
+    assert orders["resumes_from"] == f"the run finished at {orders['resumes_from_at']}", orders  # exact in JSON
+    assert orders["resumes_from_at"] == FINISHED, orders
+    target = tmp_path / "declared"
+    target.mkdir()
+    assert run_cli("-c", str(config), "relocate", "--to", str(target)).returncode == 0
+    refused = run_cli("-c", str(config), "info")
+    assert refused.returncode == 5 and "RIVET_STATE_RELOCATED" in refused.stderr, describe(refused)
+    assert re.search(rf" on {MOMENT} by ", refused.stderr) and not RAW_TIME.search(refused.stderr), describe(refused)
+
+
 # -- the writes' dry runs: the plan, and the line to copy ------------------------------------
 
 
@@ -224,6 +269,34 @@ def test_relocate_dry_run_prints_the_url_to_set_whole(tmp_path: Path, width: int
     assert f"RIVET_STATE_URL=sqlite:{target}" in human.stdout.splitlines(), describe(human)
 
 
+def pasted(line: str) -> str:
+    """What ``RIVET_STATE_URL`` holds in bash after ``export LINE`` is pasted there."""
+    proc = subprocess.run(["bash", "-c", f'export {line}\nprintf %s "$RIVET_STATE_URL"'], capture_output=True,
+                          text=True, timeout=30, env={"PATH": os.environ["PATH"]})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_a_setting_to_copy_pastes_into_a_shell(tmp_path: Path, pg_url: str) -> None:
+    """Issue 12 item 4: the ``RIVET_STATE_URL=`` lines of ``relocate``, ``transfer`` and
+    ``doctor`` are shell-quoted when the value needs it (a space, a ``$``, the ``&`` of a
+    socket URL's ``&schema=``) and bare when not, so ``export LINE`` sets exactly the URL."""
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    record_progress(StateStore.open(config, env={}, create=True))
+    awkward, plain = tmp_path / "state dir $HOME", tmp_path / "state"
+    awkward.mkdir()
+    plain.mkdir()
+    doctor_env = {"RIVET_STATE_URL": f"sqlite:{awkward}"}
+    for args, env in ((("relocate", "--dry-run", "--to", str(awkward)), None),
+                      (("relocate", "--dry-run", "--to", str(plain)), None),
+                      (("transfer", "--dry-run", "--to", pg_url), None), (("doctor",), doctor_env)):
+        human, doc = read(config, *args, width=80, env=env)
+        url = doc["state_url"] if "state_url" in doc else doc["state"]["every_task_must_share"].partition("=")[2]
+        line = next(line for line in human.stdout.splitlines() if line.startswith("RIVET_STATE_URL="))
+        assert pasted(line) == url, describe(human)
+        assert (line == f"RIVET_STATE_URL={url}") == (url == f"sqlite:{plain}"), describe(human)  # quoted if needed
+
+
 @pytest.mark.postgres
 @pytest.mark.parametrize("width", WIDTHS)
 def test_transfer_dry_run_prints_the_url_to_set_whole(tmp_path: Path, pg_url: str, width: int | None) -> None:
@@ -233,8 +306,10 @@ def test_transfer_dry_run_prints_the_url_to_set_whole(tmp_path: Path, pg_url: st
     human, doc = read(config, "transfer", "--dry-run", "--to", pg_url, width=width)
     assert human.returncode == 0, describe(human)
     assert_readable(human, doc, width)
-    assert f"RIVET_STATE_URL={doc['state_url']}" in human.stdout.splitlines(), describe(human)
-    assert "RIVET_STATE_CHECKPOINT_RELATIVE" in human.stderr, describe(human)  # a paragraph, not a cell
+    assert f"RIVET_STATE_URL={shlex.quote(doc['state_url'])}" in human.stdout.splitlines(), describe(human)
+    # the relative checkpoint's finding once: its paragraph on stdout, not again on stderr
+    assert (human.stdout + human.stderr).count("RIVET_STATE_CHECKPOINT_RELATIVE") == 1, describe(human)
+    assert "RIVET_STATE_CHECKPOINT_RELATIVE" in human.stdout, describe(human)
 
 
 @pytest.mark.postgres
@@ -256,8 +331,9 @@ def test_postgres_reads_show_heartbeat_and_ttl_as_ages(tmp_path: Path, pg_url: s
                     assert doc["leases"][0]["heartbeat_age"] is not None
                     assert "heartbeat" in human.stdout and "TTL left" in human.stdout, describe(human)
                     assert re.search(r"\b\d+ s ago\b", human.stdout), describe(human)
-                else:  # the long warning of a relative checkpoint under PostgreSQL: a paragraph
-                    assert "RIVET_STATE_CHECKPOINT_RELATIVE" in human.stdout + human.stderr, describe(human)
+                else:  # the long warning of a relative checkpoint under PostgreSQL: a paragraph, once
+                    assert (human.stdout + human.stderr).count("RIVET_STATE_CHECKPOINT_RELATIVE") == 1, \
+                        describe(human)
 
 
 # -- the writes: what happened, in a sentence --------------------------------------------------
@@ -280,7 +356,7 @@ def test_writes_say_what_they_did_in_sentences(tmp_path: Path) -> None:
     assert lines["init"][0].startswith("Created a new, empty state at") and state in " ".join(lines["init"])
     assert lines["at head"] == ["Already at 0004; nothing to do."]
     said = " ".join(lines["set-cursor"])
-    assert "from none to '2026-11-01'" in said and "Next run of orders: resumes after cursor '2026-11-01'" in said
+    assert "from none to '2026-11-01'" in said and "Next run of orders: resumes from cursor '2026-11-01'" in said
     said = " ".join(lines["reset"])
     assert "cursor '2026-11-01' cleared" in said and "Next run of orders: FIRST RUN" in said
     for name in ("set-cursor", "reset"):  # the backup's path, whole on a line, to copy
@@ -288,6 +364,74 @@ def test_writes_say_what_they_did_in_sentences(tmp_path: Path) -> None:
     assert " ".join(lines["adopt"]) == "Nothing was changed: the state already records " \
                                        "postgresql://db.internal:5432/sales."
     assert "re-keyed from postgresql://db.internal:5432/sales to" in " ".join(lines["rekey"]).lower()
+
+
+def _doctor_says(config: Path, name: str) -> str:
+    """The words ``doctor`` gives export ``name``'s next run, after ``name (mode): ``."""
+    proc = run_cli("-c", str(config), "doctor", "--export", name, columns=None)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith(f"{name} ("))
+    return line.split("): ", 1)[1]
+
+
+def test_a_cursor_change_says_of_the_next_run_what_doctor_says(tmp_path: Path) -> None:
+    """Issue 12 item 3: the next run after ``set-cursor``/``reset`` in doctor's words for
+    the export's mode: a CDC export reset resumes from its stream position, a full export
+    reads everything whatever its cursor, a chunked export with only a cursor resumes
+    from it (not a bare "resumes")."""
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    record_progress(StateStore.open(config, env={}, create=True))
+    checkpoint_file(config.parent)
+    fresh = write_config(tmp_path / "fresh", exports=EXPORTS)
+    assert run_cli("-c", str(fresh), "init").returncode == 0
+    for where, args, expected in (
+            (config, ("reset", "order_events"), "resumes from CDC position"),
+            (config, ("set-cursor", "customer_addresses_history", "bar"), "resumes from a full read"),
+            (fresh, ("set-cursor", "order_lines_by_warehouse_region", "5"), "resumes from cursor '5'")):
+        human = run_cli("-c", str(where), "exports", *args, columns=None)
+        assert human.returncode == 0, describe(human)
+        said = next(line for line in human.stdout.splitlines() if line.startswith("Next run of "))
+        assert said == f"Next run of {args[1]}: {_doctor_says(where, args[1])}.", describe(human)
+        assert expected in said, describe(human)
+        doc = json.loads(run_cli("-c", str(where), "--json", "exports", *args).stdout)
+        assert doc["diagnosis"]["name"] == args[1] and doc["diagnosis"]["verdict"] == "resumes", doc
+
+
+def test_a_rekey_to_the_same_key_says_nothing_changed_and_writes_nothing(tmp_path: Path) -> None:
+    """Issue 12: ``identity rekey --old X --new X`` is no change: it says so, exits 0, and
+    writes no byte (no audit row, no backup); a wrong ``--old`` is still refused."""
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    assert run_cli("-c", str(config), "init").returncode == 0
+    key = "postgresql://db.internal:5432/sales"
+    state = config.parent / STATE_FILE
+    before = sorted(p.name for p in config.parent.iterdir()), state.read_bytes()
+    same = run_cli("-c", str(config), "identity", "rekey", "--old", key, "--new", key)
+    assert same.returncode == 0, describe(same)
+    assert same.stdout.splitlines() == [f"Nothing was changed: the state already records {key}."], describe(same)
+    assert (sorted(p.name for p in config.parent.iterdir()), state.read_bytes()) == before
+    doc = json.loads(run_cli("-c", str(config), "--json", "identity", "rekey", "--old", key, "--new", key).stdout)
+    assert doc["changed"] is False and doc["recorded"] == key, doc
+    wrong = run_cli("-c", str(config), "identity", "rekey", "--old", "mysql://x:3306/y", "--new", "mysql://x:3306/y")
+    assert wrong.returncode != 0 and "RIVET_STATE_IDENTITY_MISMATCH" in wrong.stderr, describe(wrong)
+
+
+@pytest.mark.postgres
+def test_init_and_check_on_postgresql_say_it_in_plain_sentences(tmp_path: Path, pg_url: str) -> None:
+    """Issue 12: ``init`` on PostgreSQL names the schema and the revision without doubled
+    parentheses, and ``check`` after a transfer says the state arrived by that transfer
+    (its audit records it), not "no relocation or transfer recorded"."""
+    fresh = write_config(tmp_path / "fresh", exports=EXPORTS)
+    init = run_cli("-c", str(fresh), "init", env={"RIVET_STATE_URL": pg_url})
+    assert init.returncode == 0, describe(init)
+    assert ") (" not in init.stdout and ", at revision 0004." in init.stdout, describe(init)
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    record_progress(StateStore.open(config, env={}, create=True))
+    target = pg_url.replace(pg_url.rsplit("schema=", 1)[1], pg_url.rsplit("schema=", 1)[1] + "_moved")
+    assert run_cli("-c", str(config), "transfer", "--to", target).returncode == 0
+    check = run_cli("-c", str(config), "check", env={"RIVET_STATE_URL": target}, columns=None)
+    row = next(line for line in check.stdout.splitlines() if line.startswith("relocated "))
+    assert "no relocation or transfer recorded" not in row, describe(check)
+    assert re.search(rf"a transfer from {re.escape(str(config.parent / STATE_FILE))} brought it on {MOMENT}$", row), \
+        describe(check)
 
 
 def test_leases_release_names_the_holder_it_removed(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -773,7 +774,7 @@ def test_a_second_transfer_of_the_same_state_is_already_done_and_a_copy_of_it_re
     again = run_cli("-c", str(cfg), "--json-errors", "transfer", "--to", pg_url)
     assert again.returncode == 0, describe(again)  # the same move again: already done (issue 10)
     assert "Already transferred" in again.stdout
-    assert f"RIVET_STATE_URL={tombstone(cfg)['state_url']}" in again.stdout.splitlines()  # type: ignore[index]
+    assert f"RIVET_STATE_URL={shlex.quote(tombstone(cfg)['state_url'])}" in again.stdout.splitlines()  # type: ignore[index]
     assert tree_digest(cfg.parent) == source_after_first
 
     copy_before = tree_digest(copy_cfg.parent)
@@ -831,9 +832,9 @@ def test_dry_run_changes_nothing_and_prints_tables_rows_bytes_checkpoints_and_th
         if table != "rivet_state_version":
             assert table in text and str(n) in text
     assert str(size) in text
-    assert f"RIVET_STATE_URL={state_url}" in human.stdout.splitlines()  # whole, on a line of its own
+    assert f"RIVET_STATE_URL={shlex.quote(state_url)}" in human.stdout.splitlines()  # whole, on its own line
     for name, path in absolute.items():
-        assert f"RIVET_STATE_CHECKPOINT_RELATIVE]: CDC export {name}: its checkpoint resolves to {path}" in text
+        assert f"RIVET_STATE_CHECKPOINT_RELATIVE] CDC export {name}: its checkpoint resolves to {path}" in text
         assert f"set cdc.checkpoint to {path}" in text
     assert "nothing was changed" in text
     no_secret(secret, human.stdout, human.stderr, as_json.stdout, as_json.stderr)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from statetool.moments import moment
+
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
@@ -50,7 +52,7 @@ class Holder:
     def describe(self) -> str:
         """``pid 123 on host as user since T: command`` for messages."""
         child = f" (command pid {self.child_pid})" if self.child_pid else ""
-        return f"pid {self.pid}{child} on {self.host} as {self.user} since {self.acquired_at}: {self.command}"
+        return f"pid {self.pid}{child} on {self.host} as {self.user} since {moment(self.acquired_at)}: {self.command}"
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from statetool.access import file_kind
 from statetool.backends.tombstone import MAGIC as TOMBSTONE_MAGIC
 from statetool.backends.tombstone import read_tombstone
 from statetool.errors import StateError
+from statetool.moments import moment
 
 MAGIC = b"SQLite format 3\x00"
 
@@ -29,7 +30,7 @@ def relocated_error(path: Path) -> StateError:
     url = doc.get("state_url", "?")
     return StateError(
         "RIVET_STATE_RELOCATED",
-        f"the state that was at {path} was moved to {doc.get('to', '?')} on {doc.get('at', '?')} "
+        f"the state that was at {path} was moved to {doc.get('to', '?')} on {moment(doc.get('at', '?'))} "
         f"by {doc.get('by', '?')}; every task must now run with RIVET_STATE_URL={url} "
         f"(the old bytes are kept as {doc.get('kept_as', '?')})",
         {"path": str(path), "to": doc.get("to"), "state_url": url},

@@ -79,11 +79,15 @@ class ExportDiagnosis:
     resumes_from: str | None
     age_seconds: float | None
     reasons: list[Reason]
+    #: The exact time ``resumes_from`` names (ISO-8601, as the state holds it) when it
+    #: resumes from a finished run, so people read it to the second (issue 12 item 4).
+    resumes_from_at: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """``{name, mode, verdict, resumes_from, age_seconds, reasons: [...]}``."""
+        """``{name, mode, verdict, resumes_from, resumes_from_at, age_seconds, reasons: [...]}``."""
         return {"name": self.name, "mode": self.mode, "verdict": self.verdict, "resumes_from": self.resumes_from,
-                "age_seconds": self.age_seconds, "reasons": [r.as_dict() for r in self.reasons]}
+                "resumes_from_at": self.resumes_from_at, "age_seconds": self.age_seconds,
+                "reasons": [r.as_dict() for r in self.reasons]}
 
 
 @dataclass
@@ -208,6 +212,7 @@ def _diagnose(ctx: Context, export: Export, progress: ResumePoint | None, state_
     read), the state's reasons, its last reset and its CDC checkpoint."""
     reasons = list(state_reasons)
     resumes_from: str | None = None
+    resumes_from_at: str | None = None
     age: float | None = None
     if progress is not None:
         # A reset clears the cursor and chunk checkpoints and keeps run history and the ledger
@@ -230,16 +235,22 @@ def _diagnose(ctx: Context, export: Export, progress: ResumePoint | None, state_
                            f"{progress.chunks_total} chunks done"
         elif progress.last_success:
             resumes_from, age = f"the run finished at {progress.last_success}", _age(progress.last_success)
+            resumes_from_at = progress.last_success
+        elif progress.cursor is not None:  # a chunked export with a cursor and no run or chunk to go on
+            resumes_from, age = f"cursor {progress.cursor!r}", _age(progress.cursor_updated_at)
+        else:  # progress in the ledger or in finished chunks only
+            resumes_from = "the progress the state holds (finished chunks or load ledger rows)"
         if export.mode == "full":
-            resumes_from, age = "a full read (by design: a full export keeps no position)", None
+            resumes_from, age, resumes_from_at = "a full read (by design: a full export keeps no position)", None, None
     if export.cdc is not None:
         cdc_reasons, position, position_age = _checkpoint(ctx, export, bool(progress and progress.has_progress))
         reasons += cdc_reasons
         if position is not None and progress is not None and progress.has_progress:
-            resumes_from, age = position, position_age
+            resumes_from, age, resumes_from_at = position, position_age, None
     first = any(r.code in FIRST_RUN_CODES for r in reasons)
     return ExportDiagnosis(export.name, export.mode, "first_run" if first else "resumes",
-                           None if first else resumes_from, None if first else age, reasons)
+                           None if first else resumes_from, None if first else age, reasons,
+                           None if first else resumes_from_at)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from statetool import schema
 from statetool.errors import StateError, StateWarning
 from statetool.operations.context import Context
 from statetool.operations.context import now_iso
+from statetool.operations.doctor import doctor
 from statetool.operations.probe import Snapshot
 from statetool.operations.writes import guarded_write, one_export
 
@@ -30,11 +31,28 @@ class ExportChange:
     next_run: str
     backup: str | None
     warnings: list[StateWarning] = field(default_factory=list)
+    #: What ``doctor --export`` says of the export once the change is committed (its
+    #: ``exports[0]``), None when the state could not be read again.
+    diagnosis: dict[str, object] | None = None
 
     def as_dict(self) -> dict[str, object]:
         """JSON shape of the change."""
         return {"export": self.export, "action": self.action, "before": self.before, "after": self.after,
-                "next_run": self.next_run, "backup": self.backup, "warnings": [w.as_dict() for w in self.warnings]}
+                "next_run": self.next_run, "backup": self.backup, "warnings": [w.as_dict() for w in self.warnings],
+                "diagnosis": self.diagnosis}
+
+
+def _diagnosis(ctx: Context, name: str) -> dict[str, object] | None:
+    """``doctor``'s verdict on export ``name`` after a change (issue 12 item 3: the next run
+    is described by the one judge of it, not by the cursor alone): its ``exports[0]``
+    document, or None for an export not in the config or a state that cannot be read
+    again (the change is committed; that read is only its description)."""
+    if ctx.config.export(name) is None:
+        return None
+    try:
+        return doctor(ctx, name).exports[0].as_dict()
+    except StateError:
+        return None
 
 
 def _known(ctx: Context, snapshot: Snapshot, name: str) -> str:
@@ -69,7 +87,8 @@ def set_cursor(ctx: Context, name: str, value: str) -> ExportChange:
         session.audit("exports.set-cursor", {"export": name, "old": old, "new": value})
         backup, warnings = session.backup, session.warnings
     return ExportChange(name, "set-cursor", {"cursor": old}, {"cursor": value},
-                        f"resumes after cursor {value!r}", str(backup) if backup else None, warnings)
+                        f"resumes after cursor {value!r}", str(backup) if backup else None, warnings,
+                        _diagnosis(ctx, name))
 
 
 def reset(ctx: Context, name: str) -> ExportChange:
@@ -90,4 +109,5 @@ def reset(ctx: Context, name: str) -> ExportChange:
         session.audit("exports.reset", {"export": name, "old_cursor": old, "chunks_removed": chunks})
         backup, warnings = session.backup, session.warnings
     return ExportChange(name, "reset", {"cursor": old, "chunks": chunks}, {"cursor": None, "chunks": 0},
-                        "FIRST RUN: reads everything from the start", str(backup) if backup else None, warnings)
+                        "FIRST RUN: reads everything from the start", str(backup) if backup else None, warnings,
+                        _diagnosis(ctx, name))

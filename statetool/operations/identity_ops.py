@@ -13,6 +13,8 @@ from statetool.operations.writes import WHOLE_STATE, guarded_write
 from statetool.redact import mask_userinfo
 
 _SCOPES = ("declared_dir", "beside_config", "shared")
+#: The pre-flight refusal a re-key passes: a foreign key is what it changes on purpose.
+_REKEY_ALLOWS = frozenset({"RIVET_STATE_FOREIGN"})
 
 
 @dataclass
@@ -94,6 +96,9 @@ def rekey(ctx: Context, old: str, new: str | None = None, reason: str = "") -> I
     For a source that moved (new host, new port). Refuses ``RIVET_STATE_IDENTITY_MISMATCH``
     when the recorded key is not exactly ``old``; writes an audit row with both keys and
     ``reason``. The pre-flight's identity refusal does not apply (re-keying is the point).
+    A ``new`` whose key is ``old`` changes nothing: the recorded key is checked, and no
+    lease, backup or audit row is taken or written (``changed`` false; issue 12,
+    docs/decisions.md "State identity").
     """
     # --new may be a key or a source URL: record its canonical key, never a user or password.
     target = state_key(new) if new else ctx.computed_key
@@ -108,7 +113,11 @@ def rekey(ctx: Context, old: str, new: str | None = None, reason: str = "") -> I
             raise StateError("RIVET_STATE_IDENTITY_MISMATCH",
                              f"the state records {recorded or 'no key'}, not {old}; nothing was changed")
 
-    with guarded_write(ctx, WHOLE_STATE, claim=False, allow=frozenset({"RIVET_STATE_FOREIGN"}),
+    if target == old:  # a re-key to the same key is no change: say so, write nothing
+        recorded_is_old(require(run_preflight(ctx, for_write=True), allow=_REKEY_ALLOWS).recorded_key)
+        return IdentityResult(old, ctx.computed_key, ctx.location.scope, "ok", None,
+                              f"the state already records {old}: a re-key to the same key changes nothing")
+    with guarded_write(ctx, WHOLE_STATE, claim=False, allow=_REKEY_ALLOWS,
                        check=lambda snap: recorded_is_old(snap.recorded_key)) as session:
         recorded_is_old(recorded_key(session.conn))  # another writer may have re-keyed it meanwhile
         session.record_identity(target, "rekey", old=old, reason=reason)
