@@ -20,7 +20,6 @@ from statetool.backends.faults import os_fault
 from statetool.errors import REGISTRY, WARNINGS, StateError, StateWarning
 from statetool.identity import Verdict, identity_message, identity_verdict, identity_warning
 from statetool.location import ENV_VAR
-from statetool.moments import moment
 from statetool.operations.context import Context
 from statetool.operations.leasing import live_holders
 from statetool.operations.probe import Snapshot, read_snapshot
@@ -153,10 +152,10 @@ def run_preflight(ctx: Context, *, for_write: bool = False, progress: bool = Tru
         pf.add("integrity", "ok", "server-managed" if not backend.checks_integrity
                else "quick_check ok" if integrity else "not checked here (proven on the copy)")
     _check_revision(pf, snap)
-    arrival = snap.arrival
-    pf.add("relocated", "ok", "in use at this place (no relocation or transfer recorded)" if arrival is None else
-           f"in use at this place, where a {arrival['action']} from {arrival['from'] or 'another place'} brought it "
-           f"on {moment(arrival['at'])}")
+    # Only what the open proved: no tombstone here, so the state was not moved away. How it
+    # came here is the audit's to tell (statetool info), not a query of every pre-flight:
+    # a damaged audit table must not fail every read.
+    pf.add("relocated", "ok", "in use at this place (not moved away)")
     if snap.known:
         _check_identity(pf, ctx, snap, for_write)
         _check_leases(pf, ctx, for_write)

@@ -71,9 +71,6 @@ class Snapshot:
     #: Set when the state was read as it was before a write that was killed mid-transaction
     #: (a SQLite hot journal rolled back in a private copy): the sentence that says so.
     interrupted_write: str | None = None
-    #: How the state came to this place, when its audit records it: the last ``relocate``
-    #: or ``transfer`` row, ``{action, from, at}`` (issue 12: ``check`` names it).
-    arrival: dict[str, Any] | None = None
 
     @property
     def effective_revision(self) -> str | None:
@@ -95,26 +92,19 @@ class Snapshot:
         return any(e.has_progress for e in self.exports.values())
 
 
-def _last_move(conn: Connection) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The detail (``{}`` when none or unreadable) and ``{action, from, at}`` (None when
-    none) of the last ``relocate``/``transfer`` row of the audit read on ``conn``."""
-    row = conn.execute(sa.text("SELECT detail, action, at FROM rivet_audit WHERE action IN ('relocate', 'transfer') "
-                               "ORDER BY id DESC LIMIT 1")).first()
-    if row is None:
-        return {}, None
-    try:
-        loaded = json.loads(row[0])
-    except ValueError:
-        loaded = {}
-    detail = loaded if isinstance(loaded, dict) else {}
-    return detail, {"action": row[1], "from": detail.get("from"), "at": row[2]}
-
-
 def _in_flight_error(where: str, conn: Connection) -> StateError:
     """``RIVET_STATE_MOVE_IN_FLIGHT`` for the target ``where`` of an unfinished move, read
     on ``conn`` (its last ``relocate``/``transfer`` audit row names the source and the
     command that finishes the move)."""
-    detail = _last_move(conn)[0]
+    row = conn.execute(sa.text("SELECT detail FROM rivet_audit WHERE action IN ('relocate', 'transfer') "
+                               "ORDER BY id DESC LIMIT 1")).first()
+    detail: dict[str, Any] = {}
+    if row is not None:
+        try:
+            loaded = json.loads(row[0])
+        except ValueError:
+            loaded = {}
+        detail = loaded if isinstance(loaded, dict) else {}
     source, finish = detail.get("from", "?"), detail.get("finish", "the same relocate or transfer again")
     return StateError("RIVET_STATE_MOVE_IN_FLIGHT",
                       f"{where} is the target of a move from {source} that has not finished: it is not live until "
@@ -169,8 +159,6 @@ def read_snapshot(backend: Backend, conn: Connection, *, integrity: bool = True,
             snap.any_progress = _any_progress(conn, tables)
         if schema.identity.name in tables:
             snap.recorded_key = recorded_key(conn)
-        if schema.audit.name in tables:
-            snap.arrival = _last_move(conn)[1]
     return snap
 
 
