@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: Packages whose byte-code must exist before a start-up time means anything.
 COMPILED_PACKAGES = ("statetool", "typer", "sqlalchemy", "alembic", "rich", "psycopg",
                      # what those import on the way
-                     "pydantic", "pydantic_core", "annotated_types", "typing_inspection", "yaml", "pygments",
+                     "yaml", "pygments",
                      "mako", "markdown_it", "mdurl", "shellingham", "annotated_doc", "markupsafe",
                      "typing_extensions")
 

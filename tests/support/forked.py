@@ -42,7 +42,7 @@ from support.cli import process_env
 #: drivers a run loads lazily.
 DRIVERS = ("sqlalchemy.dialects.sqlite.pysqlite", "sqlalchemy.dialects.postgresql.psycopg", "psycopg",
            "alembic.command", "alembic.runtime.migration", "alembic.script", "alembic.operations", "yaml",
-           "typer._adapters", "rich._emoji_codes", "support.crash_driver", "support.forked")
+           "typer.main", "rich._emoji_codes", "support.crash_driver", "support.forked")
 _CONTEXT = multiprocessing.get_context("forkserver")
 #: multiprocessing's bookkeeping of children is not made for threads starting them at once.
 _STARTING = threading.RLock()
