@@ -84,10 +84,16 @@ def err() -> Console:
 #: C0 and C1 control characters and DEL, each shown as an escape: text read from a state
 #: (cursors, holders, commands, run errors) must not move the cursor, retitle the terminal
 #: or overwrite a line (SPEC §8a). Newline and tab stay (``migrate --sql`` prints lines).
-#: The Unicode bidirectional controls (U+202E and its kin) are escaped too (``\\u202e``):
-#: they reorder what follows them on the line.
+#: Unicode's invisible format characters are escaped too (``\\u202e``): the bidirectional
+#: controls (U+202E and its kin) reorder what follows them on the line, and the zero-width
+#: ones (U+200B space, joiners, U+2060 word joiner, U+FEFF, the soft hyphen) make two
+#: different cursors or names look the same. The list is Unicode's ``Cf`` characters that
+#: text from a state can hold unseen, written out: deriving it at import would walk all of
+#: Unicode at every start.
+_INVISIBLE = (0x00AD, 0x061C, 0x180E, *range(0x200B, 0x2010), *range(0x202A, 0x202F), *range(0x2060, 0x2065),
+              *range(0x2066, 0x2070), 0xFEFF, *range(0xFFF9, 0xFFFC))
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (9, 10)} | {13: "\\r"} | {
-    c: f"\\u{c:04x}" for c in (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+    c: f"\\u{c:04x}" for c in _INVISIBLE}
 
 
 def visible(value: Any) -> Any:
@@ -107,9 +113,35 @@ def human(renderer: Callable[[dict[str, Any]], None], doc: dict[str, Any]) -> No
     renderer(visible(doc))
 
 
+def stderr_width() -> int | None:
+    """The width stderr is read at, in columns, when it is a terminal (``COLUMNS`` when set
+    to a whole number, else the terminal's); None when it is not one (a log, a pipe, CI),
+    where no message is wrapped."""
+    try:
+        if not sys.stderr.isatty():
+            return None
+        columns = os.environ.get("COLUMNS", "").strip()
+        if columns.isdigit() and int(columns) > 0:
+            return int(columns)
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor, or a closed one
+        return None
+
+
+def _labelled(label: str, style: str, code: str, message: str) -> None:
+    """``Label [CODE]: message`` on stderr, the message wrapped at spaces to a terminal's
+    width under its first line (a long warning is not broken mid-word by the terminal),
+    one line when stderr is no terminal."""
+    lines = wrap(f"{label} [{code}]: {message}", stderr_width(), rest="  ")
+    err().print(Text.assemble((label, style), lines[0][len(label):]))
+    for line in lines[1:]:
+        err().print(line)
+
+
 def print_error(error: StateError) -> None:
-    """``Error: …`` and ``Try: …`` on stderr (the ``--json-errors`` line is cli.py's)."""
-    err().print(Text.assemble(("Error", "bold red"), f" [{error.code}]: {visible(error.message)}"))
+    """``Error: …`` and ``Try: …`` on stderr (the ``--json-errors`` line is cli.py's); the
+    ``Try:`` line is printed whole: it often holds a command to copy."""
+    _labelled("Error", "bold red", error.code, visible(error.message))
     err().print(f"Try: {error.entry.action}")
 
 
@@ -124,9 +156,10 @@ def print_failure_line(code: str, message: str, error: StateError | None = None,
 
 
 def print_warnings(warnings: list[dict[str, str]]) -> None:
-    """Each warning on stderr: ``Warning [CODE]: message`` and its action, each one line."""
+    """Each warning on stderr: ``Warning [CODE]: message`` (wrapped on a terminal, as
+    :func:`print_error`'s) and its action, one line."""
     for w in warnings:
-        err().print(Text.assemble(("Warning", "yellow"), f" [{w['code']}]: {w['message']}"))
+        _labelled("Warning", "yellow", w["code"], w["message"])
         err().print(f"  Try: {w['action']}")
 
 

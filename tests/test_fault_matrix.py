@@ -322,21 +322,23 @@ def test_transfer_fails_with_the_faults_code_and_leaves_the_target_empty(place: 
 
 
 def test_text_from_the_state_is_shown_with_its_control_characters_escaped(tmp_path: Path) -> None:
-    """A cursor and a run error holding terminal escapes (written by a pipeline, not by
-    statetool, which refuses them) reach the terminal escaped, in tables and in doctor."""
+    """A cursor holding terminal escapes and invisible characters (written by a pipeline, not
+    by statetool, which refuses them) reaches the terminal escaped, in tables and in doctor:
+    a zero-width space or a byte-order mark would make two cursors look the same."""
     config = write_config(tmp_path / "pipeline")
     _ok("-c", str(config), "init")
     _ok("-c", str(config), "exports", "set-cursor", "orders", "2026-01-01")
     with sqlite3.connect(config.parent / STATE_FILE) as conn:
         updated = conn.execute("UPDATE rivet_exports SET cursor_value = ? WHERE export_name = 'orders'",
-                               ("2026\x1b]0;owned\x07\x1b[2J\r\x9b31m\u202eevil",)).rowcount
+                               ("2026\x1b]0;owned\x07\x1b[2J\r\x9b31m\u202eevil\u200b\ufeff\u00ad",)).rowcount
     assert updated == 1
     for args in (("exports", "list"), ("info",), ("doctor",), ("exports", "show", "orders")):
         proc = run_cli("-c", str(config), *args)
         assert proc.returncode in (0, 5), describe(proc)
-        for raw in ("\x1b", "\x07", "\r", "\x9b", "\u202e"):
+        for raw in ("\x1b", "\x07", "\r", "\x9b", "\u202e", "\u200b", "\ufeff", "\u00ad"):
             assert raw not in proc.stdout + proc.stderr, f"{args}: a raw {raw!r} reached the terminal"
-        assert "\\x1b]0;owned\\x07" in proc.stdout, f"{args}: the cursor is not shown escaped\n{describe(proc)}"
+        assert "\\x1b]0;owned\\x07" in proc.stdout and "evil\\u200b\\ufeff" in proc.stdout, \
+            f"{args}: the cursor is not shown escaped\n{describe(proc)}"
     proc = run_cli("-c", str(config), "--json", "exports", "list")
     assert proc.returncode == 0 and "\x1b" not in proc.stdout and "\\u001b]0;owned" in proc.stdout, describe(proc)
 

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from support import CliRun, describe, fork_code, process_env, run_cli, write_config
-from statetool.errors import REGISTRY, WARNINGS
+from statetool.errors import REGISTRY, WARNINGS, StateError
 from statetool.example import build_legacy_state
 from statetool.location import STATE_FILE
 from statetool import render
@@ -531,3 +531,61 @@ def test_colour_only_on_a_terminal_unless_no_color(monkeypatch: pytest.MonkeyPat
     assert "RIVET_STATE_CORRUPT" in plain and "Try (integrity): restore a backup" in plain, repr(shown)
     for line in shown.replace("\r\n", "\n").splitlines():  # not even before the codes that end a line
         assert not re.sub(r"(\x1b\[[0-9;]*m)+$", "", line).endswith(" "), repr(line)
+
+
+@pytest.mark.parametrize("where", ["terminal", "pipe"])
+def test_errors_and_warnings_on_a_narrow_terminal_wrap_at_spaces_and_keep_the_try_line_whole(
+        monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """At 80 columns a long message is wrapped at spaces under its first line (the terminal
+    would break it mid-word), the code stays whole on the first line and the ``Try:`` line,
+    which often holds a command to copy, is never wrapped; not on a terminal each is one line."""
+    message = ("the checkpoint file /srv/pipelines/sales/checkpoints/order_events.json named by the "
+               "state is missing, so the next run of order_events would re-anchor its stream " * 3).strip()
+    error = StateError("RIVET_STATE_CHECKPOINT_MISSING", message)
+    warning = {"code": "RIVET_STATE_ORPHAN_WAL", "message": message, "action": "x " * 60 + "end"}
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setenv("NO_COLOR", "1")
+    reader, writer = os.openpty() if where == "terminal" else os.pipe()
+    try:
+        if where == "terminal":
+            subprocess.run(["stty", "cols", "80"], stdin=writer, check=True)
+        with open(writer, "w", closefd=False) as stderr:
+            monkeypatch.setattr("sys.stderr", stderr)
+            render.print_error(error)
+            render.print_warnings([warning])
+            stderr.flush()
+        os.close(writer)
+        writer = -1
+        shown = re.sub(r"\x1b\[[0-9;]*m", "", _read_all(reader).replace("\r\n", "\n"))
+    finally:
+        os.close(reader)
+        if writer >= 0:
+            os.close(writer)
+    lines = shown.splitlines()
+    tries = [n for n, line in enumerate(lines) if line.lstrip().startswith("Try: ")]
+    assert len(tries) == 2 and lines[tries[1]] == f"  Try: {warning['action']}", shown
+    assert lines[tries[0]] == f"Try: {error.entry.action}", shown
+    for label, body in (("Error", lines[:tries[0]]), ("Warning", lines[tries[0] + 1:tries[1]])):
+        code = error.code if label == "Error" else warning["code"]
+        assert body[0].startswith(f"{label} [{code}]: "), shown
+        assert " ".join(line.strip() for line in body) == f"{label} [{code}]: {message}", shown
+        if where == "terminal":
+            assert len(body) > 1 and all(len(line) <= 80 for line in body), shown
+            assert all(line.startswith("  ") for line in body[1:]), shown
+        else:
+            assert len(body) == 1, shown
+
+
+def _read_all(reader: int) -> str:
+    """Everything written to the pipe or pty ``reader`` reads from, its writer closed: a pty
+    hands it over in pieces, and ends with EIO instead of an empty read."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(reader, 1 << 16)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode()
