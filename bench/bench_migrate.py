@@ -1,13 +1,13 @@
 """Upgrade cost: ``statetool migrate`` of a legacy state with --runs runs (default 1,000,000)
-vs the same upgrade as plain SQL in the ``sqlite3`` shell, one transaction (goals: ratio
-<= 1.0, statetool's peak RSS < 150 MiB).
+vs the same upgrade as plain SQL in the ``sqlite3`` shell, one transaction (goals, issue 13:
+ratio <= 0.7, statetool's result file no larger than the peer's, statetool's peak RSS < 150 MiB).
 
 The legacy state is built once with statetool.example.build_legacy_state (the exports of
 examples/rivet.yaml) and copied afresh before every run of either side, so both always
 start from byte-identical files (and both files are in the page cache after the copy).
-The peer is what revisions 0001 -> 0003 amount to on SQLite (see UPGRADE_SQL below): the
+The peer is what revisions 0001 -> 0004 amount to on SQLite (see UPGRADE_SQL below): the
 version table, the rebuild of rivet_runs that alembic's batch mode does (CREATE new /
-INSERT ... SELECT / DROP / RENAME), the index, the four new tables and the version row.
+INSERT ... SELECT / DROP / RENAME), the index, the four new tables and the version row (0004 adds nothing on SQLite).
 After the runs the two results are compared table by table (columns, types, defaults,
 NOT NULL, keys, indexes, row counts, revision) to prove the peer does the same upgrade.
 
@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (REPO, Case, Row, Run, compile_packages, header, measure, measured_env, parse_args,  # noqa: E402
                       print_table, ratio_row, run_child)
 
-GOAL = 1.0
+GOAL = 0.7
 RSS_GOAL_MIB = 150
 
-#: Revisions 0001 -> 0003 on SQLite, as plain SQL (the DDL alembic emits, same types and
+#: Revisions 0001 -> 0004 on SQLite (0004 changes only PostgreSQL's lease table), as plain SQL (the DDL alembic emits, same types and
 #: defaults), in one transaction. synchronous = FULL as statetool's writer sets it.
 UPGRADE_SQL = """\
 PRAGMA synchronous = FULL;
@@ -82,7 +82,7 @@ CREATE TABLE rivet_audit (
     id INTEGER NOT NULL, at TEXT NOT NULL, actor TEXT NOT NULL, command TEXT NOT NULL,
     action TEXT NOT NULL, detail TEXT NOT NULL, PRIMARY KEY (id)
 );
-INSERT INTO rivet_state_version (version_num) VALUES ('0003');
+INSERT INTO rivet_state_version (version_num) VALUES ('0004');
 COMMIT;
 """
 
@@ -192,9 +192,13 @@ def main() -> int:
             tmp_obj.cleanup()
     rss_st, rss_peer = max(case.rss["statetool"]), max(case.rss["peer"])
     rss_ok = rss_st < RSS_GOAL_MIB * 1024
+    size_ok = sizes["statetool"] <= sizes["peer"]
     rows = [ratio_row(case),
             Row("peak RSS (max of runs)", mib(rss_st), mib(rss_peer), "-", f"statetool < {RSS_GOAL_MIB} MiB",
-                "PASS" if rss_ok else "FAIL")]
+                "PASS" if rss_ok else "FAIL"),
+            Row("result file size", mib(sizes["statetool"] / 1024), mib(sizes["peer"] / 1024),
+                f"{sizes['statetool'] / sizes['peer']:.2f}", "not larger than the peer's",
+                "PASS" if size_ok else "FAIL")]
     print_table(rows, f"migrate legacy -> head, {args.runs:,} runs (medians of {args.repeat}; "
                       "peer = sqlite3 shell, plain SQL, one transaction)")
     print(f"statetool peak RSS per run: {', '.join(mib(k) for k in case.rss['statetool'])} "
@@ -203,7 +207,7 @@ def main() -> int:
           f"(+ backup {sizes['backup'] / 2**20:.1f} MiB); after plain SQL {sizes['peer'] / 2**20:.1f} MiB")
     print(f"results equivalent (tables, columns, types, defaults, keys, indexes, rows, revision): "
           f"{'yes' if same else 'NO'}; quick_check: statetool {st_shape['integrity']}, peer {peer_shape['integrity']}")
-    return 0 if same and rss_ok and case.passed else 1
+    return 0 if same and rss_ok and size_ok and case.passed else 1
 
 
 if __name__ == "__main__":

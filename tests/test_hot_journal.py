@@ -1,9 +1,10 @@
 """Issue 10, item 6: reads tell the truth about an interrupted write, and a refused write
 never rolls the journal back.
 
-Every hot journal here is real: a writer (the runtime API's ``StateStore``, ``statetool
-migrate``, or a plain SQLite connection) is killed with SIGKILL in the middle of a
-transaction that spilled pages into the database. ``tree_digest`` of the whole temporary
+Every hot journal here is real: a writer (the runtime API's ``StateStore`` or a plain
+SQLite connection) is killed with SIGKILL in the middle of a transaction that spilled pages
+into the database. ``statetool migrate`` killed at two instants shows the opposite: it
+never writes the state before its switch, so it leaves no hot journal at all. ``tree_digest`` of the whole temporary
 tree before and after proves that nothing changed beside the state.
 """
 
@@ -293,27 +294,38 @@ def _kill_migrate_when(config: Path, seen: callable) -> None:  # type: ignore[va
         proc.wait(timeout=30)
 
 
+def _copy_grown(directory: Path, size: int) -> bool:
+    """A migration's copy (inside its private ``….backup-….tmp`` directory) is larger than
+    ``size``: the rebuild of a table is under way in it."""
+    return any(p.stat().st_size > size for p in directory.glob(f"{STATE}.backup-*.tmp/*.db") if p.exists())
+
+
 def test_a_killed_migrate_is_read_as_before_and_its_rerun_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A SQLite migration builds the new revision in a copy and never writes the state
+    itself before the switch: killed while copying or while rebuilding a table in the copy,
+    it leaves the state as it was (no hot journal at all) and a private directory that
+    every read leaves alone and the next write removes."""
     config = write_config(tmp_path / "pipeline", exports=EXPORTS)
     db = config.parent / STATE
     build_legacy_state(db, [("orders", "incremental"), ("order_lines", "chunked")], runs=60000)
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
         runs = conn.execute("SELECT count(*) FROM rivet_runs").fetchone()[0]
     conn.close()
-    # First kill: while the backup is being copied (its temporary directory exists).
+    original = db.read_bytes()
+    # First kill: while the copy is being made (its private directory exists).
     _kill_migrate_when(config, lambda: bool(list(config.parent.glob(f"{STATE}.backup-*.tmp"))))
     assert list(config.parent.glob(f"{STATE}.backup-*.tmp")), sorted(p.name for p in config.parent.iterdir())
-    # Second kill: in the migration's own transaction (the state's hot journal exists).
-    journal = Path(f"{db}-journal")
-    _kill_migrate_when(config, lambda: _magic(journal) == JOURNAL_MAGIC)  # synced: a spill happened
-    assert _magic(journal) == JOURNAL_MAGIC, "migrate was not killed inside its transaction"
+    # Second kill: while rivet_runs is rebuilt in the copy (the copy grew past the state).
+    _kill_migrate_when(config, lambda: _copy_grown(config.parent, len(original)))
+    assert db.read_bytes() == original, "a killed migration wrote into the state"
+    assert not Path(f"{db}-journal").exists()
     before = tree_digest(tmp_path)
     info = run_cli("-c", str(config), "info", "--json")
     assert info.returncode == 0, describe(info)
     doc = json.loads(info.stdout)
     assert doc["revision"]["status"] == "legacy", describe(info)  # as before the killed migration
     assert sum(e["runs_total"] for e in doc["exports"]) == runs, describe(info)
-    assert "RIVET_STATE_HOT_JOURNAL" in [w["code"] for w in doc["warnings"]], describe(info)
+    assert "RIVET_STATE_HOT_JOURNAL" not in [w["code"] for w in doc["warnings"]], describe(info)
     assert tree_digest(tmp_path) == before, describe(info)
 
     rerun = run_cli("-c", str(config), "migrate", "--json")

@@ -212,7 +212,24 @@ class Backend(Protocol):
 
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> Path | None:
         """A verified copy of the state beside it (SQLite), named with ``label``; None on
-        PostgreSQL, whose migrations run in one transaction instead."""
+        PostgreSQL, whose writes run in one transaction instead."""
+
+    def hold_off_writers(self) -> None:
+        """Before the write lock of a write that replaces the state whole (a migration):
+        wait up to ``lock_wait`` until no other process holds the state open, then fold its
+        WAL into the file (SQLite: ``RIVET_STATE_RUN_IN_PROGRESS``,
+        ``RIVET_STATE_FOREIGN_WAL``); nothing on PostgreSQL, whose writers queue on the
+        transaction's own locks."""
+
+    def require_frozen(self) -> None:
+        """Under the write lock: ``RIVET_STATE_RUN_IN_PROGRESS`` when a writer added to the
+        state since :meth:`hold_off_writers` (SQLite WAL frames); nothing on PostgreSQL."""
+
+    def migration(self, conn: Connection, label: str, progress: Progress, on_step: Step) -> Migration:
+        """Where a migration's steps run, for the write transaction ``conn`` (which froze
+        the state): on SQLite a verified copy that replaces the state at the end, the
+        original kept as the backup named with ``label``; on PostgreSQL ``conn`` itself
+        (:class:`Migration`)."""
 
     def vanished_evidence(self) -> list[str]:
         """Where a state is missing: what shows that one lived here before (a relocation's
@@ -229,6 +246,31 @@ class Backend(Protocol):
     #: True when this store may receive a transfer (then the backend is a
     #: :class:`TransferDestination`); each backend gives its reason beside its value.
     accepts_transfer: bool
+
+
+class Migration(Protocol):
+    """The place a migration builds the new revision in (SPEC §9; decisions.md,
+    "Revisions and migrations"): the write transaction itself where the DDL is
+    transactional (PostgreSQL), or a copy of the frozen state that is switched in whole
+    (SQLite: the original, renamed aside, is the backup)."""
+
+    #: Where the state as it was before the migration is kept afterwards (None: nowhere,
+    #: PostgreSQL rolls back instead).
+    backup: Path | None
+
+    def connection(self) -> AbstractContextManager[Connection]:
+        """The writing connection the migration's steps, its verification, the identity
+        claim and the audit row run on; committed (and, for a copy, fsynced) on a clean
+        exit, discarded on an error. Errors as :meth:`Backend.writing`'s."""
+
+    def switch(self) -> None:
+        """Once the write transaction of the state has ended, under every lease: put the
+        migrated state in place (a no-op when it is in place already). Raises
+        ``RIVET_STATE_RUN_IN_PROGRESS`` (the state was opened or changed meanwhile; nothing
+        replaced) and ``RIVET_STATE_UNSAFE_FILE``."""
+
+    def discard(self) -> None:
+        """Drop what the migration built (idempotent): the state stays as it was."""
 
 
 class TransferSource(Backend, Protocol):

@@ -90,18 +90,15 @@ class FileMove:
     # -- holding writers off ----------------------------------------------------------
 
     def hold_off_writers(self) -> None:
-        """Before the write lock: wait for every other opener of the source to close it
-        (:meth:`wait_for_openers`), then checkpoint its WAL so the file alone holds every
-        committed row. Raises ``RIVET_STATE_RUN_IN_PROGRESS`` and ``RIVET_STATE_FOREIGN_WAL``."""
-        self.wait_for_openers()
-        self.backend.checkpoint_wal()
+        """Before the write lock: no other opener of the source, its WAL checkpointed
+        (:meth:`SqliteBackend.hold_off_writers`, which a migration uses too). Raises
+        ``RIVET_STATE_RUN_IN_PROGRESS`` and ``RIVET_STATE_FOREIGN_WAL``."""
+        self.backend.hold_off_writers()
 
     def require_frozen(self) -> None:
-        """Under the write lock: raise ``RIVET_STATE_RUN_IN_PROGRESS`` when a writer added
-        WAL frames between the checkpoint and the lock."""
-        if not self.backend.wal_is_empty():
-            raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
-                             f"a writer wrote to {self.source} during the checkpoint; re-run")
+        """Under the write lock: ``RIVET_STATE_RUN_IN_PROGRESS`` when a writer added WAL
+        frames between the checkpoint and the lock (:meth:`SqliteBackend.require_frozen`)."""
+        self.backend.require_frozen()
 
     def digest(self) -> str:
         """The page digest of the (frozen) source (:func:`~statetool.backends.sqlite.content_digest`)."""

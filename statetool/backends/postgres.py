@@ -21,7 +21,7 @@ from sqlalchemy.pool import NullPool
 
 from statetool import migrations
 from statetool.backends import postgres_copy
-from statetool.backends.base import Progress
+from statetool.backends.base import Progress, Step
 from statetool.backends.postgres_faults import driver_error, ident, rights_problem
 from statetool.errors import StateError
 from statetool.location import Location
@@ -281,6 +281,17 @@ class PostgresBackend:
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> None:
         return None
 
+    def hold_off_writers(self) -> None:
+        """Nothing to do: PostgreSQL writers queue on the migration transaction's locks."""
+
+    def require_frozen(self) -> None:
+        """Nothing to do: the migration's transaction sees one snapshot."""
+
+    def migration(self, conn: Connection, label: str, progress: Progress, on_step: Step) -> InTransaction:
+        """The migration runs in ``conn``'s own transaction (PostgreSQL's DDL is
+        transactional): :class:`InTransaction`."""
+        return InTransaction(conn)
+
     def vanished_evidence(self) -> list[str]:
         """Always empty: an empty schema keeps no trace of a state that was dropped."""
         return []
@@ -290,3 +301,26 @@ class PostgresBackend:
 
         return RowLeases(self._engine(read_only=False, autocommit=True), ttl, where=self.location.display,
                          schema=self.schema)
+
+
+class InTransaction:
+    """A migration run in the state's write transaction itself (a
+    :class:`~statetool.backends.base.Migration`): nothing is copied, nothing switched, no
+    backup file; a failure rolls the one transaction back."""
+
+    backup = None
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[Connection]:
+        """The write transaction's connection; the caller's transaction commits it."""
+        yield self.conn
+
+    def switch(self) -> None:
+        """Nothing to switch: the commit made the new revision live."""
+
+    def discard(self) -> None:
+        """Nothing to drop: the transaction rolls back."""
+

@@ -43,13 +43,14 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.pool import NullPool
 
 from statetool.access import denied
-from statetool.backends.base import Progress
-from statetool.backends.durable import fitting_name, fsync_dir, fsync_file
+from statetool.backends.base import Progress, Step
+from statetool.backends.durable import CREATE_FLAGS, fitting_name, fsync_dir, fsync_file
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.sqlite_rows import copy_blocks
 from statetool.backends.sqlite_file import (foreign_companions, page_size_of, read_header,
                                             refuse_unsafe_companions)
+from statetool.backends.tombstone import remove_companions, wait_for_openers
 from statetool.errors import StateError, internal_error
 from statetool.location import LEASE_DIR, Location
 
@@ -94,22 +95,28 @@ class SqliteBackend:
     relocatable = True
 
     # -- capabilities (the reasons: backends/base.py) ------------------------------------
-    #: The state is one file, migrated in place after a verified backup: no DDL script to
-    #: hand a DBA, so ``migrate --sql`` is refused.
+    #: The state is one file, migrated in a copy that replaces it (:class:`CopyMigration`):
+    #: no DDL script to hand a DBA, so ``migrate --sql`` is refused.
     supports_offline_sql = False
     #: ``PRAGMA quick_check`` reads every page of the file.
     checks_integrity = True
 
     def offline_sql(self, current: str | None, target: str, direction: str, *, stamp: str | None = None) -> str:
         """Raises ``RIVET_STATE_SQL_UNSUPPORTED``: see :attr:`supports_offline_sql`."""
-        raise StateError("RIVET_STATE_SQL_UNSUPPORTED", f"{self.path} is a SQLite state, changed in place: "
-                         "it has no offline SQL")
+        raise StateError("RIVET_STATE_SQL_UNSUPPORTED", f"{self.path} is a SQLite state, migrated as a "
+                         "file: it has no offline SQL")
 
     def __init__(self, location: Location, lock_wait: float) -> None:
         assert location.path is not None
         self.location = location
         self.path: Path = location.path
         self.lock_wait = lock_wait
+
+    @property
+    def real(self) -> Path:
+        """The state's real file: the file a symlinked state path leads to (the resolver's
+        :attr:`Location.real_path`), else the path itself. A migration replaces this file."""
+        return self.location.real_path or self.path
 
     # -- reading ---------------------------------------------------------------------
 
@@ -143,7 +150,9 @@ class SqliteBackend:
         tables) and the change itself."""
         refuse_unsafe_companions(self.path)
         size = self.path.stat().st_size if os.path.isfile(self.path) else 0
-        refuse_unwritable(self.path, directories=(self.path.parent, self.path.parent / LEASE_DIR),
+        # the real file's directory first: a migration's copy and backup are made there
+        directories = dict.fromkeys((self.real.parent, self.path.parent, self.path.parent / LEASE_DIR))
+        refuse_unwritable(self.path, directories=tuple(directories),
                           need=copies * size + WRITE_MARGIN,
                           room_for=f"{copies} copies as large as the state (a backup, a journal, rebuilt tables) "
                           "and the change" if copies else "the change")
@@ -437,29 +446,35 @@ class SqliteBackend:
                                  "was being built; nothing was replaced", {"path": str(self.path)}) from None
             fsync_dir(directory)
 
+    def _make_private_dir(self, directory: Path, prefix: str) -> Path:
+        """A new directory of this user's only (mode 0700, a name nobody can guess, ending
+        in ``.tmp``) in ``directory``, for a file SQLite must create by path (a backup, a
+        migration's copy, a new state) and its journal: a symlink planted at a predictable
+        name is never followed (issue 10)."""
+        try:
+            return Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=directory))
+        except OSError as err:
+            raise fault(directory, err) or err from None
+
     @contextlib.contextmanager
     def _private_dir(self, prefix: str) -> Iterator[Path]:
-        """A new directory of this user's only (mode 0700, a name nobody can guess) beside
-        the state, for a file SQLite must create by path (a backup, a new state) and its
-        journal: a symlink planted at a predictable name is never followed (issue 10).
-        Its name ends in ``.tmp``; it is removed on the way out, whatever happened."""
-        try:
-            made = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=self.path.parent))
-        except OSError as err:
-            raise fault(self.path.parent, err) or err from None
+        """:meth:`_make_private_dir` beside the state, removed on the way out, whatever happened."""
+        made = self._make_private_dir(self.path.parent, prefix)
         try:
             yield made
         finally:
             shutil.rmtree(made, ignore_errors=True)
 
     def _stale_temps(self) -> list[Path]:
-        """What a killed backup left beside the state: ``….backup-….tmp`` (a private directory
-        or, from older releases, a file) and ``….backup-….tmp-journal``. Raises
-        ``RIVET_STATE_UNSAFE_FILE`` when one of them is a symlink or another kind of file:
-        nothing is then removed or followed, and nothing is written."""
-        directory = self.path.parent
-        found = sorted(directory.glob(f"{self.path.name}.backup-*.tmp")) + sorted(
-            directory.glob(f"{self.path.name}.backup-*.tmp-journal"))
+        """What a killed backup or migration left beside the state (or beside its real file):
+        ``….backup-….tmp`` (a private directory or, from older releases, a file) and
+        ``….backup-….tmp-journal``. Raises ``RIVET_STATE_UNSAFE_FILE`` when one of them is a
+        symlink or another kind of file: nothing is then removed or followed, and nothing is
+        written."""
+        found: list[Path] = []
+        for directory in dict.fromkeys((self.path.parent, self.real.parent)):
+            found += sorted(directory.glob(f"{self.path.name}.backup-*.tmp")) + sorted(
+                directory.glob(f"{self.path.name}.backup-*.tmp-journal"))
         for path in found:
             kind = os.lstat(path).st_mode
             if not (stat.S_ISDIR(kind) or stat.S_ISREG(kind)):
@@ -469,12 +484,18 @@ class SqliteBackend:
         return found
 
     def _remove_stale_temps(self) -> None:
-        """Remove :meth:`_stale_temps`. Runs under the write lock, so no backup is running."""
+        """Remove :meth:`_stale_temps`, and every backup name that is a hard link of the state
+        itself (a migration killed between keeping the original and switching the copy in:
+        such a name would change with the state, it is no backup). Runs under the write lock,
+        so no backup or migration copy is being made."""
         for path in self._stale_temps():
             if path.is_dir():
                 shutil.rmtree(path)
             else:
                 path.unlink(missing_ok=True)
+        for path in self.real.parent.glob(f"{self.path.name}.backup-*"):
+            if path.is_file() and not path.is_symlink() and os.path.samefile(path, self.real):
+                path.unlink()
 
     def _copy(self, conn: Connection, tmp: Path, progress: Progress | None, *, self_contained: bool,
               full_verify: bool = False) -> dict[str, int]:
@@ -514,7 +535,9 @@ class SqliteBackend:
         fsync_file(tmp)
         return got
 
-    def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> Path:
+    def _backup_name(self, label: str, directory: Path) -> Path:
+        """``<directory>/.rivet_state.db.backup-<label>-<UTC time>``, a name nothing stands at
+        (decisions.md, "Backups (SQLite)")."""
         from urllib.parse import quote
 
         # The label may carry an export name: percent-encoded (as lease file names are) so a
@@ -523,13 +546,15 @@ class SqliteBackend:
         while True:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
             # a long export name is shortened: the name must leave room for its private directory
-            final = self.path.with_name(fitting_name(f"{self.path.name}.backup-", label, f"-{stamp}",
-                                                     room=_PRIVATE_DIR_ROOM))
+            final = directory / fitting_name(f"{self.path.name}.backup-", label, f"-{stamp}", room=_PRIVATE_DIR_ROOM)
             if not os.path.lexists(final):
-                break
+                return final
             # A backup of the same label was taken within this second (two changes in a row):
             # never replace it, it holds the state before the earlier change. Wait for a free name.
             time.sleep(0.05)
+
+    def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> Path:
+        final = self._backup_name(label, self.path.parent)
         self._remove_stale_temps()
         with self._private_dir(f"{final.name}.") as private:
             # a short name inside: SQLite opens no path longer than 512 bytes (unix VFS
@@ -573,6 +598,29 @@ class SqliteBackend:
         """True when no ``-wal`` frame lies outside the database file."""
         return not self._wal_has_frames()
 
+    def hold_off_writers(self) -> None:
+        """Before the write lock: wait for every other opener of the real file to close it
+        (:func:`~statetool.backends.tombstone.wait_for_openers`), then checkpoint its WAL so
+        the file alone holds every committed row. Raises ``RIVET_STATE_RUN_IN_PROGRESS`` and
+        ``RIVET_STATE_FOREIGN_WAL``."""
+        wait_for_openers(self.real, self.lock_wait)
+        self.checkpoint_wal()
+
+    def require_frozen(self) -> None:
+        """Under the write lock: raise ``RIVET_STATE_RUN_IN_PROGRESS`` when a writer added
+        WAL frames since the checkpoint of :meth:`hold_off_writers`."""
+        if not self.wal_is_empty():
+            raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
+                             f"a writer wrote to {self.real} during the checkpoint; re-run")
+
+    def migration(self, conn: Connection, label: str, progress: Progress, on_step: Step) -> CopyMigration:
+        """The copy a migration is built in (:class:`CopyMigration`), made from the state as
+        ``conn``'s write lock and :meth:`require_frozen` hold it; the original becomes the
+        backup named with ``label``. Raises ``RIVET_STATE_PERMISSION_DENIED`` (the copy
+        cannot be given the state's owner), ``RIVET_STATE_DISK_FULL`` and the other faults of
+        its directory, ``RIVET_STATE_UNSAFE_FILE``."""
+        return CopyMigration(self, label, progress, on_step)
+
     # -- a transfer's source (base.TransferSource) ------------------------------------
     #: A file on one worker's disk moves into a shared PostgreSQL schema by transfer.
     sends_transfer = True
@@ -599,3 +647,206 @@ class SqliteBackend:
         from statetool.backends.sqlite_leases import FlockLeases
 
         return FlockLeases(self.path)
+
+
+#: Page cache of a migration's copy, in KiB (``PRAGMA cache_size`` takes a negative number
+#: as KiB): big enough that rebuilding a table of a million runs and its indexes rarely
+#: spills, small enough that migrate stays well under 150 MiB of memory (issue 13).
+_MIGRATION_CACHE_KIB = 32768
+
+
+#: Seconds between two flushes of a migration's copy while it is built (:func:`_written_behind`).
+_WRITE_BEHIND_EVERY = 0.25
+
+
+@contextlib.contextmanager
+def _written_behind(path: Path) -> Iterator[None]:
+    """While the block runs, a thread flushes the file at ``path`` to disk every
+    :data:`_WRITE_BEHIND_EVERY` seconds (``fdatasync``, which releases the GIL). A copy
+    built with ``synchronous = OFF`` is otherwise written to disk only by its final fsync,
+    all at once (the kernel starts on its own only after 30 s or 10 % of memory dirty):
+    flushed behind the rebuild, the disk works while SQLite sorts, and the final fsync
+    has little left to write. Errors of a flush are left to that final fsync."""
+    import threading
+
+    stop = threading.Event()
+
+    def flush() -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return
+        try:
+            while not stop.wait(_WRITE_BEHIND_EVERY):
+                with contextlib.suppress(OSError):
+                    os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    worker = threading.Thread(target=flush, name="statetool-write-behind", daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        worker.join()
+
+
+class CopyMigration:
+    """A migration of a SQLite state built in a copy of it, which then replaces it whole
+    (a :class:`~statetool.backends.base.Migration`; decisions.md, "Revisions and
+    migrations"). The original is never written: renamed aside, it IS the backup.
+
+    Made under the state's write lock, once :meth:`SqliteBackend.require_frozen` holds:
+    the real file is copied (``copy_file_range``) into ``migrated.db`` inside a private
+    directory (``….backup-<label>-<time>.<random>.tmp``, mode 0700) beside it, with the
+    original's mode and owner. :meth:`connection` opens the copy with journaling and
+    syncing off (a crash loses only the copy; the original is untouched) for the
+    migration's steps, commits, sets the original's journal mode back and fsyncs.
+    :meth:`switch`, after the state's own transaction has closed and under every lease,
+    hard-links the original to the backup name and renames the copy over the real file.
+    The steps are told to ``on_step``: ``copied``, ``built``, ``closed``, ``kept``,
+    ``swapped``.
+    """
+
+    def __init__(self, backend: SqliteBackend, label: str, progress: Progress, on_step: Step) -> None:
+        self.backend, self.on_step = backend, on_step
+        self.real = backend.real
+        backend._remove_stale_temps()
+        self.backup: Path = backend._backup_name(label, self.real.parent)
+        self._private = backend._make_private_dir(self.real.parent, f"{self.backup.name}.")
+        self.copy = self._private / "migrated.db"
+        self._wal = read_header(self.real)[18] == 2
+        try:
+            self._marks = self._copy_file(progress)
+        except BaseException:
+            self.discard()
+            raise
+        on_step("copied")
+
+    @staticmethod
+    def _marks_of(path: Path) -> tuple[int, int, int]:
+        st = os.lstat(path)
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def _copy_file(self, progress: Progress) -> tuple[int, int, int]:
+        """Copy the frozen real file into :attr:`copy` (created exclusively, never through a
+        link), with the original's mode, owner and group. Returns the original's (inode,
+        size, mtime) as copied, which :meth:`switch` checks again."""
+        marks = self._marks_of(self.real)
+        st = os.stat(self.real)
+        try:
+            fd = os.open(self.copy, CREATE_FLAGS, 0o600)
+        except OSError as err:
+            raise fault(self.real.parent, err) or err from None
+        try:
+            mine = os.fstat(fd)
+            if (mine.st_uid, mine.st_gid) != (st.st_uid, st.st_gid):
+                try:
+                    os.fchown(fd, st.st_uid, st.st_gid)
+                except PermissionError:
+                    raise StateError("RIVET_STATE_PERMISSION_DENIED",
+                                     f"{self.real} belongs to uid {st.st_uid} and gid {st.st_gid}: a migration "
+                                     "replaces the file with its new revision and cannot give the new file to that "
+                                     "owner; run the migration as the state's owner; nothing was changed",
+                                     {"path": str(self.real)}) from None
+            os.fchmod(fd, stat.S_IMODE(st.st_mode))
+            with open(self.real, "rb") as src:
+                done, size = 0, st.st_size
+                while done < size:
+                    sent = os.copy_file_range(src.fileno(), fd, min(64 << 20, size - done))
+                    if sent == 0:
+                        break
+                    done += sent
+                    progress(done, size)
+        except OSError as err:
+            raise fault(self.real.parent, err) or err from None
+        finally:
+            os.close(fd)
+        return marks
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[Connection]:
+        """A writing transaction on the copy (nobody else knows its name), journaling and
+        syncing off; committed on a clean exit, then the state's journal mode set back (WAL
+        for a WAL state) and the copy fsynced (``on_step("built")``). On any error the copy
+        goes (:meth:`discard`); errors of the copy's own file are the state directory's
+        faults (a full disk: ``RIVET_STATE_DISK_FULL``)."""
+        backend = self.backend
+        engine = backend._engine(f"file:{backend._quoted(self.copy)}", timeout=backend.lock_wait)
+
+        @sa.event.listens_for(engine, "connect")
+        def pragmas(dbapi: sqlite3.Connection, _record: object) -> None:
+            mode = dbapi.execute("PRAGMA journal_mode = OFF").fetchone()[0]
+            if mode != "off":
+                raise sqlite3.OperationalError(f"journal_mode stayed {mode}")
+            dbapi.execute("PRAGMA synchronous = OFF")
+            dbapi.execute(f"PRAGMA cache_size = -{_MIGRATION_CACHE_KIB}")
+
+        @sa.event.listens_for(engine, "begin")
+        def begin(conn: Connection) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        try:
+            with engine.connect() as conn, _written_behind(self.copy):
+                with conn.begin():
+                    yield conn
+                if self._wal:
+                    raw: sqlite3.Connection = conn.connection.driver_connection  # type: ignore[assignment]
+                    mode = raw.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+                    if mode != "wal":
+                        raise sqlite3.OperationalError(f"journal_mode stayed {mode}")
+            engine.dispose()
+            fsync_file(self.copy)
+        except BaseException as raised:
+            engine.dispose()
+            self.discard()
+            if isinstance(raised, sa.exc.DBAPIError):
+                raise backend._body_error(raised, "RIVET_STATE_MIGRATION_LOCKED") from None
+            if isinstance(raised, (OSError, sqlite3.Error)):
+                raise fault(self.real.parent, raised) or raised from None
+            raise
+        self.on_step("built")
+
+    def switch(self) -> None:
+        """Put the built copy in place; the state's transaction has closed, every lease is
+        still held. Waits for other openers (``--lock-wait``), refuses when the original
+        changed since it was copied (``RIVET_STATE_RUN_IN_PROGRESS``: a writer that holds
+        no lease; nothing is replaced and the copy goes), removes the closed original's
+        empty ``-wal``/``-shm``, hard-links the original to :attr:`backup` (``kept``), renames
+        the copy over the real file (``swapped``), fsyncing the directory after each."""
+        directory = self.real.parent
+        self.on_step("closed")
+        try:
+            wait_for_openers(self.real, self.backend.lock_wait)
+            if self._marks_of(self.real) != self._marks:
+                raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
+                                 f"{self.real} was written while it was migrated (by a writer that holds no "
+                                 "lease); nothing was replaced: re-run when it has finished", {"path": str(self.real)})
+            self.backend.require_frozen()
+            remove_companions(self.real)
+            try:
+                os.link(self.real, self.backup, follow_symlinks=False)  # never replaces what stands there
+            except FileExistsError:
+                raise StateError("RIVET_STATE_UNSAFE_FILE", f"{self.backup} appeared while the migration ran; "
+                                 "nothing was replaced", {"path": str(self.backup)}) from None
+            fsync_dir(directory)
+            self.on_step("kept")
+            os.rename(self.copy, self.real)
+            fsync_dir(directory)
+        except BaseException as raised:
+            self.discard()
+            if isinstance(raised, OSError):
+                raise fault(directory, raised) or raised from None
+            raise
+        with contextlib.suppress(OSError):
+            self._private.rmdir()
+        self.on_step("swapped")
+
+    def discard(self) -> None:
+        """Remove the copy's private directory, and the backup name when it is still a link
+        of the state itself (the switch did not happen). Idempotent."""
+        shutil.rmtree(self._private, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            if os.path.samefile(self.backup, self.real):
+                self.backup.unlink()

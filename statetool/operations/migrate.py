@@ -1,12 +1,16 @@
-"""``statetool migrate``: pre-flight, backup, upgrade (or downgrade) in one transaction, verify.
+"""``statetool migrate``: pre-flight, upgrade (or downgrade) where the backend builds it, verify, switch.
 
-SPEC §4 and §8. Order: every read-only check passes -> the write lock is taken (SQLite
-``BEGIN IMMEDIATE``; PostgreSQL a transaction-scoped advisory lock, waited on up to
-``--lock-wait``, then ``RIVET_STATE_MIGRATION_LOCKED``) -> the revision is read again
-(another migrate may have finished meanwhile) -> SQLite: a verified online backup beside
-the state, named with the from-revision -> alembic runs every step in THE transaction
--> ``quick_check`` and per-table row counts are compared -> commit. Any failure before
-the commit rolls everything back: the state is exactly as before.
+SPEC §4, §8 and §9. Order: every read-only check passes -> every run lease and the state
+lease are held -> no other process has the state open and its WAL is checkpointed
+(SQLite) -> the write lock is taken (SQLite ``BEGIN IMMEDIATE``; PostgreSQL a
+transaction-scoped advisory lock, waited on up to ``--lock-wait``, then
+``RIVET_STATE_MIGRATION_LOCKED``) -> the revision is read again (another migrate may have
+finished meanwhile) -> the backend's :class:`~statetool.backends.base.Migration`: SQLite
+copies the frozen file, PostgreSQL uses THE transaction -> alembic runs every step there
+-> the identity claim and the audit row are written there -> ``quick_check``, per-table
+row counts and the revision are checked -> commit -> SQLite: the original is kept under
+the backup name and the copy renamed into its place (decisions.md, "Revisions and
+migrations"). Any failure before the switch leaves the state exactly as before.
 """
 
 from __future__ import annotations
@@ -23,9 +27,18 @@ from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import row_counts
 from statetool.operations.writes import WHOLE_STATE, guarded_write, require_writable
 
-#: Files as large as the state a migration may add beside it: its backup, the tables it
-#: rebuilds (copied before the old ones are dropped), and the journal of that change.
-MIGRATION_COPIES = 3
+#: Files as large as the state a migration may add beside it (SQLite): the copy it builds
+#: the new revision in, and the tables it rebuilds in that copy (written before the old
+#: ones are dropped). The original adds nothing: renamed aside, it is the backup.
+MIGRATION_COPIES = 2
+
+#: The steps a SQLite migration announces to :attr:`Context.on_step`, in the order it
+#: passes them (the crash tests kill it at each): the write lock held, the state copied,
+#: the alembic steps run on the copy, the copy verified (with its identity and audit rows),
+#: the copy committed and fsynced, the state's transaction closed, the original kept as the
+#: backup, the copy renamed into place, the end. A PostgreSQL migration passes ``locked``,
+#: ``migrated``, ``verified`` and ``finished``.
+CRASH_POINTS = ("locked", "copied", "migrated", "verified", "built", "closed", "kept", "swapped", "finished")
 
 #: Tables left out of the before/after row-count comparison: those a migration writes to
 #: itself, and the lease tables, which runs and heartbeats change while it runs (their own
@@ -138,11 +151,13 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
     target, direction = result.to_revision, result.direction
     with guarded_write(ctx, WHOLE_STATE, preflight=pf, allow=frozenset({"RIVET_STATE_MIGRATION_PENDING"}),
                        claim=False, at_head=False, busy_code="RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN",
-                       lock_code="RIVET_STATE_MIGRATION_LOCKED", copies=MIGRATION_COPIES) as session:
+                       lock_code="RIVET_STATE_MIGRATION_LOCKED", copies=MIGRATION_COPIES,
+                       prepare=backend.hold_off_writers) as session:
+        backend.require_frozen()
+        ctx.on_step("locked")
         conn = session.conn
         tables = backend.table_names(conn)
-        now = conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).scalar() \
-            if schema.VERSION_TABLE in tables else None
+        now = _revision(conn) if schema.VERSION_TABLE in tables else None
         if now is not None and now != (None if legacy else result.from_revision):
             if now == target:
                 result.message = f"another migration brought the state to {target} meanwhile; nothing to do"
@@ -150,29 +165,50 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
             raise StateError("RIVET_STATE_MIGRATION_PENDING",
                              f"the state moved to revision {now} while waiting; re-run to plan again")
         before = row_counts(conn, tables - _WRITTEN_BY_MIGRATE)
-        with ctx.progress("backup") as update:
-            backup = backend.backup(conn, result.from_revision or "legacy", update)
-        result.backup = str(backup) if backup else None
-        if legacy:
-            migrations.stamp(conn, migrations.revisions()[0].id, backend.schema)
-        with ctx.progress(f"migrating to {target}") as update:
-            total = len(result.steps)
-            done = iter(range(1, total + 1))
-            update(0, total)
-            if direction != "none":
-                migrations.apply(conn, target, backend.schema, direction, lambda _rev: update(next(done), total))
-        after_tables = backend.table_names(conn)
-        if schema.identity.name in after_tables:
-            result.warnings = session.claim()
-        if schema.audit.name in after_tables:
-            session.audit("migrate", {"from": result.from_revision, "to": target, "backup": result.backup})
-        problems = backend.integrity_problems(conn)
-        after = row_counts(conn, set(before) & after_tables)
-        changed = {t: (before[t], after[t]) for t in after if before[t] != after[t]}
-        if problems or changed:
-            raise StateError("RIVET_STATE_VERIFY_FAILED",
-                             f"after migrating to {target}: integrity {problems[:3] or 'ok'}, row counts changed "
-                             f"{changed or 'none'}; the transaction was rolled back")
-        result.verified_rows = after
+        with ctx.progress("copying") as update:
+            migration = backend.migration(conn, result.from_revision or "legacy", update, ctx.on_step)
+        session.on_abort(migration.discard)
+        session.after_commit(migration.switch)
+        result.backup = str(migration.backup) if migration.backup else None
+        with migration.connection() as new:
+            _upgrade(ctx, new, result, legacy)
+            ctx.on_step("migrated")
+            after_tables = backend.table_names(new)
+            if schema.identity.name in after_tables:
+                result.warnings = session.claim(into=new)
+            if schema.audit.name in after_tables:
+                session.audit("migrate", {"from": result.from_revision, "to": target, "backup": result.backup},
+                              into=new)
+            problems = backend.integrity_problems(new)
+            after = row_counts(new, set(before) & after_tables)
+            revision = _revision(new)
+            changed = {t: (before[t], after[t]) for t in after if before[t] != after[t]}
+            if problems or changed or revision != target:
+                raise StateError("RIVET_STATE_VERIFY_FAILED",
+                                 f"after migrating to {target}: integrity {problems[:3] or 'ok'}, row counts changed "
+                                 f"{changed or 'none'}, revision {revision}; the state was not changed")
+            result.verified_rows = after
+            ctx.on_step("verified")
+    ctx.on_step("finished")
     result.applied = True
     result.message = f"migrated from {result.from_revision} to {target}"
+
+
+def _revision(conn: Connection) -> str | None:
+    """The version table's one value."""
+    return conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).scalar()
+
+
+def _upgrade(ctx: Context, conn: Connection, result: MigrateResult, legacy: bool) -> None:
+    """The alembic steps to ``result.to_revision`` on ``conn`` (a legacy state stamped
+    ``0001`` first), with their progress."""
+    backend = ctx.backend()
+    if legacy:
+        migrations.stamp(conn, migrations.revisions()[0].id, backend.schema)
+    with ctx.progress(f"migrating to {result.to_revision}") as update:
+        total = len(result.steps)
+        done = iter(range(1, total + 1))
+        update(0, total)
+        if result.direction != "none":
+            migrations.apply(conn, result.to_revision, backend.schema, result.direction,
+                             lambda _rev: update(next(done), total))

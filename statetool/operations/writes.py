@@ -101,19 +101,22 @@ class WriteSession:
         writes, which becomes the state)."""
         _write_audit(self.conn if into is None else into, self.ctx, action, detail)
 
-    def record_identity(self, key: str, action: str, old: str | None = None, reason: str = "") -> None:
-        """Record ``key`` as the state's identity (the one row) and audit it (SPEC §3)."""
-        _write_identity(self.conn, self.ctx, key, action, old, reason)
+    def record_identity(self, key: str, action: str, old: str | None = None, reason: str = "",
+                        into: Connection | None = None) -> None:
+        """Record ``key`` as the state's identity (the one row) and audit it (SPEC §3), in
+        this transaction (or in ``into``, as :meth:`audit`)."""
+        _write_identity(self.conn if into is None else into, self.ctx, key, action, old, reason)
 
-    def claim(self) -> list[StateWarning]:
+    def claim(self, into: Connection | None = None) -> list[StateWarning]:
         """Apply the pre-flight's identity verdict (SPEC §3): stamp or adopt the computed
-        key. Returns the warnings it gives (``RIVET_STATE_IDENTITY_ADOPTED``,
+        key, in this transaction (or in ``into``: a migration's copy, which becomes the
+        state). Returns the warnings it gives (``RIVET_STATE_IDENTITY_ADOPTED``,
         ``RIVET_STATE_FOREIGN_BESIDE_CONFIG``); a refusal never reaches here."""
         verdict = self.preflight.verdict
         if verdict is None:
             return []
         if verdict.writes:
-            self.record_identity(verdict.computed, verdict.action)
+            self.record_identity(verdict.computed, verdict.action, into=into)
         warning = identity_warning(verdict, str(self.ctx.location.directory or self.ctx.location.display),
                                    for_write=True)
         return [] if warning is None else [warning]

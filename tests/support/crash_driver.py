@@ -1,15 +1,17 @@
-"""Run ``relocate`` or ``transfer`` in a real process that SIGKILLs itself at one named step
-(the crash tests of tests/test_relocate.py and tests/test_transfer.py), forked from the
-test process's fork server (:mod:`support.forked`) so that it starts with statetool imported.
+"""Run ``relocate``, ``transfer`` or ``migrate`` in a real process that SIGKILLs itself at one
+named step (the crash tests of tests/test_relocate.py, tests/test_transfer.py and
+tests/test_migrate_crashes.py), forked from the test process's fork server
+(:mod:`support.forked`) so that it starts with statetool imported.
 
 The hook is the operation's own: :attr:`statetool.operations.context.Context.on_step` is
-told each step's name (``relocate.CRASH_POINTS``, ``copy-page-<n>``); this driver builds
+told each step's name (``relocate.CRASH_POINTS``, ``copy-page-<n>``, ``migrate.CRASH_POINTS``); this driver builds
 the Context the CLI would, with an ``on_step`` that kills the process at ``POINT``.
 Nothing in statetool reads the environment for it. As a script::
 
     python tests/support/crash_driver.py POINT -c CONFIG [--state-url URL] [--lock-wait S] \
         relocate --to DIR [--full-verify] [--create-dir]
     python tests/support/crash_driver.py POINT -c CONFIG transfer --to URL
+    python tests/support/crash_driver.py POINT -c CONFIG migrate
 
 It exits 3 when the operation ended without passing ``POINT`` (a wrong name, or a path that
 does not pass there); a failure of the operation is its traceback and exit 1.
@@ -59,6 +61,7 @@ def main(argv: list[str]) -> int:
     relocate.add_argument("--full-verify", action="store_true")
     relocate.add_argument("--create-dir", action="store_true")
     verbs.add_parser("transfer").add_argument("--to", required=True)
+    verbs.add_parser("migrate")
     options = parser.parse_args(args)
 
     def on_step(name: str) -> None:
@@ -71,6 +74,10 @@ def main(argv: list[str]) -> int:
         from statetool.operations.relocate import relocate as move
 
         move(ctx, options.to, create_dir=options.create_dir, full_verify=options.full_verify)
+    elif options.verb == "migrate":
+        from statetool.operations.migrate import migrate
+
+        migrate(ctx)
     else:
         from statetool.operations.transfer import transfer
 
