@@ -81,6 +81,9 @@ class Run:
     returncode: int
     stdout: str
     stderr: str
+    #: The child's own CPU time, user + system (seconds): on a loaded machine, where wall
+    #: times stretch with the load, what a command costs in CPU moves much less.
+    cpu_seconds: float = 0.0
 
 
 def run_child(cmd: Sequence[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,
@@ -101,7 +104,8 @@ def run_child(cmd: Sequence[str], *, cwd: Path | None = None, env: dict[str, str
         proc.returncode = os.waitstatus_to_exitcode(status)
         so.seek(0)
         se.seek(0)
-        result = Run(seconds, usage.ru_maxrss, proc.returncode, so.read(), se.read())
+        result = Run(seconds, usage.ru_maxrss, proc.returncode, so.read(), se.read(),
+                     usage.ru_utime + usage.ru_stime)
     if stdin_file is not None:
         stdin_file.close()
     return result

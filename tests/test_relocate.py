@@ -53,7 +53,8 @@ LEASES_DIR = ".rivet_state.leases"
 #: Every named crash point of relocate.py, in the order a relocation passes them.
 NAMED_POINTS = ("leases", "checkpointed", "locked", "digested", "copied", "checkpoint-copied", "audited",
                 "linked", "kept", "tombstoned", "swapped", "finished")
-#: Pages the backup API copies per step (relocate.py): copy-page-<n> fires at multiples of it.
+#: Pages between two progress reports of the copy (statetool/backends/sqlite_pages.py, the
+#: steps the backup API was driven in before): copy-page-<n> fires at multiples of it.
 PAGES_PER_STEP = 4096
 
 
@@ -580,6 +581,95 @@ def test_full_target_filesystem_fails_with_disk_full_and_leaves_the_source_untou
     proc = run_cli("-c", str(config), "relocate", "--to", str(target))
     assert proc.returncode == 0, describe(proc)
     assert_relocated(config, target, template)
+
+
+# --------------------------------------------------------------------------------------
+# 3a. The one pass over the source proves what the copy holds
+# --------------------------------------------------------------------------------------
+
+def _source_and_empty_target(template: Template, base: Path) -> tuple[Path, Path]:
+    """A copy of ``template`` under ``base`` (its config) and an empty target directory."""
+    config = template.copy_to(base)
+    (base / "volume").mkdir()
+    return config, base / "volume"
+
+
+def _assert_refused_before_the_switch(config: Path, target: Path, template: Template, before: dict[str, str]) -> None:
+    """The source as it was (leases aside), no tombstone, nothing of the move in the target."""
+    assert without_leases(tree_digest(config.parent)) == without_leases(before), "the source changed"
+    assert read_tombstone(config.parent / STATE) is None
+    assert same_rows(config.parent / STATE, template)
+    assert preflight_failures(config) == []
+    assert sorted(p.name for p in target.iterdir()) == [], "the refused relocation left files in the target"
+
+
+@pytest.mark.parametrize("fault, message", [
+    # the copy's bytes changed after they were written (each block is hashed as it is read,
+    # so only reading the copy back can see this)
+    ("scribble-copy", "differs from"),
+    # the source written past the write lock while it was copied (the copy holds what was
+    # read, so only the source's modification time can see this)
+    ("rewrite-source", "was written while it was copied"),
+])
+def test_a_copy_whose_bytes_differ_or_a_source_written_meanwhile_is_refused_verify_failed(
+        tmp_path: Path, paged: Template, fault: str, message: str) -> None:
+    config, target = _source_and_empty_target(paged, tmp_path)
+    before = tree_digest(config.parent)
+
+    proc = run_killed_at(f"{fault}@copy-page-{PAGES_PER_STEP}", "-c", str(config), "relocate", "--to", str(target))
+    assert proc.returncode == 4 and proc.stderr.startswith("RIVET_STATE_VERIFY_FAILED: "), describe(proc)
+    assert message in proc.stderr and "nothing was changed" in proc.stderr, describe(proc)
+    if fault == "scribble-copy":
+        assert "from page 2 on" in proc.stderr, describe(proc)  # the page the fault was written into
+    _assert_refused_before_the_switch(config, target, paged, before)
+
+    proc = run_cli("-c", str(config), "relocate", "--to", str(target))  # nothing wrong any more: it completes
+    assert proc.returncode == 0, describe(proc)
+    assert_relocated(config, target, paged)
+
+
+def _break_rowid_order(path: Path) -> None:
+    """Give the second row of the first leaf page of ``rivet_runs`` the rowid 127, above the
+    rowids after it: a damaged page that reads fine but fails ``quick_check``."""
+    db = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True)
+    root = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'rivet_runs'").fetchone()[0]
+    page_size = db.execute("PRAGMA page_size").fetchone()[0]
+    db.close()
+    data = bytearray(path.read_bytes())
+    page = root
+    while data[(page - 1) * page_size] == 0x05:  # an interior page: down its first child
+        start = (page - 1) * page_size
+        cell = start + int.from_bytes(data[start + 12:start + 14], "big")
+        page = int.from_bytes(data[cell:cell + 4], "big")
+    start = (page - 1) * page_size
+    assert data[start] == 0x0D and int.from_bytes(data[start + 3:start + 5], "big") >= 3, "not a table leaf"
+    cell = start + int.from_bytes(data[start + 10:start + 12], "big")  # the second cell
+    while data[cell] & 0x80:  # its payload size (a varint), then its rowid
+        cell += 1
+    assert data[cell + 1] < 0x80, "a rowid of one byte expected"
+    data[cell + 1] = 127
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("full_verify", [False, True])
+def test_a_corrupt_source_is_refused_corrupt_and_nothing_is_copied(tmp_path: Path, small: Template,
+                                                                    full_verify: bool) -> None:
+    config, target = _source_and_empty_target(small, tmp_path)
+    state = config.parent / STATE
+    _break_rowid_order(state)
+    db = sqlite3.connect(f"file:{quote(str(state))}?immutable=1", uri=True)  # creates no -wal
+    assert db.execute("PRAGMA quick_check").fetchall() != [("ok",)], "the damage is not one quick_check sees"
+    db.close()
+    before = sha256_of(state)
+
+    proc = run_cli("-c", str(config), "--json-errors", "relocate", "--to", str(target),
+                   *(("--full-verify",) if full_verify else ()))
+    err = assert_refused(proc, "RIVET_STATE_CORRUPT", 4)
+    assert str(state) in err["message"], describe(proc)
+    assert ("integrity_check" if full_verify else "quick_check") in err["message"], describe(proc)
+    assert sha256_of(state) == before, "the source changed"  # (its empty -wal goes with the writer's close)
+    assert read_tombstone(state) is None
+    assert sorted(p.name for p in target.iterdir()) == [], "the refused relocation left files in the target"
 
 
 # --------------------------------------------------------------------------------------

@@ -56,6 +56,17 @@ class Holder:
 
 
 @dataclass(frozen=True)
+class PageCopy:
+    """A move's copy of a state file (:meth:`FileMoves.copy_pages`): where it is, the page
+    digest (sha256, hex) of the bytes it was given, which is the frozen source's digest, and
+    the rows of each table of the source, counted under the same lock (``{table: rows}``)."""
+
+    path: Path
+    digest: str
+    tables: dict[str, int]
+
+
+@dataclass(frozen=True)
 class LeaseInfo:
     """One lease as seen without taking it: ``state`` is ``live``, ``stale`` or ``free``.
 
@@ -380,11 +391,14 @@ class FileMoves(Protocol):
     def discard_target(self, target: Location) -> None:
         """Remove an in-flight target that was never live, to make it again."""
 
-    def copy_pages(self, conn: Connection, target: Location, progress: Progress, full_verify: bool) -> Path:
-        """The verified copy of the source (frozen by ``conn``) beside ``target``; its path."""
+    def copy_pages(self, conn: Connection, target: Location, progress: Progress, full_verify: bool) -> PageCopy:
+        """The copy of the source (frozen by ``conn``) beside ``target``, made in one pass
+        over the source that also digests it and, in parallel, checks its pages
+        (``quick_check``; ``integrity_check`` with ``full_verify``); not fsynced yet."""
 
     def verify_pages(self, copy: Path, source_digest: str) -> None:
-        """``RIVET_STATE_VERIFY_FAILED`` unless ``copy`` has the source's page digest."""
+        """fsync ``copy`` and read it back: ``RIVET_STATE_VERIFY_FAILED`` unless it has the
+        source's page digest."""
 
     def in_flight(self, copy: Path) -> AbstractContextManager[Connection]:
         """A writing transaction on ``copy`` that leaves it marked in flight."""

@@ -2,9 +2,10 @@
 
 What a move does to SQLite files, step by step, each safe to interrupt at any instant:
 hold writers off (a WAL checkpoint; the write lock is the caller's writing transaction),
-digest the frozen file's pages, copy it with the online backup API into
-``<target>.relocating`` and verify the copy (``quick_check`` or ``integrity_check``,
-every table's row count, the page digest), write into the copy while it is in flight (its
+copy the frozen file's pages into ``<target>.relocating`` in one pass over them, digested as
+they are copied, while ``quick_check`` (or ``integrity_check``) and the row counts read the
+source in a second thread, then verify the copy (fsynced, read back: its page digest must be the source's;
+statetool/backends/sqlite_pages.py), write into the copy while it is in flight (its
 version reads :data:`~statetool.schema.IN_FLIGHT_REVISION`: every opener
 refuses it), link it into place, and at the end make it live. The source's side (its
 tombstone, the checks before the switch, the switch itself) is
@@ -24,6 +25,7 @@ import json
 import os
 import sqlite3
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -32,10 +34,11 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from statetool import migrations, schema
-from statetool.backends.base import Progress, Step
+from statetool.backends.base import PageCopy, Progress, Step
 from statetool.backends.durable import CREATE_FLAGS, fsync_dir, fsync_file, side_copy
 from statetool.backends.faults import fault
-from statetool.backends.sqlite import SqliteBackend, content_digest
+from statetool.backends.sqlite import SqliteBackend
+from statetool.backends.sqlite_pages import content_digest, copy_digested, first_difference
 from statetool.backends.tombstone import (read_tombstone, refuse_unsafe, remove_companions, require_retirable, retire,
                                           stale_tombstones, unsafe_error, wait_for_openers)
 from statetool.errors import StateError
@@ -101,31 +104,63 @@ class FileMove:
         self.backend.require_frozen()
 
     def digest(self) -> str:
-        """The page digest of the (frozen) source (:func:`~statetool.backends.sqlite.content_digest`)."""
+        """The page digest of the (frozen) source (:func:`~statetool.backends.sqlite_pages.content_digest`)."""
         return content_digest(self.source)
 
     # -- the copy ---------------------------------------------------------------------
 
-    def copy_pages(self, conn: Connection, target: Location, progress: Progress, full_verify: bool) -> Path:
-        """Copy the source, frozen by ``conn``'s write lock, into :meth:`copy_path` with the
-        backup API, verified (``quick_check``, or ``integrity_check`` with ``full_verify``;
-        every table's row count) and fsynced; ``progress(pages done, pages)``. Returns the
-        copy's path. Raises ``RIVET_STATE_VERIFY_FAILED``."""
+    def copy_pages(self, conn: Connection, target: Location, progress: Progress, full_verify: bool) -> PageCopy:
+        """Copy the source, frozen by ``conn``'s write lock, into :meth:`copy_path` in one
+        pass over its pages, digested as they are copied
+        (:func:`~statetool.backends.sqlite_pages.copy_digested`), while ``quick_check``
+        (``integrity_check`` with ``full_verify``) and the row count of every table read the
+        source in a second thread; ``progress(pages done, pages)``. Not fsynced yet:
+        :meth:`verify_pages` does it.
+
+        Raises ``RIVET_STATE_CORRUPT`` (the source fails its check, or is shorter than its
+        header says), ``RIVET_STATE_VERIFY_FAILED`` (the source changed while it was copied:
+        a writer that bypassed the lock) and the ``OSError`` of a full disk; the copy is
+        removed then."""
         copy = self.copy_path(target)
         try:
-            os.close(os.open(copy, CREATE_FLAGS, 0o644))  # checked absent or removed: never follows a link
+            fd = os.open(copy, CREATE_FLAGS, 0o644)  # checked absent or removed: never follows a link
         except FileExistsError:
             raise unsafe_error(copy, "appeared while the copy was being started") from None
-        self.backend.copy_to(conn, copy, progress, full_verify)
-        return copy
+        try:
+            before = os.stat(self.source)
+            with self.backend.checking_pages(full_verify, self.backend.table_names(conn)) as checked:
+                digest = copy_digested(self.source, fd, progress)
+                problems, tables = checked()
+            if problems:
+                raise StateError("RIVET_STATE_CORRUPT", f"{self.source} fails "
+                                 f"{'integrity_check' if full_verify else 'quick_check'}: {problems[:3]}; "
+                                 "nothing was changed", {"path": str(self.source)})
+            after = os.stat(self.source)
+            changed = (before.st_ino, before.st_size, before.st_mtime_ns) != (after.st_ino, after.st_size,
+                                                                              after.st_mtime_ns)
+            if changed or not self.backend.wal_is_empty():
+                raise StateError("RIVET_STATE_VERIFY_FAILED", f"{self.source} was written while it was copied, "
+                                 "past the write lock; nothing was changed", {"path": str(self.source)})
+        except BaseException:
+            os.close(fd)
+            copy.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return PageCopy(copy, digest, tables)
 
     def verify_pages(self, copy: Path, source_digest: str) -> None:
-        """Raise ``RIVET_STATE_VERIFY_FAILED`` (and remove the copy) unless the copy's page
-        digest equals the source's."""
-        if content_digest(copy) != source_digest:
+        """fsync the copy (in a second thread) while it is read back: raise
+        ``RIVET_STATE_VERIFY_FAILED`` (and remove the copy), naming the first page that
+        differs, unless its page digest equals the source's."""
+        with ThreadPoolExecutor(1, thread_name_prefix="fsync") as syncing:
+            synced = syncing.submit(fsync_file, copy)
+            digest = content_digest(copy)
+            synced.result()
+        if digest != source_digest:
+            page = first_difference(self.source, copy)
             copy.unlink()
-            raise StateError("RIVET_STATE_VERIFY_FAILED", f"the copy at {copy} differs from {self.source}; "
-                             "nothing was changed")
+            raise StateError("RIVET_STATE_VERIFY_FAILED", f"the copy at {copy} differs from {self.source} "
+                             f"(from page {page} on, as read back); nothing was changed", {"path": str(copy)})
 
     @contextlib.contextmanager
     def in_flight(self, copy: Path) -> Iterator[Connection]:

@@ -35,6 +35,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,8 +49,7 @@ from statetool.backends.durable import CREATE_FLAGS, fitting_name, fsync_dir, fs
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.sqlite_rows import copy_blocks
-from statetool.backends.sqlite_file import (foreign_companions, page_size_of, read_header,
-                                            refuse_unsafe_companions)
+from statetool.backends.sqlite_file import foreign_companions, read_header, refuse_unsafe_companions
 from statetool.backends.tombstone import remove_companions, wait_for_openers
 from statetool.errors import StateError, internal_error
 from statetool.location import LEASE_DIR, Location
@@ -61,28 +61,6 @@ if TYPE_CHECKING:
 #: Bytes a backup's private directory adds to the backup's name: "." + mkdtemp's 8 random
 #: characters + ".tmp".
 _PRIVATE_DIR_ROOM = 13
-
-
-def content_digest(path: Path) -> str:
-    """sha256 of a SQLite file's pages with the header fields a backup rewrites zeroed (the
-    change counter, bytes 24-27, its copy at 92-95, and the schema cookie, 40-43): a
-    page-for-page copy made by the backup API has the same digest as its source."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        header = bytearray(fh.read(100))
-        page_size = page_size_of(header)
-        remaining = int.from_bytes(header[28:32], "big") * page_size - len(header)
-        header[24:28] = header[40:44] = header[92:96] = b"\0\0\0\0"
-        digest.update(header)
-        while remaining > 0:
-            chunk = fh.read(min(1 << 20, remaining))
-            if not chunk:
-                break
-            digest.update(chunk)
-            remaining -= len(chunk)
-    return digest.hexdigest()
 
 
 class SqliteBackend:
@@ -497,16 +475,15 @@ class SqliteBackend:
             if path.is_file() and not path.is_symlink() and os.path.samefile(path, self.real):
                 path.unlink()
 
-    def _copy(self, conn: Connection, tmp: Path, progress: Progress | None, *, self_contained: bool,
-              full_verify: bool = False) -> dict[str, int]:
+    def _copy(self, conn: Connection, tmp: Path, progress: Progress | None) -> dict[str, int]:
         """Copy the state, as ``conn``'s write lock freezes it, into ``tmp`` with the online
-        backup API; verify (``quick_check``, or ``integrity_check`` with ``full_verify``) and
-        compare every table's row count; fsync. Returns ``{table: rows}``.
+        backup API, as a rollback-journal file (a backup to keep, one self-contained file);
+        verify (``quick_check``) and compare every table's row count; fsync. Returns
+        ``{table: rows}``.
 
         The copy is read through a second connection: SQLite answers SQLITE_LOCKED to a
         backup whose source connection holds a write transaction, and ``conn`` holds one
         (BEGIN IMMEDIATE) so that nobody can write between the copy and what follows.
-        ``self_contained`` turns the copy into a rollback-journal file (a backup to keep).
         """
         writer: sqlite3.Connection = conn.connection.driver_connection  # type: ignore[assignment]
         tables = sorted(self.table_names(conn))
@@ -519,10 +496,8 @@ class SqliteBackend:
                     progress(total - remaining, total)
 
             source.backup(target, pages=4096, progress=step)
-            if self_contained:
-                target.execute("PRAGMA journal_mode = DELETE")
-            pragma = "integrity_check" if full_verify else "quick_check"
-            check = [r[0] for r in target.execute(f"PRAGMA {pragma}").fetchall()]
+            target.execute("PRAGMA journal_mode = DELETE")
+            check = [r[0] for r in target.execute("PRAGMA quick_check").fetchall()]
             got = {t: target.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}
         finally:
             source.close()
@@ -530,7 +505,7 @@ class SqliteBackend:
         if check != ["ok"] or got != expected:
             tmp.unlink(missing_ok=True)
             raise StateError("RIVET_STATE_VERIFY_FAILED",
-                             f"the copy of {self.path} did not verify ({pragma} {check[:3]}, "
+                             f"the copy of {self.path} did not verify (quick_check {check[:3]}, "
                              f"row counts {got} vs {expected}); nothing was changed", {"path": str(self.path)})
         fsync_file(tmp)
         return got
@@ -560,7 +535,7 @@ class SqliteBackend:
             # a short name inside: SQLite opens no path longer than 512 bytes (unix VFS
             # MAX_PATHNAME), and the directory's name alone may take 255
             tmp = private / "backup.db"
-            self._copy(conn, tmp, progress, self_contained=True)
+            self._copy(conn, tmp, progress)
             try:
                 os.link(tmp, final)  # never replaces, never follows what stands at that name
             except FileExistsError:
@@ -569,10 +544,37 @@ class SqliteBackend:
         fsync_dir(final.parent)
         return final
 
-    def copy_to(self, conn: Connection, tmp: Path, progress: Progress | None, full_verify: bool) -> dict[str, int]:
-        """A page-for-page verified copy of the state at ``tmp`` (same journal mode), for a
-        relocation. Returns ``{table: rows}``; raises ``RIVET_STATE_VERIFY_FAILED``."""
-        return self._copy(conn, tmp, progress, self_contained=False, full_verify=full_verify)
+    @contextlib.contextmanager
+    def checking_pages(self, full: bool, tables: set[str]) -> Iterator[Callable[[], tuple[list[str], dict[str, int]]]]:
+        """``PRAGMA quick_check`` (``integrity_check`` when ``full``, which reads every index
+        too) of the state, then the row count of each of ``tables``, in a second thread on a
+        read-only connection of its own, while the caller's block runs (a move's copy of the
+        same frozen file: the two reads share the page cache, and SQLite releases the GIL).
+        Yields the function that waits for them and returns ``(problems, {table: rows})``:
+        no problem is ``ok``, and no rows are counted after a problem. An error raised by the
+        block interrupts the check (``sqlite3_interrupt``)."""
+        db = sqlite3.connect(f"file:{self._quoted(self.path)}?mode=ro", uri=True, timeout=self.lock_wait,
+                             check_same_thread=False)
+
+        def check() -> tuple[list[str], dict[str, int]]:
+            try:
+                rows = [r[0] for r in db.execute(f"PRAGMA {'integrity_check' if full else 'quick_check'}")]
+                if rows != ["ok"]:
+                    return rows, {}
+                return [], {t: db.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in sorted(tables)}
+            except sqlite3.Error as err:  # "database disk image is malformed", "interrupted"
+                return [str(err)], {}
+
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="page-check") as pool:
+                checking = pool.submit(check)
+                try:
+                    yield checking.result
+                except BaseException:
+                    db.interrupt()
+                    raise
+        finally:
+            db.close()
 
     def checkpoint_wal(self) -> None:
         """Move every committed WAL frame into the database file and truncate the ``-wal``

@@ -7,9 +7,10 @@ The order, each step safe to interrupt at any instant:
    relocation of THIS source left there).
 2. Hold off writers: every run lease of the config's and the state's exports, then the
    SQLite write lock (after a WAL checkpoint, so the file alone holds every committed row).
-3. Copy with the online backup API into ``<target>/.rivet_state.db.relocating``; verify
-   (``quick_check`` or ``--full-verify``'s ``integrity_check``, every table's row count,
-   and a digest of every page compared with the source's); fsync.
+3. Copy the source's pages into ``<target>/.rivet_state.db.relocating`` in one pass over
+   them, digested as they are copied, while ``quick_check`` (``--full-verify``:
+   ``integrity_check``) reads the source in a second thread; fsync the copy while it is
+   read back, its page digest compared with the source's.
 4. Copy each CDC checkpoint with a relative path to where it resolves under the target
    (temporary file, fsync, rename; sha256 compared).
 5. Write an audit row into the copy (from, to, source digest, the command that finishes
@@ -44,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -144,15 +144,12 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
     with contextlib.ExitStack() as stack:
         # 2. hold off writers: the run leases, a WAL checkpoint, the write lock
         session = _hold_off_writers(ctx, stack, move, pf, exports)
-        # The source's digest is read in a second thread while the backup API copies it
-        # (hashlib releases the GIL): the two reads of the frozen file overlap.
-        digesting = stack.enter_context(ThreadPoolExecutor(1)).submit(move.digest)
         if resume is not None:
-            resume = _resumable(ctx, move, target, resume, result, digesting)
+            resume = _resumable(ctx, move, target, resume, result)
         with move.removed_when_full(target, [Path(m.target) for m in result.checkpoints]):
             if resume is None:
                 # 3. copy and verify; 4. the checkpoints; 5. audit, in flight, linked into place
-                copy = _copy_and_verify(ctx, move, session, target, result, full_verify, digesting)
+                copy = _copy_and_verify(ctx, move, session, target, result, full_verify)
                 _copy_checkpoints(result.checkpoints)
                 ctx.on_step("checkpoint-copied")
                 _audit_in_flight(ctx, session, move, copy, target, result)
@@ -227,8 +224,9 @@ def _already_relocated(move: FileMoves, target: Location, tomb: dict[str, Any], 
 def _pre_flight(ctx: Context, move: FileMoves, target: Location, dry_run: bool
                 ) -> tuple[Preflight, dict[str, object] | None, RelocateResult, list[str]]:
     """Every check of the source and the target (a dry run the same), before anything is
-    written: the pre-flight, the plan (row counts, checkpoints, the exports whose run leases
-    are taken), the room on the target. Returns the pre-flight, the audit detail of this
+    written: the pre-flight, the plan (checkpoints, the exports whose run leases are taken;
+    row counts for a dry run or a resume, since a copy counts the rows it copies), the room
+    on the target. Returns the pre-flight, the audit detail of this
     source's own unfinished relocation into the target (to resume it) or None, the plan,
     and the exports."""
     assert target.path is not None and target.directory is not None
@@ -242,7 +240,8 @@ def _pre_flight(ctx: Context, move: FileMoves, target: Location, dry_run: bool
         require_writable(ctx)  # the guarded write's own first refusal: the dry run gives it too
     resume = _check_target(ctx, move, target) if target.directory.is_dir() else None
     with ctx.backend().reading() as conn:
-        tables = row_counts(conn, snap.tables)
+        # a copy counts the rows it copied, beside its check of the pages (copy_pages)
+        tables = row_counts(conn, snap.tables) if dry_run or resume is not None else {}
         exports = sorted({e.name for e in ctx.config.exports} | export_names(conn))
     result = RelocateResult(
         str(move.source), str(target.path), target.state_url, move.source.stat().st_size, tables,
@@ -335,12 +334,12 @@ def _hold_off_writers(ctx: Context, stack: contextlib.ExitStack, move: FileMoves
 
 
 def _resumable(ctx: Context, move: FileMoves, target: Location, resume: dict[str, object],
-               result: RelocateResult, digesting: Future[str]) -> dict[str, object] | None:
+               result: RelocateResult) -> dict[str, object] | None:
     """``resume`` when the source's digest is what this source's relocation in flight
     recorded (straight to the switch); else None, the copy in flight removed. The source
     was written after the kill: the copy was never live (no one could open it), so it is
     simply made again."""
-    result.source_digest = digesting.result()
+    result.source_digest = move.digest()
     ctx.on_step("digested")
     if resume.get("source_digest") == result.source_digest:
         return resume
@@ -351,9 +350,11 @@ def _resumable(ctx: Context, move: FileMoves, target: Location, resume: dict[str
 # -- 3. to 5. copy, verify, checkpoints, audit, link --------------------------------------
 
 def _copy_and_verify(ctx: Context, move: FileMoves, session: WriteSession, target: Location, result: RelocateResult,
-                     full_verify: bool, source_digest: Future[str]) -> Path:
-    """The verified copy of the frozen source beside the target (the backup API; its
-    page digest equal to the source's). Returns its path."""
+                     full_verify: bool) -> Path:
+    """The verified copy of the frozen source beside the target: one pass over the source
+    (copied, digested, its pages checked and its rows counted at once: the plan's row
+    counts are those of the copy), then the copy fsynced and read back, its page digest
+    equal to the source's. Returns its path."""
 
     with ctx.progress("copying") as update:
         def progress(done: int, total: int) -> None:
@@ -361,11 +362,11 @@ def _copy_and_verify(ctx: Context, move: FileMoves, session: WriteSession, targe
             ctx.on_step(f"copy-page-{done}")
 
         copy = move.copy_pages(session.conn, target, progress, full_verify)
-    result.source_digest = source_digest.result()
+    result.source_digest, result.tables = copy.digest, copy.tables
     ctx.on_step("digested")
-    move.verify_pages(copy, result.source_digest)
+    move.verify_pages(copy.path, copy.digest)
     ctx.on_step("copied")
-    return copy
+    return copy.path
 
 
 def _copy_checkpoints(moves: list[CheckpointMove]) -> None:

@@ -15,6 +15,16 @@ Nothing in statetool reads the environment for it. As a script::
 
 It exits 3 when the operation ended without passing ``POINT`` (a wrong name, or a path that
 does not pass there); a failure of the operation is its traceback and exit 1.
+
+``POINT`` may also be ``FAULT@STEP``: at ``STEP`` the driver does not kill the move but
+writes a fault into one of its files, from outside the move's code, and lets it go on
+(relocate only; the move's ``StateError`` then ends the driver with ``CODE: message`` on
+stderr and the code's exit status):
+
+* ``scribble-copy``: one byte of the copy's second page (``<to>/.rivet_state.db.relocating``)
+  is changed, after the move wrote it (what a faulty disk, cache or another process does);
+* ``rewrite-source``: the source's second page is written again with its own bytes by
+  another open of the file, past the SQLite write lock (a writer that ignores the lock).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 DRIVER = Path(__file__).resolve()
@@ -46,6 +57,7 @@ def run_killed_at(point: str, *args: str, timeout: float = 120) -> subprocess.Co
 
 
 def main(argv: list[str]) -> int:
+    from statetool.backends.sqlite_file import page_size_of
     from statetool.location import DEFAULT_CONFIG
     from statetool.operations.context import Context
     from statetool.redact import command_line
@@ -64,16 +76,45 @@ def main(argv: list[str]) -> int:
     verbs.add_parser("migrate")
     options = parser.parse_args(args)
 
+    fault, _, step = point.rpartition("@")
+
     def on_step(name: str) -> None:
-        if name == point:
+        if name != step:
+            return
+        if not fault:
             os.kill(os.getpid(), signal.SIGKILL)
+        source = ctx.location.real_path or ctx.location.path
+        assert source is not None
+        page_size = page_size_of(source.read_bytes()[:100])
+        if fault == "scribble-copy":
+            with open(Path(options.to) / ".rivet_state.db.relocating", "r+b") as fh:
+                fh.seek(page_size + 17)
+                byte = fh.read(1)
+                fh.seek(page_size + 17)
+                fh.write(bytes([byte[0] ^ 0xFF]))
+        elif fault == "rewrite-source":
+            with open(source, "r+b") as fh:
+                fh.seek(page_size)
+                page = fh.read(page_size)
+                time.sleep(0.01)  # a later modification time than the copy's start, on any clock granularity
+                fh.seek(page_size)
+                fh.write(page)
+        else:
+            raise SystemExit(f"crash_driver: no fault {fault!r}")
 
     ctx = Context(options.config, options.state_url, dict(os.environ), options.lock_wait,
                   command_line(["statetool", *args]), on_step=on_step)
     if options.verb == "relocate":
+        from statetool.errors import StateError
         from statetool.operations.relocate import relocate as move
 
-        move(ctx, options.to, create_dir=options.create_dir, full_verify=options.full_verify)
+        try:
+            move(ctx, options.to, create_dir=options.create_dir, full_verify=options.full_verify)
+        except StateError as err:
+            if not fault:
+                raise
+            sys.stderr.write(f"{err.code}: {err.message}\n")
+            return err.exit_code
     elif options.verb == "migrate":
         from statetool.operations.migrate import migrate
 
