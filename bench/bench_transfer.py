@@ -1,7 +1,8 @@
 """Transfer speed: ``statetool transfer`` of a SQLite state with --runs run rows (default
-5,000,000) into PostgreSQL vs ``pgloader`` loading the same SQLite file into the same
-server, side by side (goals: statetool rows/s >= pgloader rows/s, statetool's peak RSS
-< 200 MiB).
+5,000,000, about 1 GiB) into PostgreSQL vs ``pgloader`` loading the same SQLite file into the
+same server, and vs the floor: a plain psycopg COPY of the same rows into unindexed tables,
+then CREATE INDEX, in one transaction (goals, issue 13: statetool <= 0.6 x pgloader's time,
+<= 1.25 x the floor's, statetool's peak RSS <= 200 MiB).
 
 The state is built once at head (``statetool init``, then one ``executemany`` into
 ``rivet_runs`` in one transaction) and copied afresh before every run of either side.
@@ -18,16 +19,25 @@ What each side does, timed from process start to exit:
   and content checksum compared with the source), commit, tombstone at the old place.
 * pgloader: reads the SQLite catalog, creates the tables in a fresh schema, ``COPY``
   with its default workers, then indexes, primary keys and sequences; no verification.
+* floor (:data:`FLOOR`, a Python child on the same interpreter): in one transaction,
+  every table of the SQLite file created without keys or indexes, its rows read with
+  ``sqlite3`` and sent with psycopg's ``copy.write_row`` (COPY text), then the primary keys
+  and the indexes of the SQLite file built, COMMIT; no verification, no lease, no tombstone.
 
-Each run loads into its own schema, dropped (untimed) before the next run. After the
-runs the row counts of both destinations are checked against the source.
+Each run loads into its own schema, dropped (untimed) before the next run. The three sides
+run in turn, the order rotated every round. After the runs the row counts of every
+destination are checked against the source. ``--scaling`` adds how statetool's time grows:
+one run of statetool and of the floor at 1/10 and 1/2 of --runs (0.1 and 0.5 GiB at the
+default), beside the full size.
 
     /tmp/v/bin/python bench/bench_transfer.py                      # 5,000,000 runs, 1 run per side
+    /tmp/v/bin/python bench/bench_transfer.py --scaling            # and at 500,000 and 2,500,000 runs
     /tmp/v/bin/python bench/bench_transfer.py --runs 500000 -n 3   # quick run
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -42,17 +52,50 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import (REPO, Case, Row, Run, compile_packages, header, measure, measured_env, parse_args,  # noqa: E402
-                      as_postgres, pg_bindir, print_table, run_child)
+from _harness import (REPO, Case, Row, Run, compile_packages, header, measured_env, parse_args,  # noqa: E402
+                      as_postgres, pg_bindir, print_table, ratio_row, run_child)
 
 RSS_GOAL_MIB = 200
+#: statetool's time over pgloader's, and over the floor's (issue 13).
+PGLOADER_GOAL = 0.6
+FLOOR_GOAL = 1.25
+#: The floor: ``python -c FLOOR SQLITE_FILE URL SCHEMA``.
+FLOOR = """\
+import sqlite3, sys
+import psycopg
+path, url, schema = sys.argv[1:]
+db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")]
+with psycopg.connect(url) as pg, pg.cursor() as cur:
+    cur.execute(f'CREATE SCHEMA "{schema}"')
+    cur.execute(f'SET search_path = "{schema}"')
+    keys, indexes = [], []
+    for table in tables:
+        info = list(db.execute(f'PRAGMA table_info("{table}")'))
+        names = [r[1] for r in info]
+        typed = ", ".join(f'"{r[1]}" {"bigint" if "INT" in r[2].upper() else "text"}{" NOT NULL" if r[3] else ""}'
+                          for r in info)
+        cur.execute(f'CREATE TABLE "{table}" ({typed})')
+        pk = [r[1] for r in sorted(info, key=lambda r: r[5]) if r[5]]
+        if pk:
+            keys.append(f'ALTER TABLE "{table}" ADD PRIMARY KEY ({", ".join(pk)})')
+        for _seq, index, unique, origin, _partial in db.execute(f'PRAGMA index_list("{table}")'):
+            if origin == "pk":
+                continue
+            on = ", ".join(r[2] for r in db.execute(f'PRAGMA index_info("{index}")'))
+            indexes.append(f'CREATE {"UNIQUE " if unique else ""}INDEX "{index}" ON "{table}" ({on})')
+        quoted = ", ".join(f'"{n}"' for n in names)
+        with cur.copy(f'COPY "{table}" ({quoted}) FROM STDIN') as copy:
+            rows = db.execute(f'SELECT {quoted} FROM "{table}"')
+            while batch := rows.fetchmany(5000):
+                for row in batch:
+                    copy.write_row(row)
+    for statement in keys + indexes:
+        cur.execute(statement)
+"""
 
 
 # -- the PostgreSQL server --------------------------------------------------------------------
-
-
-
-
 
 
 def _free_port() -> int:
@@ -217,19 +260,124 @@ def mib(kib: float) -> str:
     return f"{kib / 1024:.0f} MiB"
 
 
+def _extra_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runs", type=int, default=5_000_000, help="run rows in the state (default 5,000,000)")
+    parser.add_argument("--scaling", action="store_true",
+                        help="also one run of statetool and of the floor at 1/10 and 1/2 of --runs")
+
+
+class Bench:
+    """The three sides at one size: a state of ``runs`` runs built in ``tmp/<runs>``, the
+    schemas each run loads into (dropped before the next run) and the commands."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path, base_url: str, target: str, pgloader: str,
+                 env: dict[str, str], runs: int) -> None:
+        self.args, self.base_url, self.target, self.pgloader, self.env = args, base_url, target, pgloader, env
+        self.statetool = str(args.bin / "statetool")
+        self.work = tmp / str(runs)
+        golden_dir = self.work / "golden"
+        golden_dir.mkdir(parents=True)
+        started = time.perf_counter()
+        self.counts = build_state(args.python, self.statetool, golden_dir, runs, env)
+        self.golden = golden_dir / ".rivet_state.db"
+        self.size = self.golden.stat().st_size
+        self.total_rows = sum(self.counts.values())
+        print(f"built the state in {time.perf_counter() - started:.1f} s (not measured): "
+              f"{self.size / 2**20:.0f} MiB, {self.total_rows:,} rows in {len(self.counts)} tables "
+              f"(rivet_runs {self.counts['rivet_runs']:,})")
+        self.st_dir, self.peer_dir = self.work / "statetool", self.work / "peer"
+        self.st_dir.mkdir()
+        self.peer_dir.mkdir()
+        shutil.copyfile(golden_dir / "rivet.yaml", self.st_dir / "rivet.yaml")
+        self.peer_db = self.peer_dir / "state.db"
+        self.schemas: dict[str, list[str]] = {"statetool": [], "pgloader": [], "floor": []}
+        self.pgloader_case = Case("transfer vs pgloader", self.run_statetool, self.run_pgloader, PGLOADER_GOAL,
+                                  f"ratio <= {PGLOADER_GOAL:g}", prepare_statetool=self.fresh_statetool,
+                                  prepare_peer=self.fresh_pgloader, check=self.check)
+        self.floor_case = Case("transfer vs COPY-then-index floor", self.run_statetool, self.run_floor, FLOOR_GOAL,
+                               f"ratio <= {FLOOR_GOAL:g}", prepare_peer=self.fresh_floor, check=self.check_floor)
+
+    def drop_schemas(self) -> None:
+        for names in self.schemas.values():
+            for name in names:
+                psql(self.base_url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+    def _next(self, side: str) -> str:
+        self.drop_schemas()
+        self.schemas[side].append(f"bench_{side}_{len(self.schemas[side])}")
+        return self.schemas[side][-1]
+
+    def fresh_statetool(self) -> None:
+        self._next("statetool")
+        for p in self.st_dir.glob(".rivet_state.*"):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        shutil.copyfile(self.golden, self.st_dir / ".rivet_state.db")
+
+    def fresh_pgloader(self) -> None:
+        schema = self._next("pgloader")
+        self.peer_db.unlink(missing_ok=True)
+        shutil.copyfile(self.golden, self.peer_db)
+        (self.peer_dir / "load.pgl").write_text(load_file(self.peer_db, self.target, schema))
+
+    def fresh_floor(self) -> None:
+        self._next("floor")
+
+    def run_statetool(self) -> Run:
+        return run_child([self.statetool, "-c", str(self.st_dir / "rivet.yaml"), "--json", "transfer", "--to",
+                          with_schema(self.base_url, self.schemas["statetool"][-1])], cwd=self.st_dir, env=self.env)
+
+    def run_pgloader(self) -> Run:
+        return run_child([self.pgloader, str(self.peer_dir / "load.pgl")], cwd=self.peer_dir, env=self.env)
+
+    def run_floor(self) -> Run:
+        return run_child([self.args.python, "-c", FLOOR, str(self.golden), self.base_url, self.schemas["floor"][-1]],
+                         cwd=self.peer_dir, env=self.env)
+
+    def check(self, side: str, run: Run) -> None:
+        name = {"peer": "pgloader"}.get(side, side)
+        schema = self.schemas[name][-1]
+        got = psql(self.base_url, f'SELECT count(*) FROM "{schema}".rivet_runs')[0][0]
+        if got != self.counts["rivet_runs"]:
+            raise SystemExit(f"{name} left {got} rows in {schema}.rivet_runs, not {self.counts['rivet_runs']}:\n"
+                             f"{run.stdout[-1500:]}\n{run.stderr[-1500:]}")
+        if side == "statetool":
+            doc = json.loads(run.stdout)
+            if not (doc["done"] and all(t["verified"] for t in doc["tables"])):
+                raise SystemExit(f"statetool transfer did not complete: {doc.get('message')}")
+
+    def check_floor(self, side: str, run: Run) -> None:
+        self.check("floor", run)
+
+    def measure(self, repeat: int, pgloader: bool) -> None:
+        """``repeat`` rounds of the sides in turn (statetool, pgloader, floor; the order
+        rotated each round), no warm-up: one run is minutes long."""
+        sides = [(self.pgloader_case, "statetool"), (self.floor_case, "peer")]
+        if pgloader:
+            sides.insert(1, (self.pgloader_case, "peer"))
+        for i in range(repeat):
+            for case, side in sides[i % len(sides):] + sides[:i % len(sides)]:
+                case.once(side, record=True)
+            print(f"  round {i + 1}/{repeat}: statetool {self.pgloader_case.times['statetool'][-1]:.1f} s"
+                  + (f", pgloader {self.pgloader_case.times['peer'][-1]:.1f} s" if pgloader else "")
+                  + f", floor {self.floor_case.times['peer'][-1]:.1f} s")
+        self.floor_case.times["statetool"] = self.pgloader_case.times["statetool"]
+        self.floor_case.rss["statetool"] = self.pgloader_case.rss["statetool"]
+        self.drop_schemas()
+
+
 def main() -> int:
-    args = parse_args(__doc__.splitlines()[0], repeat=1, extra=lambda p: p.add_argument(
-        "--runs", type=int, default=5_000_000, help="run rows in the state (default 5,000,000)"))
+    args = parse_args(__doc__.splitlines()[0], repeat=1, extra=_extra_options)
     compiled = compile_packages(args.python)
-    header(f"bench_transfer: statetool transfer vs pgloader, a SQLite state with {args.runs:,} runs", args, compiled)
+    header(f"bench_transfer: statetool transfer vs pgloader and vs a COPY-then-index floor, a SQLite state with "
+           f"{args.runs:,} runs", args, compiled)
     pgloader = ensure_pgloader()
     version = subprocess.run([pgloader, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     env = measured_env()
-    statetool = str(args.bin / "statetool")
     tmp_obj = tempfile.TemporaryDirectory(prefix="statetool-bench-transfer-")
     tmp = Path(tmp_obj.name)
     tmp.chmod(0o755)
     cluster: Cluster | None = None
+    scaled: list[Bench] = []
     try:
         given = os.environ.get("STATETOOL_TEST_PG_URL")
         if given:
@@ -251,64 +399,13 @@ def main() -> int:
         server = psql(base_url, "SHOW server_version")[0][0]
         print(f"pgloader: {version}; PostgreSQL {server}; pgloader connects through {target}")
 
-        golden_dir = tmp / "golden"
-        golden_dir.mkdir()
-        started = time.perf_counter()
-        counts = build_state(args.python, statetool, golden_dir, args.runs, env)
-        golden = golden_dir / ".rivet_state.db"
-        total_rows = sum(counts.values())
-        print(f"built the state in {time.perf_counter() - started:.1f} s (not measured): "
-              f"{golden.stat().st_size / 2**20:.0f} MiB, {total_rows:,} rows in {len(counts)} tables "
-              f"(rivet_runs {counts['rivet_runs']:,})")
-
-        st_dir, peer_dir = tmp / "statetool", tmp / "peer"
-        st_dir.mkdir()
-        peer_dir.mkdir()
-        shutil.copyfile(golden_dir / "rivet.yaml", st_dir / "rivet.yaml")
-        peer_db = peer_dir / "state.db"
-        schemas: dict[str, list[str]] = {"statetool": [], "peer": []}
-
-        def drop_schemas() -> None:
-            for names in schemas.values():
-                for name in names:
-                    psql(base_url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
-
-        def fresh_statetool() -> None:
-            drop_schemas()
-            for p in st_dir.glob(".rivet_state.*"):
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-            shutil.copyfile(golden, st_dir / ".rivet_state.db")
-            schemas["statetool"].append(f"bench_st_{len(schemas['statetool'])}")
-
-        def fresh_peer() -> None:
-            drop_schemas()
-            peer_db.unlink(missing_ok=True)
-            shutil.copyfile(golden, peer_db)
-            schemas["peer"].append(f"bench_pgl_{len(schemas['peer'])}")
-            (peer_dir / "load.pgl").write_text(load_file(peer_db, target, schemas["peer"][-1]))
-
-        def run_statetool() -> Run:
-            return run_child([statetool, "-c", str(st_dir / "rivet.yaml"), "--json", "transfer", "--to",
-                              with_schema(base_url, schemas["statetool"][-1])], cwd=st_dir, env=env)
-
-        def run_peer() -> Run:
-            return run_child([pgloader, str(peer_dir / "load.pgl")], cwd=peer_dir, env=env)
-
-        def check(side: str, run: Run) -> None:
-            schema = schemas[side][-1]
-            got = psql(base_url, f'SELECT count(*) FROM "{schema}".rivet_runs')[0][0]
-            if got != counts["rivet_runs"]:
-                raise SystemExit(f"{side} left {got} rows in {schema}.rivet_runs, not {counts['rivet_runs']}:\n"
-                                 f"{run.stdout[-1500:]}\n{run.stderr[-1500:]}")
-            if side == "statetool":
-                doc = json.loads(run.stdout)
-                if not (doc["done"] and all(t["verified"] for t in doc["tables"])):
-                    raise SystemExit(f"statetool transfer did not complete: {doc.get('message')}")
-
-        case = Case("transfer", run_statetool, run_peer, 1.0, "statetool rows/s >= pgloader rows/s",
-                    prepare_statetool=fresh_statetool, prepare_peer=fresh_peer, check=check)
-        measure([case], args.repeat, warmup=0)
-        drop_schemas()
+        bench = Bench(args, tmp, base_url, target, pgloader, env, args.runs)
+        bench.measure(args.repeat, pgloader=True)
+        if args.scaling:
+            for runs in (args.runs // 10, args.runs // 2):
+                print(f"scaling: {runs:,} runs")
+                scaled.append(Bench(args, tmp, base_url, target, pgloader, env, runs))
+                scaled[-1].measure(1, pgloader=False)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -317,23 +414,33 @@ def main() -> int:
         else:
             tmp_obj.cleanup()
 
+    case, floor = bench.pgloader_case, bench.floor_case
     st_s, peer_s = case.median("statetool"), case.median("peer")
-    st_rate, peer_rate = total_rows / st_s, total_rows / peer_s
-    rss_st, rss_peer = max(case.rss["statetool"]), max(case.rss["peer"])
-    speed_ok = st_rate >= peer_rate
-    rss_ok = rss_st < RSS_GOAL_MIB * 1024
+    rss_st, rss_peer, rss_floor = max(case.rss["statetool"]), max(case.rss["peer"]), max(floor.rss["peer"])
+    rss_ok = rss_st <= RSS_GOAL_MIB * 1024
     rows = [
-        Row("wall time (median)", f"{st_s:.1f} s", f"{peer_s:.1f} s", f"{st_s / peer_s:.2f}", "-", "-"),
-        Row(f"rows/s ({total_rows:,} rows)", f"{st_rate:,.0f}", f"{peer_rate:,.0f}", f"{st_rate / peer_rate:.2f}",
-            "statetool >= pgloader", "PASS" if speed_ok else "FAIL"),
-        Row("peak RSS (max of runs)", mib(rss_st), mib(rss_peer), "-", f"statetool < {RSS_GOAL_MIB} MiB",
-            "PASS" if rss_ok else "FAIL"),
+        ratio_row(case),
+        ratio_row(floor),
+        Row(f"rows/s ({bench.total_rows:,} rows)", f"{bench.total_rows / st_s:,.0f}", f"{bench.total_rows / peer_s:,.0f}",
+            f"{peer_s / st_s:.2f}", "- (pgloader)", "-"),
+        Row("peak RSS (max of runs)", mib(rss_st), f"{mib(rss_peer)} / floor {mib(rss_floor)}", "-",
+            f"statetool <= {RSS_GOAL_MIB} MiB", "PASS" if rss_ok else "FAIL"),
     ]
-    print_table(rows, f"transfer SQLite -> PostgreSQL, {args.runs:,} runs ({args.repeat} run(s) per side, "
-                      "alternated; peer = pgloader, same file, same server)")
+    print_table(rows, f"transfer SQLite -> PostgreSQL, {args.runs:,} runs, {bench.size / 2**30:.2f} GiB "
+                      f"({args.repeat} run(s) per side, order rotated; peers = pgloader and the floor, same file, "
+                      "same server)")
     print(f"statetool runs: {', '.join(f'{t:.1f} s' for t in case.times['statetool'])}; "
-          f"pgloader runs: {', '.join(f'{t:.1f} s' for t in case.times['peer'])}")
-    return 0 if speed_ok and rss_ok else 1
+          f"pgloader runs: {', '.join(f'{t:.1f} s' for t in case.times['peer'])}; "
+          f"floor runs: {', '.join(f'{t:.1f} s' for t in floor.times['peer'])}")
+    if scaled:
+        print("\nhow the cost grows (one run per side at the smaller sizes; linear: s/GiB about constant)")
+        print(f"{'runs':>10}  {'GiB':>5}  {'statetool':>9}  {'s/GiB':>6}  {'floor':>7}  {'s/GiB':>6}  ratio")
+        for b in [*scaled, bench]:
+            st, fl = b.pgloader_case.median("statetool"), b.floor_case.median("peer")
+            gib = b.size / 2**30
+            print(f"{b.counts['rivet_runs']:>10,}  {gib:>5.2f}  {st:>8.1f}s  {st / gib:>6.1f}  {fl:>6.1f}s  "
+                  f"{fl / gib:>6.1f}  {st / fl:.2f}")
+    return 0 if case.passed and floor.passed and rss_ok else 1
 
 
 if __name__ == "__main__":

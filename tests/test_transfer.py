@@ -838,3 +838,79 @@ def test_dry_run_changes_nothing_and_prints_tables_rows_bytes_checkpoints_and_th
         assert f"set cdc.checkpoint to {path}" in text
     assert "nothing was changed" in text
     no_secret(secret, human.stdout, human.stderr, as_json.stdout, as_json.stderr)
+
+
+# -- the COPY path itself: the checksum both ends compute, the read-ahead thread ---------------
+
+
+def test_the_rows_checksum_in_python_is_the_one_postgresql_computes_for_the_same_texts(admin: str) -> None:
+    from statetool.backends.copy_text import sum60
+
+    texts = [NASTY, LITERAL_NULL_MARK, "", "r0000000001\torders\t\\N", "ünïcødé 🚀" * 40,
+             *(f"r{i:010d}\t{i * 7919}\t{'x' * (i % 97)}" for i in range(5000))]
+    rows = pg_fetch(admin, "SELECT coalesce(sum(('x' || substr(md5(t), 1, 15))::bit(60)::bigint), 0) "
+                           "FROM unnest(%s::text[]) AS t", (texts,))
+    assert sum60([t.encode() for t in texts]) == int(rows[0][0])
+    assert sum60([]) == 0
+
+
+def _receiving(pg_url: str, tmp_path: Path) -> Any:
+    from statetool.backends import open_backend
+    from statetool.location import resolve_location
+
+    return open_backend(resolve_location(None, pg_url, tmp_path / "rivet.yaml"), 0)
+
+
+def _blocks(n: int, fail: BaseException | None, bad: bool = False) -> Iterator[Any]:
+    from statetool.backends.copy_text import Block, sum60
+
+    for i in range(n):
+        lines = [f"b{i}-{j}\t{j}".encode() for j in range(1000)]
+        yield Block(b"\n".join(lines) + b"\n", len(lines), sum60(lines))
+    if bad:
+        yield Block(b"only one column\n", 1, 0)
+    if fail is not None:
+        raise fail
+
+
+@pytest.mark.parametrize("where", ["source", "server"])
+def test_an_error_reading_the_source_or_in_the_copy_is_raised_the_reader_stops_and_nothing_is_committed(
+        where: str, admin: str, pg_url: str, tmp_path: Path) -> None:
+    import threading
+
+    from statetool.backends.postgres_copy import READ_AHEAD_BLOCKS
+
+    dest = _receiving(pg_url, tmp_path)
+    schema = split_url(pg_url)[1]
+    broken = sqlite3.OperationalError("disk I/O error")
+    with pytest.raises(Exception) as raised:
+        with dest.receiving() as conn:
+            conn.exec_driver_sql("CREATE TABLE t (k text PRIMARY KEY, v bigint)")
+            # more blocks than the reader may hold ahead: it is stopped while it waits for room
+            dest.copy_into(conn, "t", ["k", "v"], _blocks(READ_AHEAD_BLOCKS * 3, broken if where == "source" else None,
+                                                          bad=where == "server"), 0, lambda n: None)
+    if where == "source":
+        assert raised.value is broken, raised.value
+    else:
+        assert getattr(raised.value, "code", None) == "RIVET_INTERNAL", raised.value  # a malformed COPY row: 22P04
+    assert not [t for t in threading.enumerate() if t.name == "statetool-read-ahead"], "the reader thread outlived it"
+    assert pg_fetch(admin, "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                           "WHERE n.nspname = %s", (schema,)) == [(0,)], "something of the failed COPY was committed"
+
+
+def test_a_table_is_loaded_in_order_and_what_it_gained_is_what_was_sent(pg_url: str, tmp_path: Path,
+                                                                         admin: str) -> None:
+    dest = _receiving(pg_url, tmp_path)
+    seen: list[int] = []
+    with dest.receiving() as conn:
+        conn.exec_driver_sql("CREATE TABLE t (k text PRIMARY KEY, v bigint)")
+        loaded = dest.copy_into(conn, "t", ["k", "v"], _blocks(20, None), 20_000, seen.append)
+    assert (loaded.sent_rows, loaded.gained_rows) == (20_000, 20_000)
+    assert loaded.sent_checksum == loaded.gained_checksum
+    assert seen == [1000] * 20
+    schema = split_url(pg_url)[1]
+    assert pg_fetch(admin, f'SELECT k FROM "{schema}".t ORDER BY ctid LIMIT 3') == [("b0-0",), ("b0-1",), ("b0-2",)]
+    # the big empty table was loaded without its key, built again after the COPY
+    assert pg_fetch(admin, "SELECT count(*) FROM pg_constraint c JOIN pg_class t ON t.oid = c.conrelid JOIN "
+                           "pg_namespace n ON n.oid = t.relnamespace WHERE n.nspname = %s AND c.contype = 'p'",
+                    (schema,)) == [(1,)]

@@ -2,17 +2,23 @@
 
 What ``statetool transfer`` does on its destination, inside its one transaction:
 :func:`copy_into` loads a table from blocks of COPY text
-(:mod:`statetool.backends.copy_text`) and counts what the table gained with the
-server-side :func:`table_checksum`; a big table that is empty first has its indexes and
-key constraints dropped and built again after the COPY (:func:`defer_indexes`).
+(:mod:`statetool.backends.copy_text`), read from the source ahead of the COPY on a thread
+of their own (:func:`read_ahead`), and counts what the table gained with the server-side
+:func:`table_checksum`; a big table that is empty first has its indexes and key
+constraints dropped and built again after the COPY (:func:`defer_indexes`). Why text and
+one connection: docs/decisions.md, "Relocation and transfer".
 :func:`drop_tables` discards a copy that never went live. Every statement runs on the
 caller's connection: nothing here commits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
@@ -21,6 +27,13 @@ from statetool.backends.postgres_faults import ident
 
 #: From this many rows on, an empty table's indexes are built after its COPY, not during it.
 DEFER_INDEXES_ROWS = 10_000
+#: Blocks read from the source ahead of the COPY (:func:`read_ahead`): enough to keep the
+#: server busy while the next one is read, few enough to keep memory flat (a block of
+#: runs is about 0.7 MB).
+READ_AHEAD_BLOCKS = 4
+#: Seconds the reading thread waits for room in the queue before it looks whether the
+#: COPY was given up.
+_OFFER_SECONDS = 0.1
 
 
 def table_checksum(conn: Connection, table: str, columns: list[str]) -> tuple[int, int]:
@@ -61,21 +74,74 @@ def copy_into(conn: Connection, table: str, columns: list[str], blocks: Iterable
     :data:`DEFER_INDEXES_ROWS` gets its indexes built after the COPY). ``progress(n)`` is
     called with each block's row count once the block is written. Returns what was sent
     and what the table gained; the caller compares them. Driver errors propagate (the
-    session that yielded ``conn`` translates them)."""
+    session that yielded ``conn`` translates them: those of the COPY, met on the driver's
+    own cursor, are handed on as SQLAlchemy's, so a full disk during the COPY is
+    ``RIVET_STATE_DISK_FULL`` as anywhere else); an error of the source's blocks is raised
+    as the source raised it."""
     before_rows, before_sum = table_checksum(conn, table, columns)
     rebuild = defer_indexes(conn, table) if before_rows == 0 and rows >= DEFER_INDEXES_ROWS else []
     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
     sent_rows = sent_sum = 0
-    with cursor.copy(f"COPY {ident(table)} ({', '.join(map(ident, columns))}) FROM STDIN") as pg_copy:
-        for block in blocks:
-            pg_copy.write(block.data)
-            sent_rows += block.rows
-            sent_sum += block.checksum
-            progress(block.rows)
+    copy_sql = f"COPY {ident(table)} ({', '.join(map(ident, columns))}) FROM STDIN"
+    try:
+        with read_ahead(blocks) as ahead, cursor.copy(copy_sql) as pg_copy:
+            for block in ahead:
+                pg_copy.write(block.data)
+                sent_rows += block.rows
+                sent_sum += block.checksum
+                progress(block.rows)
+    except psycopg.Error as err:
+        raise sa.exc.DBAPIError(copy_sql, None, err) from err
     for statement in rebuild:
         conn.exec_driver_sql(statement)
     after_rows, after_sum = table_checksum(conn, table, columns)
     return Loaded(sent_rows, sent_sum, after_rows - before_rows, after_sum - before_sum)
+
+
+@contextlib.contextmanager
+def read_ahead(blocks: Iterable[Block]) -> Iterator[Iterator[Block]]:
+    """``blocks`` in their order, read by a thread of their own up to
+    :data:`READ_AHEAD_BLOCKS` ahead of the caller, so that reading and checksumming the
+    source (SQLite steps and hashing) overlaps the server taking the COPY (the caller waits
+    on the socket, the GIL released). An error of the reading thread is raised here, in the
+    caller's thread, as it was raised there. On leaving (done, or an error of the caller's
+    COPY) the thread is stopped and joined: the source's connection is the caller's again.
+    """
+    ahead: queue.Queue[Block | BaseException | None] = queue.Queue(READ_AHEAD_BLOCKS)
+    stop = threading.Event()
+
+    def offer(item: Block | BaseException | None) -> bool:
+        while not stop.is_set():
+            try:
+                ahead.put(item, timeout=_OFFER_SECONDS)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for block in blocks:
+                if not offer(block):
+                    return
+        except BaseException as err:  # handed to the caller's thread, raised there
+            offer(err)
+        else:
+            offer(None)
+
+    def taken() -> Iterator[Block]:
+        while (item := ahead.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    reader = threading.Thread(target=read, name="statetool-read-ahead", daemon=True)
+    reader.start()
+    try:
+        yield taken()
+    finally:
+        stop.set()
+        reader.join()
 
 
 def drop_tables(conn: Connection, tables: Iterable[str]) -> None:

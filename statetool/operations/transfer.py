@@ -10,11 +10,13 @@ the source is untouched until the switch, and a re-run converges):
    the SQLite write lock; the source's page digest is taken.
 3. ONE destination transaction (under the writers' advisory lock): the schema is
    created and migrated to head if absent; every table is streamed with ``COPY`` (rows
-   read and written in blocks of COPY text: memory stays flat; a big empty table gets its
-   indexes built after its COPY, in the same transaction); each table's row count
-   (counted under the write lock) and an additive content checksum (sum of the first 60
-   bits of each row's md5) are compared with the source's; a ``transfer`` audit row is
-   added; COMMIT.
+   read once, in blocks of COPY text checksummed as they are sent, read ahead on a
+   thread of their own while the server takes the previous ones: memory stays flat; a
+   big empty table is loaded without its indexes and keys, built after its COPY, in the
+   same transaction); each table's row count (counted under the write lock) and an
+   additive content checksum (sum of the first 60 bits of each row's md5; the
+   destination's computed in SQL) are compared with the source's; a ``transfer`` audit
+   row is added; COMMIT.
    The committed destination is in flight (its version reads ``move-in-flight``): every
    open of it refuses (``RIVET_STATE_MOVE_IN_FLIGHT``, naming the command that finishes).
 4. Switch: the source gets the tombstone relocation leaves (``RIVET_STATE_RELOCATED``,
