@@ -8,10 +8,13 @@ migrate. Every path uses the version table :data:`statetool.schema.VERSION_TABLE
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import importlib.util
 import io
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -133,6 +136,29 @@ def steps(current: str | None, target: str) -> tuple[str, list[Revision]]:
     if b < a:
         return "down", list(reversed(revs[b + 1:a + 1]))
     return "none", []
+
+
+@contextlib.contextmanager
+def alembic_loading_behind(enabled: bool = True) -> Iterator[None]:
+    """While the block runs, import alembic (its ``command`` module, the engine a migration
+    runs on) in a thread of its own, joined on the way out (no thread outlives the block).
+    ``migrate`` wraps its pre-flight in it: the import is Python work that holds the GIL,
+    the pre-flight's ``quick_check`` is SQLite's C code that releases it, so on a second
+    core the two overlap instead of adding up (issue 13). An import error surfaces again
+    where alembic is first used. ``enabled`` False (a dry run) does nothing."""
+
+    def load() -> None:
+        with contextlib.suppress(ImportError):
+            importlib.import_module("alembic.command")
+
+    worker = threading.Thread(target=load, name="statetool-load-alembic") if enabled else None
+    if worker is not None:
+        worker.start()
+    try:
+        yield
+    finally:
+        if worker is not None:
+            worker.join()
 
 
 def _config(schema: str | None, **attributes: Any):  # noqa: ANN202 - alembic Config

@@ -106,11 +106,22 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     ``allow_data_loss``), ``RIVET_STATE_SQL_UNSUPPORTED`` (``sql`` on SQLite),
     ``RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN`` (a live lease past ``--lock-wait``; while it
     runs the migration holds the state lease and every run lease, so no run starts),
-    ``RIVET_STATE_MIGRATION_LOCKED`` (another writer past ``--lock-wait``) and
-    ``RIVET_STATE_VERIFY_FAILED`` (rolled back). ``dry_run`` and ``sql`` write nothing.
+    ``RIVET_STATE_MIGRATION_LOCKED`` (another writer past ``--lock-wait``),
+    ``RIVET_STATE_VERIFY_FAILED`` (the state not changed), and on SQLite
+    ``RIVET_STATE_RUN_IN_PROGRESS`` (another process holds the state open past
+    ``--lock-wait``, or wrote it without a lease while it was migrated),
+    ``RIVET_STATE_PERMISSION_DENIED`` (the new file cannot be given the state's owner) and
+    the faults of its directory (``RIVET_STATE_DISK_FULL``, ...). ``dry_run`` and ``sql``
+    write nothing. The result's ``backup`` names the original kept beside the state (SQLite).
     """
     if sql and not ctx.backend().supports_offline_sql:  # whatever the state holds: the answer is the same
         raise StateError("RIVET_STATE_SQL_UNSUPPORTED", "--sql prints PostgreSQL DDL; this state is SQLite")
+    with migrations.alembic_loading_behind(not (sql or dry_run)):  # while the pre-flight reads the state
+        return _migrate(ctx, to, dry_run, sql, allow_data_loss)
+
+
+def _migrate(ctx: Context, to: str | None, dry_run: bool, sql: bool, allow_data_loss: bool) -> MigrateResult:
+    """:func:`migrate` once its thread loading alembic is started."""
     pf = run_preflight(ctx, for_write=True, progress=False)
     missing = next((c for c in pf.failures if c.code == "RIVET_STATE_MISSING"), None)
     if missing is not None and missing.id == "state":
@@ -148,7 +159,7 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
 
 def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -> None:
     backend = ctx.backend()
-    target, direction = result.to_revision, result.direction
+    target = result.to_revision
     with guarded_write(ctx, WHOLE_STATE, preflight=pf, allow=frozenset({"RIVET_STATE_MIGRATION_PENDING"}),
                        claim=False, at_head=False, busy_code="RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN",
                        lock_code="RIVET_STATE_MIGRATION_LOCKED", copies=MIGRATION_COPIES,
