@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from support import CliRun, describe, error_object, run_cli, run_cli_process, tree_digest, write_config
+from statetool.backends.durable import copy_bytes
 from statetool.runtime import StateStore
 
 STATE = ".rivet_state.db"
@@ -298,3 +299,35 @@ def test_an_error_of_a_write_own_sql_is_internal_and_nothing_is_written(place: P
     assert error["code"] == "RIVET_INTERNAL" and "\n" not in str(error["message"]), describe(proc)
     assert place.cursor() == OLD_CURSOR
     assert not [p.name for p in place.state_dir.iterdir() if ".tmp" in p.name]
+
+
+@pytest.mark.parametrize("source_kind", ["file", "pipe"])
+def test_a_copy_of_bytes_works_where_copy_file_range_does_not(tmp_path: Path, source_kind: str) -> None:
+    """A migration copies the state with ``copy_file_range``; where the kernel refuses it
+    (a pipe here, as some FUSE, NFS and 9p mounts do) the bytes are copied by reads and
+    writes, every byte and in order, and progress counts them."""
+    data = os.urandom(5 << 20) + b"the end"
+    seen: list[tuple[int, int]] = []
+    target = tmp_path / "copy"
+    with open(target, "wb") as dst:
+        if source_kind == "file":
+            (tmp_path / "source").write_bytes(data)
+            with open(tmp_path / "source", "rb") as src:
+                copied = copy_bytes(src.fileno(), dst.fileno(), len(data), lambda d, t: seen.append((d, t)))
+        else:
+            reader, writer = os.pipe()
+            echo = "import sys; sys.stdout.buffer.write(sys.stdin.buffer.read())"
+            feeder = subprocess.Popen([sys.executable, "-c", echo], stdin=subprocess.PIPE, stdout=writer)
+            os.close(writer)
+            assert feeder.stdin is not None
+            feeder.stdin.write(data)
+            feeder.stdin.close()
+            try:
+                with open(os.devnull, "wb") as sink, pytest.raises(OSError):  # what the fallback is for
+                    os.copy_file_range(reader, sink.fileno(), 1)
+                copied = copy_bytes(reader, dst.fileno(), len(data) + 100, lambda d, t: seen.append((d, t)))
+            finally:
+                os.close(reader)
+                feeder.wait(timeout=30)
+    assert copied == len(data) and target.read_bytes() == data
+    assert seen and seen[-1][0] == len(data) and [d for d, _ in seen] == sorted({d for d, _ in seen})

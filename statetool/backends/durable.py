@@ -8,9 +8,11 @@ O_NOFOLLOW`` (:data:`CREATE_FLAGS`): never through a link.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from statetool.backends.faults import fault
@@ -18,6 +20,44 @@ from statetool.errors import StateError
 
 #: Exclusive creation that never follows a symlink (the file must not exist at all).
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+#: The errors of ``copy_file_range`` that mean "not here" rather than a failed copy: a
+#: kernel without it, a filesystem that cannot (some FUSE, NFS and 9p mounts), a file kind
+#: it does not take. The bytes are then copied by reads and writes.
+_NO_COPY_RANGE = frozenset({errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP})
+#: Bytes per copy_file_range call (the kernel copies them without passing through this
+#: process), and per read and write of the fallback.
+_RANGE_BYTES, _BLOCK_BYTES = 64 << 20, 4 << 20
+
+
+def copy_bytes(src: int, dst: int, size: int, progress: Callable[[int, int], None]) -> int:
+    """Copy up to ``size`` bytes from the file descriptor ``src`` to ``dst``, each from its
+    current offset, with ``copy_file_range`` where the filesystem has it and by reads and
+    writes where it does not (:data:`_NO_COPY_RANGE`). ``progress(bytes done, size)`` after
+    each block. Returns the bytes copied (fewer than ``size`` when ``src`` ends first).
+    Raises the ``OSError`` of a failed read or write (a full disk: the caller names it)."""
+    done, ranged = 0, True
+    buffer = memoryview(bytearray(_BLOCK_BYTES))
+    while done < size:
+        if ranged:
+            try:
+                sent = os.copy_file_range(src, dst, min(_RANGE_BYTES, size - done))
+            except OSError as err:
+                if err.errno not in _NO_COPY_RANGE or done:
+                    raise
+                ranged = False
+                continue
+        else:
+            sent = os.readv(src, [buffer[:min(_BLOCK_BYTES, size - done)]])
+            written = 0
+            while written < sent:
+                written += os.write(dst, buffer[written:sent])
+        if sent == 0:
+            break
+        done += sent
+        progress(done, size)
+    return done
 
 
 def fsync_dir(directory: Path) -> None:

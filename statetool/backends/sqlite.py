@@ -45,7 +45,7 @@ from sqlalchemy.pool import NullPool
 
 from statetool.access import denied
 from statetool.backends.base import Progress, Step
-from statetool.backends.durable import CREATE_FLAGS, fitting_name, fsync_dir, fsync_file
+from statetool.backends.durable import CREATE_FLAGS, copy_bytes, fitting_name, fsync_dir, fsync_file
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.sqlite_rows import copy_blocks
@@ -754,13 +754,7 @@ class CopyMigration:
                                      {"path": str(self.real)}) from None
             os.fchmod(fd, stat.S_IMODE(st.st_mode))
             with open(self.real, "rb") as src:
-                done, size = 0, st.st_size
-                while done < size:
-                    sent = os.copy_file_range(src.fileno(), fd, min(64 << 20, size - done))
-                    if sent == 0:
-                        break
-                    done += sent
-                    progress(done, size)
+                copy_bytes(src.fileno(), fd, st.st_size, progress)
         except OSError as err:
             raise fault(self.real.parent, err) or err from None
         finally:
