@@ -12,9 +12,9 @@ the commit rolls everything back: the state is exactly as before.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
 
 from statetool import migrations, schema
 from statetool.errors import StateError, StateWarning
@@ -22,6 +22,9 @@ from statetool.operations.context import Context
 from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import row_counts
 from statetool.operations.writes import WHOLE_STATE, guarded_write, require_writable
+
+if TYPE_CHECKING:
+    from statetool.backends.base import Reader
 
 #: Files as large as the state a migration may add beside it: its backup, the tables it
 #: rebuilds (copied before the old ones are dropped), and the journal of that change.
@@ -68,7 +71,7 @@ class MigrateResult:
         return doc
 
 
-def _plan(conn: Connection, tables: set[str], direction: str, steps: list[migrations.Revision]) -> list[StepPlan]:
+def _plan(conn: Reader, tables: set[str], direction: str, steps: list[migrations.Revision]) -> list[StepPlan]:
     plans = []
     for rev in steps:
         plan = StepPlan(rev.id, rev.description, direction)
@@ -78,7 +81,7 @@ def _plan(conn: Connection, tables: set[str], direction: str, steps: list[migrat
             for table, predicate in rev.loses.items():
                 if table in tables:
                     where = f" WHERE {predicate}" if predicate else ""
-                    plan.loses[table] = int(conn.execute(sa.text(f'SELECT count(*) FROM "{table}"{where}')).scalar() or 0)
+                    plan.loses[table] = int(conn.scalar(f'SELECT count(*) FROM "{table}"{where}') or 0)
         plans.append(plan)
     return plans
 
@@ -140,7 +143,8 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
                        claim=False, at_head=False, busy_code="RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN",
                        lock_code="RIVET_STATE_MIGRATION_LOCKED", copies=MIGRATION_COPIES) as session:
         conn = session.conn
-        tables = backend.table_names(conn)
+        reader = backend.reader(conn)
+        tables = backend.table_names(reader)
         now = conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).scalar() \
             if schema.VERSION_TABLE in tables else None
         if now is not None and now != (None if legacy else result.from_revision):
@@ -149,7 +153,7 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
                 return
             raise StateError("RIVET_STATE_MIGRATION_PENDING",
                              f"the state moved to revision {now} while waiting; re-run to plan again")
-        before = row_counts(conn, tables - _WRITTEN_BY_MIGRATE)
+        before = row_counts(reader, tables - _WRITTEN_BY_MIGRATE)
         with ctx.progress("backup") as update:
             backup = backend.backup(conn, result.from_revision or "legacy", update)
         result.backup = str(backup) if backup else None
@@ -161,13 +165,13 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
             update(0, total)
             if direction != "none":
                 migrations.apply(conn, target, backend.schema, direction, lambda _rev: update(next(done), total))
-        after_tables = backend.table_names(conn)
+        after_tables = backend.table_names(reader)
         if schema.identity.name in after_tables:
             result.warnings = session.claim()
         if schema.audit.name in after_tables:
             session.audit("migrate", {"from": result.from_revision, "to": target, "backup": result.backup})
-        problems = backend.integrity_problems(conn)
-        after = row_counts(conn, set(before) & after_tables)
+        problems = backend.integrity_problems(reader)
+        after = row_counts(reader, set(before) & after_tables)
         changed = {t: (before[t], after[t]) for t in after if before[t] != after[t]}
         if problems or changed:
             raise StateError("RIVET_STATE_VERIFY_FAILED",
