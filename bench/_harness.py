@@ -177,27 +177,42 @@ class Row:
     ratio: str
     goal: str
     result: str
+    #: statetool's peak RSS over the measured runs (the goal of every command: <= 150 MiB).
+    rss: str = ""
 
 
 def print_table(rows: Sequence[Row], title: str) -> None:
-    headers = Row("case", "statetool median", "peer median", "ratio", "goal", "pass/fail")
-    cols = list(zip(*[(r.case, r.statetool, r.peer, r.ratio, r.goal, r.result) for r in [headers, *rows]]))
-    widths = [max(len(c) for c in col) for col in cols]
+    headers = Row("case", "statetool median", "peer median", "ratio", "goal", "pass/fail", "peak RSS")
+    cells_of = [(r.case, r.statetool, r.peer, r.ratio, r.goal, r.result, r.rss) for r in [headers, *rows]]
+    widths = [max(len(c) for c in col) for col in zip(*cells_of)]
     print()
     print(title)
     line = "  ".join("-" * w for w in widths)
-    for i, r in enumerate([headers, *rows]):
-        cells = (r.case, r.statetool, r.peer, r.ratio, r.goal, r.result)
-        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+    for i, cells in enumerate(cells_of):
+        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
         if i == 0:
             print(line)
 
 
+#: Peak RSS every statetool command must stay under (issue 13), MiB.
+RSS_GOAL_MIB = 150.0
+
+
+def peak_rss_mib(case: Case) -> float:
+    """statetool's highest peak RSS over the measured runs of ``case``, in MiB."""
+    return max(case.rss["statetool"]) / 1024
+
+
 def ratio_row(case: Case) -> Row:
+    """The table row of ``case``: medians, ratio, goal, pass/fail (the ratio's and the peak
+    RSS's, :data:`RSS_GOAL_MIB`), and statetool's peak RSS."""
     ok = case.passed
+    rss = peak_rss_mib(case)
+    if rss > RSS_GOAL_MIB:
+        ok = False
     return Row(case.name, f"{case.median('statetool'):.3f} s", f"{case.median('peer'):.3f} s", f"{case.ratio:.2f}",
                case.goal_text or (f"ratio <= {case.goal_ratio:g}" if case.goal_ratio is not None else "-"),
-               "-" if ok is None else ("PASS" if ok else "FAIL"))
+               "-" if ok is None else ("PASS" if ok else "FAIL"), f"{rss:.0f} MiB")
 
 
 def header(title: str, args: argparse.Namespace, compiled: list[str]) -> None:

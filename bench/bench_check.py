@@ -1,11 +1,13 @@
 """Pre-flight cost: ``statetool check`` vs ``alembic current`` on the bundled example state
-(goal: ratio <= 1.0).
+(goal: ratio <= 0.4, peak RSS <= 150 MiB).
 
 ``alembic current`` is what a DBA runs to read a state's revision without statetool
 (alembic.ini at the repository root): one interpreter, SQLAlchemy, alembic, one
 connection, one query. ``statetool check`` answers more (location, config, integrity,
 identity), but a CI pre-flight that costs more than the plain tool is a reason not to
-run it. The state: examples/rivet.yaml copied into a temporary directory, built with
+run it. Since issue 13 a read loads neither SQLAlchemy nor alembic (the standard library's
+``sqlite3`` reads the state), so the goal is well below the peer's. The state:
+examples/rivet.yaml copied into a temporary directory, built with
 ``python -m statetool.example --runs 5000`` and migrated to head with ``statetool migrate``.
 alembic is pointed at it with a temporary alembic.ini (script_location = the repository's
 alembic/, sqlalchemy.url = sqlite:///<state>); its env.py reads the version table
@@ -25,10 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import (REPO, Case, Run, compile_packages, header, measure, measured_env, parse_args,  # noqa: E402
-                      print_table, ratio_row, run_child)
+from _harness import (REPO, RSS_GOAL_MIB, Case, Run, compile_packages, header, measure, measured_env,  # noqa: E402
+                      parse_args, print_table, ratio_row, run_child)
 
-GOAL = 1.0
+GOAL = 0.4
 RUNS = 5000
 
 
@@ -68,7 +70,7 @@ def main() -> int:
         before = digest(tmp)
 
         def check_output(side: str, run: Run) -> None:
-            if side == "peer" and "0003 (head)" not in run.stdout:
+            if side == "peer" and "(head)" not in run.stdout:
                 raise SystemExit(f"alembic current did not report the head revision:\n{run.stdout}\n{run.stderr}")
 
         peer = lambda: run_child([alembic, "-c", str(ini), "current"], cwd=tmp, env=env)  # noqa: E731
@@ -87,7 +89,8 @@ def main() -> int:
         else:
             tmp_obj.cleanup()
     print_table([ratio_row(c) for c in cases], "check (medians; peer = alembic -c <tmp>/alembic.ini current)")
-    print(f"peak RSS: statetool check {rss['statetool']:.0f} MiB, alembic current {rss['peer']:.0f} MiB")
+    print(f"peak RSS: statetool check {rss['statetool']:.0f} MiB, alembic current {rss['peer']:.0f} MiB "
+          f"(goal: statetool <= {RSS_GOAL_MIB:g} MiB)")
     print(f"state directory byte-identical after every check run (read-only): {'yes' if unchanged else 'NO'}")
     return 0 if unchanged and all(c.passed is not False for c in cases) else 1
 

@@ -16,16 +16,14 @@ starts with a one-line summary short enough to show whole in the top-level help 
 import functools
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NamedTuple, NoReturn
 
 import typer
 
-from statetool import __version__
+from statetool import DEFAULT_CONFIG, __version__
 from statetool.cli_help import App, usage_error
 from statetool.errors import EXIT_INTERRUPTED, StateError, internal_error
-from statetool.location import DEFAULT_CONFIG
 
 app = App(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
           help="Inspect, guard and migrate the state of rivet pipelines (SQLite or PostgreSQL).")
@@ -48,9 +46,8 @@ Reason = Annotated[str, typer.Option("--reason", metavar="WHY", help="Why, for t
 ExportName = Annotated[str, typer.Argument(metavar="NAME", help="Export name.", show_default=False)]
 
 
-@dataclass
-class Globals:
-    """The global options of one invocation."""
+class Globals(NamedTuple):
+    """The global options of one invocation (a ``NamedTuple``: no ``dataclasses`` at start-up)."""
 
     config: Path
     state_url: str | None

@@ -25,7 +25,6 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from statetool.errors import StateError
-from statetool.redact import command_line
 
 #: The heading of the global options' section in a subcommand's help.
 GLOBAL_HEADING = "Global options (before or after the command name)"
@@ -137,6 +136,8 @@ def _dash_dash_hint(ctx: Any, token: str, args: list[str]) -> str:
     if at < 0 or any(arg.startswith("-") for arg in args[at + 1:]):
         return (f"if {token} is a value, not an option, put -- before it, after the options: "
                 f"{ctx.command_path} [OPTIONS] -- VALUE")
+    from statetool.redact import command_line  # loads on a usage error, not at start-up (issue 13 item 5)
+
     corrected = command_line(["statetool", *args[:at], "--", *args[at:]])
     return f"if {token} is a value, not an option, put -- before it: {corrected}"
 

@@ -7,6 +7,7 @@ the file, line and column (1-based) of the offending node.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from statetool.redact import remember_secrets
 
 MODES = ("full", "incremental", "chunked", "cdc")
 CDC_ENGINES = ("postgres", "mysql", "mongodb", "oracle")
+#: A control character (C0 or DEL), which no export name may hold.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -181,8 +184,7 @@ class _Reader:
         name = self.scalar(fields.get("name"), "name")
         if not name:
             raise self.fail(node, "an export has no 'name'")
-        if len(lease_file_name(f"chunk-run:{name}")) > MAX_LEASE_FILE_NAME or any(
-                ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        if len(lease_file_name(f"chunk-run:{name}")) > MAX_LEASE_FILE_NAME or _CONTROL.search(name):
             raise self.fail(fields.get("name"), f"export name {name[:60]!r}{'…' if len(name) > 60 else ''} is too long "
                             f"for its run lease (chunk-run:<name> percent-encoded may take {MAX_LEASE_FILE_NAME} "
                             "bytes) or holds control characters")

@@ -9,10 +9,7 @@ message, and the CLI turns it into text or the ``--json-errors`` object through
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, field
-from typing import Any
-
-from statetool.redact import redact_text, redact_values
+from typing import Any, NamedTuple
 
 #: Exit classes: name -> exit code (SPEC §7).
 EXIT_CODES: dict[str, int] = {
@@ -40,9 +37,11 @@ STOP_RANK: dict[str, int] = {
 }
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One registered code: its kind (what happened), class (what to do) and action."""
+class Entry(NamedTuple):
+    """One registered code: its kind (what happened), class (what to do) and action.
+
+    The registry's classes are plain (no ``dataclasses``): this module loads at every
+    start-up, ``statetool --help`` included (issue 13 item 5)."""
 
     kind: str
     exit_class: str
@@ -285,7 +284,6 @@ WARNINGS: dict[str, str] = {
 }
 
 
-@dataclass
 class StateError(Exception):
     """The one error type of statetool: a registered ``code`` and a message.
 
@@ -296,16 +294,26 @@ class StateError(Exception):
     must show in tests, not a silent exit 1.
     """
 
-    code: str
-    message: str
-    details: dict[str, Any] = field(default_factory=dict)
+    def __init__(self, code: str, message: str, details: dict[str, Any] | None = None) -> None:
+        # statetool.redact loads with the first error, not at start-up (issue 13 item 5)
+        from statetool.redact import redact_text, redact_values
 
-    def __post_init__(self) -> None:
-        if self.code not in REGISTRY:
-            raise KeyError(f"unregistered error code {self.code}")
-        self.message = redact_text(self.message)
-        self.details = redact_values(self.details)
+        if code not in REGISTRY:
+            raise KeyError(f"unregistered error code {code}")
+        self.code = code
+        self.message = redact_text(message)
+        self.details: dict[str, Any] = redact_values(details if details is not None else {})
         super().__init__(self.message)
+
+    def __repr__(self) -> str:
+        return f"StateError(code={self.code!r}, message={self.message!r}, details={self.details!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StateError):
+            return NotImplemented
+        return (self.code, self.message, self.details) == (other.code, other.message, other.details)
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, mutable: as the dataclass it was
 
     @property
     def entry(self) -> Entry:
@@ -421,20 +429,42 @@ def worst(codes: list[str]) -> str | None:
     return best
 
 
-@dataclass(frozen=True)
 class StateWarning:
-    """A registered warning (SPEC §7): reported, never changes the exit code on its own.
+    """A registered warning (SPEC §7): reported, never changes the exit code on its own;
+    immutable, equal by code and message.
 
-    ``check --strict`` turns each into a failure of class refusal (exit 5).
+    ``check --strict`` turns each into a failure of class refusal (exit 5). Raises
+    ``KeyError`` at construction for an unregistered code; the message is redacted.
     """
 
+    __slots__ = ("code", "message")
     code: str
     message: str
 
-    def __post_init__(self) -> None:
-        if self.code not in WARNINGS:
-            raise KeyError(f"unregistered warning code {self.code}")
-        object.__setattr__(self, "message", redact_text(self.message))
+    def __init__(self, code: str, message: str) -> None:
+        from statetool.redact import redact_text
+
+        if code not in WARNINGS:
+            raise KeyError(f"unregistered warning code {code}")
+        object.__setattr__(self, "code", code)
+        object.__setattr__(self, "message", redact_text(message))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"StateWarning is immutable: cannot set {name}")
+
+    def __repr__(self) -> str:
+        return f"StateWarning(code={self.code!r}, message={self.message!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StateWarning):
+            return NotImplemented
+        return (self.code, self.message) == (other.code, other.message)
+
+    def __hash__(self) -> int:
+        return hash((self.code, self.message))
+
+    def __reduce__(self) -> tuple[type[StateWarning], tuple[str, str]]:
+        return StateWarning, (self.code, self.message)  # copied and pickled through __init__
 
     @property
     def action(self) -> str:

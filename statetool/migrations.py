@@ -8,6 +8,7 @@ migrate. Every path uses the version table :data:`statetool.schema.VERSION_TABLE
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import importlib
@@ -17,7 +18,6 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from statetool.errors import StateError
@@ -48,32 +48,43 @@ class Revision:
         return {"id": self.id, "description": self.description}
 
 
-def _load(path: Path) -> ModuleType:
-    """Run one revision file as a module of its own, kept out of ``sys.modules`` (alembic
-    loads its own copy when it migrates). Importing a revision loads SQLAlchemy, never
-    alembic: each revision imports ``op`` inside its functions."""
-    spec = importlib.util.spec_from_file_location(f"_rivet_revision_{path.stem}", path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+#: The module-level names a revision file declares its place and cost with.
+_DECLARED = ("revision", "down_revision", "UPGRADE_REBUILDS", "DOWNGRADE_LOSES")
+
+
+def _declared(path: Path) -> tuple[str, dict[str, Any]]:
+    """The docstring of one revision file and the literal values of its :data:`_DECLARED`
+    names, read with ``ast`` without running the file (which imports SQLAlchemy: a read
+    command loads neither it nor alembic, docs/decisions.md "Reading the revision graph").
+    A value that is not a literal raises ``ValueError`` (``ast.literal_eval``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    values: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id in _DECLARED:
+            values[target.id] = ast.literal_eval(value)
+    return ast.get_docstring(tree) or "", values
 
 
 @functools.cache
 def revisions() -> tuple[Revision, ...]:
     """Every revision, oldest first (a single line of history: no branches).
 
-    Read from the revision modules' own values (``revision``, ``down_revision``,
-    ``UPGRADE_REBUILDS``, ``DOWNGRADE_LOSES``, the first line of the docstring), without
-    importing alembic: ``check`` and ``info`` need the list, not the engine
-    (docs/decisions.md, "Reading the revision graph").
+    Read from the revision files' own literal values (``revision``, ``down_revision``,
+    ``UPGRADE_REBUILDS``, ``DOWNGRADE_LOSES``, the first line of the docstring) without
+    running them: ``check`` and ``info`` need the list, not the engine, and load neither
+    alembic nor SQLAlchemy (docs/decisions.md, "Reading the revision graph").
     """
     found: dict[str, Revision] = {}
     for path in sorted((script_location() / "versions").glob("*.py")):
-        module = _load(path)
-        doc = (module.__doc__ or "").strip()
-        rev = Revision(module.revision, doc.splitlines()[0] if doc else "", module.down_revision,
-                       tuple(getattr(module, "UPGRADE_REBUILDS", ())), dict(getattr(module, "DOWNGRADE_LOSES", {})))
+        doc, values = _declared(path)
+        rev = Revision(values["revision"], doc.splitlines()[0] if doc else "", values.get("down_revision"),
+                       tuple(values.get("UPGRADE_REBUILDS", ())), dict(values.get("DOWNGRADE_LOSES", {})))
         found[rev.id] = rev
     ordered: list[Revision] = []
     parent: str | None = None

@@ -1,4 +1,5 @@
-"""The state schema at head, as SQLAlchemy Core tables (what the revisions build).
+"""The state schema at head, as SQLAlchemy Core tables (what the revisions build), under the
+names of :mod:`statetool.tables`.
 
 Tables carry no schema name: on PostgreSQL every connection sets ``search_path`` to the
 state's schema (``rivet_state`` or ``?schema=``), so one definition serves both backends.
@@ -10,23 +11,18 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-#: The version table of every path (online, offline ``--sql``, stamping), never alembic's
-#: default ``alembic_version`` (SPEC §10); alembic/env.py reads it from here.
-VERSION_TABLE = "rivet_state_version"
-#: The version-table value of a move's target until the source is retired (decisions.md,
-#: "Moves: one live place"): every opener refuses it (``RIVET_STATE_MOVE_IN_FLIGHT``) on
-#: both backends. At most 32 characters (alembic's column); never a revision id of any release.
-IN_FLIGHT_REVISION = "move-in-flight"
-#: The PostgreSQL lease table (revision 0002) and the last fencing token of every key
-#: (revision 0004); raw SQL in backends/postgres_leases.py, so no Core table here.
-LEASE_TABLE = "rivet_leases"
-LEASE_TOKENS_TABLE = "rivet_lease_tokens"
-LEASE_TABLES = frozenset({LEASE_TABLE, LEASE_TOKENS_TABLE})
+from statetool.tables import (AUDIT, CHUNKS, EXPORTS, IDENTITY, IN_FLIGHT_REVISION, LEASE_TABLE, LEASE_TABLES,
+                              LEASE_TOKENS_TABLE, LEGACY_TABLES, LOAD_LEDGER, RUN_AGGREGATES, RUNS, STATE_TABLES,
+                              VERSION_TABLE)
+
+__all__ = ["IN_FLIGHT_REVISION", "LEASE_TABLE", "LEASE_TABLES", "LEASE_TOKENS_TABLE", "LEGACY_TABLES",
+           "STATE_TABLES", "VERSION_TABLE", "audit", "chunks", "exports", "identity", "load_ledger", "metadata",
+           "run_aggregates", "runs"]
 
 metadata = sa.MetaData()
 
 exports = sa.Table(
-    "rivet_exports", metadata,
+    EXPORTS, metadata,
     sa.Column("export_name", sa.Text, primary_key=True),
     sa.Column("mode", sa.Text, nullable=False),
     sa.Column("cursor_value", sa.Text),
@@ -35,7 +31,7 @@ exports = sa.Table(
 )
 
 runs = sa.Table(
-    "rivet_runs", metadata,
+    RUNS, metadata,
     sa.Column("run_id", sa.Text, primary_key=True),
     sa.Column("export_name", sa.Text, nullable=False),
     sa.Column("mode", sa.Text, nullable=False),
@@ -51,7 +47,7 @@ runs = sa.Table(
 )
 
 chunks = sa.Table(
-    "rivet_chunks", metadata,
+    CHUNKS, metadata,
     sa.Column("export_name", sa.Text, primary_key=True),
     sa.Column("run_id", sa.Text, primary_key=True),
     sa.Column("chunk_index", sa.Integer, primary_key=True),
@@ -63,7 +59,7 @@ chunks = sa.Table(
 )
 
 run_aggregates = sa.Table(
-    "rivet_run_aggregates", metadata,
+    RUN_AGGREGATES, metadata,
     sa.Column("run_id", sa.Text, primary_key=True),
     sa.Column("config_path", sa.Text),
     sa.Column("started_at", sa.Text, nullable=False),
@@ -73,7 +69,7 @@ run_aggregates = sa.Table(
 )
 
 load_ledger = sa.Table(
-    "rivet_load_ledger", metadata,
+    LOAD_LEDGER, metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("export_name", sa.Text, nullable=False),
     sa.Column("table_name", sa.Text, nullable=False),
@@ -83,7 +79,7 @@ load_ledger = sa.Table(
 )
 
 identity = sa.Table(
-    "rivet_identity", metadata,
+    IDENTITY, metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
     sa.Column("state_key", sa.Text, nullable=False),
     sa.Column("recorded_at", sa.Text, nullable=False),
@@ -91,7 +87,7 @@ identity = sa.Table(
 )
 
 audit = sa.Table(
-    "rivet_audit", metadata,
+    AUDIT, metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("at", sa.Text, nullable=False),
     sa.Column("actor", sa.Text, nullable=False),
@@ -99,9 +95,3 @@ audit = sa.Table(
     sa.Column("action", sa.Text, nullable=False),
     sa.Column("detail", sa.Text, nullable=False),
 )
-
-#: The tables of the early state (revision 0001): their presence without a version
-#: table is what makes a *legacy* state (SPEC §4).
-LEGACY_TABLES = frozenset({exports.name, runs.name, chunks.name})
-#: Every table name the state schema has ever had, for "a database of another application".
-STATE_TABLES = frozenset(t.name for t in metadata.sorted_tables) | LEASE_TABLES | {VERSION_TABLE}

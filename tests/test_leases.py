@@ -336,11 +336,10 @@ def test_sigkilled_holder_never_blocks_the_next_taker(state: State, spawn: Calla
 OTHER_HOST_HOLDER = textwrap.dedent("""\
     import os, pathlib, sys, time
     from statetool.backends.base import Holder, LeaseInfo
-    from statetool.backends.postgres_leases import RowLeases
     from statetool.operations.context import Context
     from statetool.operations.leasing import this_holder
     config, ready, ttl = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), int(sys.argv[3])
-    store = RowLeases(Context(config_path=config, env=dict(os.environ)).backend().leases().engine, ttl=ttl)
+    store = Context(config_path=config, env=dict(os.environ)).backend().leases(ttl)
     me = this_holder("rivet run -e orders")
     lease = store.try_acquire("chunk-run:orders", Holder(me.pid, "worker-7.elsewhere.example", me.user,
                                                           me.command, me.acquired_at))

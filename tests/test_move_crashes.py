@@ -298,9 +298,8 @@ def test_transfer_killed_at_any_instant_never_has_two_live_places_and_a_rerun_co
             assert sorted(p.name for p in config.parent.glob(f"{STATE}*") if "relocated-" not in p.name) == [STATE]
             store = StateStore.open(config, state_url=url, env={}, lock_wait=0)
             with store.ctx.backend().reading() as conn:
-                assert conn.exec_driver_sql("SELECT count(*) FROM rivet_runs").scalar() == TRANSFER_RUNS, when
-                assert conn.exec_driver_sql("SELECT count(*) FROM rivet_audit WHERE action = 'transfer'"
-                                            ).scalar() == 1, when
+                assert conn.scalar("SELECT count(*) FROM rivet_runs") == TRANSFER_RUNS, when
+                assert conn.scalar("SELECT count(*) FROM rivet_audit WHERE action = 'transfer'") == 1, when
             shutil.rmtree(config.parent.parent)
 
         urls.append(url)
@@ -563,9 +562,9 @@ def test_transfer_killed_in_flight_then_the_source_written_makes_the_copy_again(
     assert places() == {"source": "RIVET_STATE_RELOCATED", "destination": "live"}
     store = StateStore.open(config, state_url=urls[-1], env={}, lock_wait=0)
     with store.ctx.backend().reading() as conn:
-        assert conn.exec_driver_sql("SELECT cursor_value FROM rivet_exports WHERE export_name = 'orders'"
-                                    ).scalar() == "2026-12-01-after-the-kill"
-        assert conn.exec_driver_sql("SELECT count(*) FROM rivet_audit WHERE action = 'transfer'").scalar() == 1
+        assert conn.scalar("SELECT cursor_value FROM rivet_exports WHERE export_name = 'orders'"
+                           ) == "2026-12-01-after-the-kill"
+        assert conn.scalar("SELECT count(*) FROM rivet_audit WHERE action = 'transfer'") == 1
     assert _leftovers(config.parent) == []
 
 

@@ -47,3 +47,16 @@ def test_postgres_state_built_by_the_revisions_matches_schema_py(config: Path, p
     base, schema_name = pg_url.split("&schema=") if "&schema=" in pg_url else pg_url.split("?schema=")
     engine = sa.create_engine("postgresql+psycopg://" + base.split("://", 1)[1])
     assert _columns(engine, schema_name) == _expected(with_leases=True)
+
+
+def test_the_names_of_tables_py_are_the_core_tables_and_every_table_the_state_has_had() -> None:
+    """The read paths know the state's tables by the names of ``tables.py`` (no SQLAlchemy):
+    they must be the Core tables' names, and ``STATE_TABLES`` every one of them with the
+    lease tables and the version table (what "a database of another application" is judged by)."""
+    from statetool import tables
+
+    core = {t.name for t in schema.metadata.sorted_tables}
+    assert core == {tables.EXPORTS, tables.RUNS, tables.CHUNKS, tables.RUN_AGGREGATES, tables.LOAD_LEDGER,
+                    tables.IDENTITY, tables.AUDIT}
+    assert tables.STATE_TABLES == core | tables.LEASE_TABLES | {tables.VERSION_TABLE}
+    assert tables.LEGACY_TABLES <= core

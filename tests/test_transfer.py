@@ -637,8 +637,6 @@ def test_a_refused_destination_gets_its_code_and_nothing_changes_and_no_password
 
 def test_the_destination_is_inspected_read_only_whether_its_schema_is_missing_or_empty(
         tmp_path: Path, admin: str, pw_url: str) -> None:
-    import sqlalchemy as sa
-
     from statetool.backends import open_backend
     from statetool.errors import StateError
     from statetool.location import resolve_location
@@ -651,7 +649,7 @@ def test_the_destination_is_inspected_read_only_whether_its_schema_is_missing_or
     schema = split_url(pw_url)[1]
     with dest.inspecting() as conn:
         assert dest.table_names(conn) == set()
-        assert conn.execute(sa.text("SELECT current_setting('transaction_read_only')")).scalar() == "on"
+        assert conn.scalar("SELECT current_setting('transaction_read_only')") == "on"
     assert not schema_exists(admin, schema), "inspecting a missing schema created it"
     pg_fetch(admin, f'CREATE SCHEMA "{schema}"')
     with dest.inspecting() as conn:

@@ -1,12 +1,14 @@
 """The one interface every backend implements (ARCHITECTURE: storage).
 
-Code above the backends never asks which backend it has: it calls these methods and
-uses SQLAlchemy Core on the connections they yield.
+Code above the backends never asks which backend it has: it calls these methods, reads
+through the :class:`Reader` a read session yields (SQL text with ``:name`` parameters, on
+the backend's own driver: no SQLAlchemy), and uses SQLAlchemy Core on the connections a
+write yields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,29 @@ Progress = Callable[[int, int], None]
 #: on_step(name): told each named step of a move as it is passed (the crash tests' points:
 #: ``Context.on_step``); a no-op in production.
 Step = Callable[[str], None]
+
+
+class Reader(Protocol):
+    """A read session on a state (issue 13 item 1): SQL text whose parameters are
+    ``:name`` (``sqlalchemy.text``'s style) with a mapping of values, run by the backend's
+    own driver (``sqlite3``, psycopg) or, on a write's connection, by SQLAlchemy
+    (:meth:`Backend.reader`). Rows are tuples in the order of the select list. An error of
+    the driver is raised as the backend's registered ``StateError`` (``RIVET_STATE_CORRUPT``,
+    ``RIVET_STATE_UNREACHABLE``, ``RIVET_INTERNAL`` for an error of statetool's own SQL, ...),
+    chained from the driver's error."""
+
+    #: What the open found: ``interrupted_write`` is the sentence of a SQLite hot journal
+    #: rolled back in a private copy (warning ``RIVET_STATE_HOT_JOURNAL``).
+    info: dict[str, str]
+
+    def rows(self, sql: str, params: Mapping[str, object] | None = None) -> list[tuple[Any, ...]]:
+        """Every row of ``sql``."""
+
+    def one(self, sql: str, params: Mapping[str, object] | None = None) -> tuple[Any, ...] | None:
+        """The first row of ``sql``, or None."""
+
+    def scalar(self, sql: str, params: Mapping[str, object] | None = None) -> Any:
+        """The first value of the first row of ``sql``, or None."""
 
 
 @dataclass(frozen=True)
@@ -196,8 +221,9 @@ class Backend(Protocol):
         ``RIVET_STATE_DISK_FULL`` (SPEC §8a). ``copies``: how many files as large as the
         state the write may add beside it (a backup, a journal, rebuilt tables)."""
 
-    def reading(self) -> AbstractContextManager[Connection]:
-        """A read-only connection that creates no file and changes no byte of the state.
+    def reading(self) -> AbstractContextManager[Reader]:
+        """A read-only session that creates no file and changes no byte of the state, on the
+        backend's own driver (no SQLAlchemy is imported for it).
 
         Raises ``RIVET_STATE_MISSING`` (nothing there), ``RIVET_STATE_NOT_A_STATE`` (not a
         SQLite file), ``RIVET_STATE_CORRUPT`` (truncated), ``RIVET_STATE_INTERRUPTED_WRITE``
@@ -205,10 +231,15 @@ class Backend(Protocol):
         ``RIVET_STATE_AUTH_FAILED`` (server).
         """
 
-    def table_names(self, conn: Connection) -> set[str]:
+    def reader(self, conn: Connection) -> Reader:
+        """The :class:`Reader` over ``conn``, a connection of :meth:`writing` (or of a
+        transfer's :meth:`TransferDestination.receiving`): the read queries in the write's
+        own transaction."""
+
+    def table_names(self, conn: Reader) -> set[str]:
         """The tables of the state (PostgreSQL: of its schema only)."""
 
-    def integrity_problems(self, conn: Connection) -> list[str]:
+    def integrity_problems(self, conn: Reader) -> list[str]:
         """Problems ``quick_check`` finds (SQLite); always empty for PostgreSQL."""
 
     def writing(self, lock_code: str) -> AbstractContextManager[Connection]:
@@ -298,13 +329,13 @@ class TransferDestination(Backend, Protocol):
     Its version table marks a copy that is not live yet: :meth:`mark_in_flight` in the
     transaction that fills it, :meth:`make_live` once the source is retired."""
 
-    def inspecting(self) -> AbstractContextManager[Connection]:
-        """A read-only session on whatever is at the location, which may hold no table at
+    def inspecting(self) -> AbstractContextManager[Reader]:
+        """A read-only session (psycopg, no SQLAlchemy) on whatever is at the location, which may hold no table at
         all (a schema that is empty or does not exist yet). Checks no rights: the caller
         asks :meth:`check_rights` for what it is about to do. Raises
         ``RIVET_STATE_UNREACHABLE`` / ``RIVET_STATE_AUTH_FAILED``."""
 
-    def check_rights(self, purpose: str, conn: Connection) -> None:
+    def check_rights(self, purpose: str, conn: Reader) -> None:
         """Raise ``RIVET_STATE_PERMISSION_DENIED`` unless the session of ``conn`` has every
         right ``purpose`` (``read``, ``write``, ``migrate``, ``create``, ``lease``) needs."""
 

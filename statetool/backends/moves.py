@@ -128,7 +128,7 @@ class FileMove:
             raise unsafe_error(copy, "appeared while the copy was being started") from None
         try:
             before = os.stat(self.source)
-            with self.backend.checking_pages(full_verify, self.backend.table_names(conn)) as checked:
+            with self.backend.checking_pages(full_verify, self.backend.table_names(self.backend.reader(conn))) as checked:
                 digest = copy_digested(self.source, fd, progress)
                 problems, tables = checked()
             if problems:
@@ -266,13 +266,11 @@ class FileMove:
         """The detail of the last ``relocate`` audit row of the state at ``target`` (read
         through the backend's one read-only open), or None: no such row, a later row of
         another action, or no readable state there."""
-        audit = schema.audit
-        last = sa.select(sa.func.max(audit.c.id)).where(audit.c.action == "relocate").scalar_subquery()
+        last = "(SELECT max(id) FROM rivet_audit WHERE action = 'relocate')"
         try:
             with SqliteBackend(target, self.backend.lock_wait).reading() as conn:
-                detail = conn.execute(sa.select(audit.c.detail).where(audit.c.id == last)).scalar()
-                later = conn.execute(sa.select(sa.func.count()).select_from(audit).where(
-                    audit.c.action != "relocate", audit.c.id > last)).scalar()
+                detail = conn.scalar(f"SELECT detail FROM rivet_audit WHERE id = {last}")
+                later = conn.scalar(f"SELECT count(*) FROM rivet_audit WHERE action <> 'relocate' AND id > {last}")
         except StateError:
             return None
         if detail is None or later:

@@ -1,10 +1,13 @@
 """PostgreSQL state: the tables of schema ``rivet_state`` (or ``?schema=``) in a shared database.
 
 Every connection sets ``search_path`` to the state's schema, so the Core tables of
-:mod:`statetool.schema` and the alembic revisions need no schema name. A read-only
-session runs with ``default_transaction_read_only = on``: the server itself refuses any
-write. Writers serialise on a transaction-scoped advisory lock named after the schema,
-polled until ``--lock-wait`` runs out.
+:mod:`statetool.schema`, the read queries (statetool/operations/probe.py) and the alembic
+revisions need no schema name. A read-only session runs with
+``default_transaction_read_only = on``: the server itself refuses any write. Read sessions
+(:meth:`PostgresBackend.reading`, :meth:`PostgresBackend.inspecting`) are psycopg
+connections of their own; SQLAlchemy is imported only by writes (issue 13 item 1).
+Writers serialise on a transaction-scoped advisory lock named after the schema, polled
+until ``--lock-wait`` runs out.
 """
 
 from __future__ import annotations
@@ -14,20 +17,21 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
-
-import sqlalchemy as sa
-from sqlalchemy.engine import Connection
-from sqlalchemy.pool import NullPool
+from urllib.parse import parse_qs, urlsplit
 
 from statetool import migrations
-from statetool.backends import postgres_copy
 from statetool.backends.base import Progress, Step
 from statetool.backends.postgres_faults import driver_error, ident, rights_problem
+from statetool.backends.readers import CoreReader, DriverReader, pyformat
 from statetool.errors import StateError
 from statetool.location import Location
-from statetool.schema import IN_FLIGHT_REVISION, VERSION_TABLE
+from statetool.tables import IN_FLIGHT_REVISION, VERSION_TABLE
 
 if TYPE_CHECKING:
+    import sqlalchemy as sa
+    from sqlalchemy.engine import Connection
+
+    from statetool.backends.base import Reader
     from statetool.backends.copy_text import Block, Loaded
     from statetool.backends.postgres_leases import RowLeases
 
@@ -100,7 +104,9 @@ class PostgresBackend:
         self.schema: str = location.schema
         self.lock_wait = lock_wait
 
-    def _engine(self, read_only: bool, autocommit: bool = False) -> sa.Engine:
+    def _options(self, read_only: bool, autocommit: bool) -> str:
+        """statetool's session options: the schema as ``search_path``, read-only, and the
+        lease statements' lock timeout."""
         options = f'-c search_path="{self.schema}"'  # quoted: an unquoted MixedCase would fold to mixedcase
         if read_only:
             options += " -c default_transaction_read_only=on"
@@ -109,6 +115,38 @@ class PostgresBackend:
             # fence and its commit): it gives up after this and the wait loop tries again,
             # so --lock-wait bounds every wait (docs/decisions.md, "Locks and leases").
             options += f" -c lock_timeout={LEASE_LOCK_TIMEOUT_MS}"
+        return options
+
+    @contextlib.contextmanager
+    def _session(self, *, autocommit: bool = False, read_only: bool = True,
+                 translate: Callable[[BaseException], StateError] | None = None) -> Iterator[DriverReader]:
+        """A psycopg connection of its own (no SQLAlchemy) with statetool's session options,
+        the same connection arguments as a write's (:func:`_connect_args`), as a
+        :class:`~statetool.backends.readers.DriverReader`; rolled back and closed on the way
+        out. Every driver error, connecting or in the caller's SQL, is ``translate``'s
+        (default :func:`driver_error`)."""
+        import psycopg
+
+        def translated(err: BaseException) -> StateError:
+            return translate(err) if translate is not None else driver_error(err, self.location.display)
+
+        rest = self.location.url.split("://", 1)[1]
+        query = {k: v[0] if len(v) == 1 else tuple(v) for k, v in parse_qs(urlsplit("x://" + rest).query).items()}
+        args = _connect_args(query, self._options(read_only, autocommit))
+        try:
+            raw = psycopg.connect("postgresql://" + rest, autocommit=autocommit, **args)
+        except psycopg.Error as err:
+            raise translated(err) from None
+        try:
+            yield DriverReader(raw, psycopg.Error, translated, convert=pyformat)
+        finally:
+            raw.close()
+
+    def _engine(self, read_only: bool, autocommit: bool = False) -> sa.Engine:
+        import sqlalchemy as sa
+        from sqlalchemy.pool import NullPool
+
+        options = self._options(read_only, autocommit)
         url = "postgresql+psycopg://" + self.location.url.split("://", 1)[1]
         connect_args = _connect_args(sa.engine.make_url(url).query, options)
         # Autocommit engines serve leases: polling, heartbeats and the release reuse one
@@ -118,23 +156,27 @@ class PostgresBackend:
                                  "pool_pre_ping": True} if autocommit else {"poolclass": NullPool}
         return sa.create_engine(url, connect_args=connect_args, **extra)
 
-    def _translate(self, err: sa.exc.DBAPIError) -> StateError:
-        return driver_error(err, self.location.display)
-
     @contextlib.contextmanager
     def _connect(self, read_only: bool) -> Iterator[Connection]:
-        """A connection (no transaction of its own). Every driver error leaving it, from the
-        connect or from the caller's SQL, is translated by :func:`driver_error`."""
+        """A SQLAlchemy connection (no transaction of its own), for a write. Every driver
+        error leaving it, from the connect or from the caller's SQL, is translated by
+        :func:`driver_error`."""
+        import sqlalchemy as sa
+
         engine = self._engine(read_only)
         try:
             with engine.connect() as conn:
                 yield conn
         except sa.exc.DBAPIError as err:
-            raise self._translate(err) from None
+            raise driver_error(err, self.location.display) from None
         finally:
             engine.dispose()
 
-    def check_rights(self, purpose: str, conn: Connection) -> None:
+    def reader(self, conn: Connection) -> CoreReader:
+        """The reader over ``conn``, a connection of :meth:`writing` or :meth:`receiving`."""
+        return CoreReader(conn, lambda err: driver_error(err, self.location.display))
+
+    def check_rights(self, purpose: str, conn: Reader) -> None:
         """Raise ``RIVET_STATE_PERMISSION_DENIED`` (see :func:`rights_problem`) unless the
         role of ``conn`` has every right ``purpose`` (a key of
         :data:`~statetool.backends.postgres_faults.NEEDS`) needs. Reads catalogs only, so it
@@ -144,25 +186,24 @@ class PostgresBackend:
         if problem is not None:
             raise problem
 
-    def _refuse_read_only(self, conn: Connection) -> None:
+    def _refuse_read_only(self, conn: Reader) -> None:
         """``RIVET_STATE_READ_ONLY`` when this writing session may not write (a hot standby,
         or ``default_transaction_read_only`` set for the role or the database)."""
-        if conn.execute(sa.text("SELECT current_setting('transaction_read_only')")).scalar() == "on":
-            standby = conn.execute(sa.text("SELECT pg_is_in_recovery()")).scalar()
+        if conn.scalar("SELECT current_setting('transaction_read_only')") == "on":
+            standby = conn.scalar("SELECT pg_is_in_recovery()")
             why = "the server is a hot standby: point the URL at the primary" if standby else (
                 "default_transaction_read_only is on for this role or database: ALTER ROLE "
-                f"{ident(str(conn.execute(sa.text('SELECT current_user')).scalar()))} SET "
+                f"{ident(str(conn.scalar('SELECT current_user')))} SET "
                 "default_transaction_read_only = off (or use a role that may write)")
             raise StateError("RIVET_STATE_READ_ONLY", f"the state database at {self.location.display} accepts only "
                              f"reads in this session ({why}); nothing was written")
 
-    def table_names(self, conn: Connection) -> set[str]:
+    def table_names(self, conn: Reader) -> set[str]:
         """The tables of the schema, from ``pg_class``: every role sees them, with or without
         rights on them (``information_schema`` hides what the role may not touch, which made
         a role without rights read a state as missing)."""
-        rows = conn.execute(sa.text(
-            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = :s AND c.relkind IN ('r', 'p', 'v', 'f')"), {"s": self.schema}).all()
+        rows = conn.rows("SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                         "WHERE n.nspname = :s AND c.relkind IN ('r', 'p', 'v', 'f')", {"s": self.schema})
         return {r[0] for r in rows}
 
     def check_writable(self, *, copies: int) -> None:
@@ -174,16 +215,16 @@ class PostgresBackend:
             return bool(self.table_names(conn))
 
     @contextlib.contextmanager
-    def inspecting(self) -> Iterator[Connection]:
-        """A read-only session (``default_transaction_read_only = on``) on the schema, which
-        may hold no table or not exist yet: nothing is refused for that, and no right is
+    def inspecting(self) -> Iterator[DriverReader]:
+        """A read-only psycopg session (``default_transaction_read_only = on``) on the schema,
+        which may hold no table or not exist yet: nothing is refused for that, and no right is
         checked (ask :meth:`check_rights` for the purpose at hand). Driver errors are
         :func:`driver_error`'s (``RIVET_STATE_UNREACHABLE``, ``RIVET_STATE_AUTH_FAILED``, …)."""
-        with self._connect(read_only=True) as conn:
+        with self._session() as conn:
             yield conn
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[Connection]:
+    def reading(self) -> Iterator[DriverReader]:
         """A read-only session; ``RIVET_STATE_MISSING`` when the schema holds no table,
         ``RIVET_STATE_PERMISSION_DENIED`` when the role may not read every state table."""
         with self.inspecting() as conn:
@@ -196,10 +237,10 @@ class PostgresBackend:
     def integrity_problems(self, conn: Connection) -> list[str]:
         return []
 
-    def _lock(self, conn: Connection, lock_code: str) -> None:
+    def _lock(self, conn: Reader, lock_code: str) -> None:
         deadline = time.monotonic() + self.lock_wait
         key = f"rivet_state:{self.schema}"
-        while not conn.execute(sa.text("SELECT pg_try_advisory_xact_lock(hashtext(:k))"), {"k": key}).scalar():
+        while not conn.scalar("SELECT pg_try_advisory_xact_lock(hashtext(:k))", {"k": key}):
             if time.monotonic() >= deadline:
                 raise StateError(lock_code, f"another statetool writer held the state at {self.location.display} "
                                  f"for {self.lock_wait:g} s (--lock-wait)")
@@ -213,11 +254,12 @@ class PostgresBackend:
         exit; every driver error is :func:`driver_error`'s."""
         with self._connect(read_only=False) as conn:
             with conn.begin():
-                if purpose != "create" and not self.table_names(conn):
+                reader = self.reader(conn)
+                if purpose != "create" and not self.table_names(reader):
                     raise StateError("RIVET_STATE_MISSING", f"no state at {self.location.display}")
-                self._refuse_read_only(conn)
-                self.check_rights(purpose, conn)
-                self._lock(conn, lock_code)
+                self._refuse_read_only(reader)
+                self.check_rights(purpose, reader)
+                self._lock(reader, lock_code)
                 yield conn
 
     @contextlib.contextmanager
@@ -233,7 +275,7 @@ class PostgresBackend:
     def create(self, build: Callable[[Connection], None]) -> None:
         with self._transaction("create", _MIGRATION_LOCK) as conn:
             conn.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {ident(self.schema)}")
-            if self.table_names(conn):
+            if self.table_names(self.reader(conn)):
                 raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
                                  f"schema {self.schema} at {self.location.display} already holds tables")
             build(conn)
@@ -252,31 +294,35 @@ class PostgresBackend:
                   progress: Callable[[int], None]) -> Loaded:
         """:func:`~statetool.backends.postgres_copy.copy_into` on ``conn`` (a transaction of
         :meth:`receiving`): COPY, indexes deferred for a big empty table, the server's checksum."""
+        from statetool.backends import postgres_copy
+
         return postgres_copy.copy_into(conn, table, columns, blocks, rows, progress)
 
     def drop_tables(self, conn: Connection) -> None:
         """Drop every table of the schema (with what depends on them) in ``conn``'s transaction."""
-        postgres_copy.drop_tables(conn, self.table_names(conn))
+        from statetool.backends import postgres_copy
+
+        postgres_copy.drop_tables(conn, self.table_names(self.reader(conn)))
 
     def in_flight(self, conn: Connection) -> bool:
         """True when the version table reads :data:`~statetool.schema.IN_FLIGHT_REVISION`."""
-        return conn.execute(sa.text(f"SELECT count(*) FROM {VERSION_TABLE} WHERE version_num = :v"),
-                            {"v": IN_FLIGHT_REVISION}).scalar() == 1
+        return self.reader(conn).scalar(f"SELECT count(*) FROM {VERSION_TABLE} WHERE version_num = :v",
+                                        {"v": IN_FLIGHT_REVISION}) == 1
 
     def mark_in_flight(self, conn: Connection) -> None:
         """Set the version to :data:`~statetool.schema.IN_FLIGHT_REVISION` in
         ``conn``'s transaction: every open refuses (``RIVET_STATE_MOVE_IN_FLIGHT``) until
         :meth:`make_live`."""
-        conn.execute(sa.text(f"UPDATE {VERSION_TABLE} SET version_num = :v"), {"v": IN_FLIGHT_REVISION})
+        conn.exec_driver_sql(f"UPDATE {VERSION_TABLE} SET version_num = %(v)s", {"v": IN_FLIGHT_REVISION})
 
     def make_live(self) -> None:
         """In a :meth:`receiving` transaction of its own, set an in-flight version back to
         head (idempotent; nothing to do when the state is live or the schema has no version
         table). Refuses as :meth:`receiving`."""
         with self.receiving() as conn:
-            if VERSION_TABLE in self.table_names(conn):
-                conn.execute(sa.text(f"UPDATE {VERSION_TABLE} SET version_num = :head WHERE version_num = :v"),
-                             {"head": migrations.head(), "v": IN_FLIGHT_REVISION})
+            if VERSION_TABLE in self.table_names(self.reader(conn)):
+                conn.exec_driver_sql(f"UPDATE {VERSION_TABLE} SET version_num = %(head)s WHERE version_num = %(v)s",
+                                     {"head": migrations.head(), "v": IN_FLIGHT_REVISION})
 
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> None:
         return None
@@ -299,8 +345,9 @@ class PostgresBackend:
     def leases(self, ttl: int = 30) -> RowLeases:
         from statetool.backends.postgres_leases import RowLeases
 
-        return RowLeases(self._engine(read_only=False, autocommit=True), ttl, where=self.location.display,
-                         schema=self.schema)
+        return RowLeases(lambda: self._engine(read_only=False, autocommit=True),
+                         lambda translate: self._session(autocommit=True, read_only=False, translate=translate),
+                         ttl, where=self.location.display, schema=self.schema)
 
 
 class InTransaction:

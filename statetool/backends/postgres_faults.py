@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
-
-import sqlalchemy as sa
-from sqlalchemy.engine import Connection
+from typing import TYPE_CHECKING
 
 from statetool.errors import StateError
-from statetool.schema import LEASE_TABLES, STATE_TABLES, VERSION_TABLE, audit
+from statetool.tables import AUDIT, LEASE_TABLES, STATE_TABLES, VERSION_TABLE
+
+if TYPE_CHECKING:
+    from statetool.backends.base import Reader
 
 #: SQLSTATEs of a refused login (invalid_password, invalid_authorization_specification).
 _AUTH_STATES = {"28P01", "28000"}
@@ -48,10 +48,12 @@ def _first_line(orig: BaseException) -> str:
     return text.splitlines()[0] if text else type(orig).__name__
 
 
-def driver_error(err: sa.exc.DBAPIError, where: str) -> StateError:
+def driver_error(err: BaseException, where: str) -> StateError:
     """The one translation of a PostgreSQL driver error (docs/decisions.md, "PostgreSQL rights
     and faults"), the same wherever it was met: connecting, locking, committing, or inside an
-    operation's own SQL. ``where`` names the state (its display URL).
+    operation's own SQL. ``err`` is psycopg's own error (a read session's) or SQLAlchemy's
+    wrapper of it (a write's: its ``orig``, and whether it invalidated the connection);
+    ``where`` names the state (its display URL).
 
     Faults of the environment keep their code everywhere: ``RIVET_STATE_AUTH_FAILED``
     (28P01, 28000, and a connection the server refused with their texts: no such role, a
@@ -63,7 +65,10 @@ def driver_error(err: sa.exc.DBAPIError, where: str) -> StateError:
     statetool's own SQL (an undefined column, a syntax error, a wrong parameter):
     ``RIVET_INTERNAL``, one line naming the SQLSTATE, never retryable (SPEC §7, §8a).
     """
-    orig: Any = err.orig
+    import psycopg
+
+    orig: BaseException = getattr(err, "orig", None) or err
+    invalidated = bool(getattr(err, "connection_invalidated", False))
     sqlstate = getattr(orig, "sqlstate", None)
     text = _first_line(orig)
     details = {"sqlstate": sqlstate} if sqlstate else {}
@@ -83,7 +88,7 @@ def driver_error(err: sa.exc.DBAPIError, where: str) -> StateError:
     if sqlstate == _DISK_FULL:
         return StateError("RIVET_STATE_DISK_FULL", f"the server of the state database at {where} has no space left "
                           f"on its disk (SQLSTATE 53100): {text}; the transaction was rolled back", details)
-    lost = sqlstate is None and (err.connection_invalidated or isinstance(err, sa.exc.OperationalError))
+    lost = sqlstate is None and (invalidated or isinstance(orig, psycopg.OperationalError))
     if lost or sqlstate is not None and (sqlstate[:2] in _TRANSIENT_CLASSES or sqlstate in _TRANSIENT_STATES):
         return StateError("RIVET_STATE_UNREACHABLE", f"the state database at {where} is unreachable or busy: {text}",
                           details)
@@ -129,22 +134,24 @@ class _Need:
 NEEDS = {"read": _Need("read"), "write": _Need("write", write=True),
          "migrate": _Need("migrate", write=True, ddl=True), "create": _Need("create", write=True, create=True),
          "lease": _Need("hold a lease of", write=True, tables=LEASE_TABLES)}
-_APPEND_ONLY = {audit.name: ("SELECT", "INSERT"), VERSION_TABLE: ("SELECT",)}
+_APPEND_ONLY = {AUDIT: ("SELECT", "INSERT"), VERSION_TABLE: ("SELECT",)}
 _DML = ("SELECT", "INSERT", "UPDATE", "DELETE")
 
 
-def rights_problem(conn: Connection, schema_name: str, purpose: str, where: str) -> StateError | None:
+def rights_problem(conn: Reader, schema_name: str, purpose: str, where: str) -> StateError | None:
     """The rights ``purpose`` (a key of :data:`NEEDS`) needs in ``schema_name`` that the
     session's role lacks, as one ``RIVET_STATE_PERMISSION_DENIED`` naming the role, the
     schema, its owner and the GRANT statements that fix it; None when nothing is missing.
     Reads only catalogs every role may read (``pg_namespace``, ``pg_class``), so a role
     without USAGE still learns that the state exists (SPEC §8a)."""
     need = NEEDS[purpose]
-    role, database, db_owner, db_create, owner, usage, create = conn.execute(sa.text(
+    found = conn.one(
         "SELECT current_user, current_database(), (SELECT pg_get_userbyid(datdba) FROM pg_database "
         "WHERE datname = current_database()), has_database_privilege(current_database(), 'CREATE'), "
         "pg_get_userbyid(n.nspowner), has_schema_privilege(n.oid, 'USAGE'), has_schema_privilege(n.oid, 'CREATE') "
-        "FROM (SELECT 1) AS one LEFT JOIN pg_namespace n ON n.nspname = :s"), {"s": schema_name}).one()
+        "FROM (SELECT 1) AS one LEFT JOIN pg_namespace n ON n.nspname = :s", {"s": schema_name})
+    assert found is not None  # one row, whatever the schema: the LEFT JOIN keeps it
+    role, database, db_owner, db_create, owner, usage, create = found
     schema_q = ident(schema_name)
     lacks: list[str] = []
     grants: list[str] = []
@@ -174,35 +181,35 @@ def rights_problem(conn: Connection, schema_name: str, purpose: str, where: str)
                       {"role": role, "schema": schema_name, "owner": owner, "grants": grants})
 
 
-def _table_rights(conn: Connection, schema_name: str, need: _Need, role: str) -> tuple[list[str], list[str], bool]:
+def _table_rights(conn: Reader, schema_name: str, need: _Need, role: str) -> tuple[list[str], list[str], bool]:
     """What ``role`` lacks on the state tables and sequences of ``schema_name`` (one line
     each, and the GRANTs that fix it), and whether the schema holds any state table."""
-    rows = conn.execute(sa.text(
+    rows = conn.rows(
         "SELECT c.relname, c.relkind, pg_get_userbyid(c.relowner) AS owner, pg_has_role(c.relowner, 'USAGE') AS owns, "
         "has_table_privilege(c.oid, 'SELECT') AS s, has_table_privilege(c.oid, 'INSERT') AS i, "
         "has_table_privilege(c.oid, 'UPDATE') AS u, has_table_privilege(c.oid, 'DELETE') AS d, "
         "c.relkind = 'S' AND has_sequence_privilege(c.oid, 'USAGE') AS seq "
         "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = :s AND c.relkind IN ('r', 'p', 'S') ORDER BY c.relname"), {"s": schema_name}).all()
+        "WHERE n.nspname = :s AND c.relkind IN ('r', 'p', 'S') ORDER BY c.relname", {"s": schema_name})
     missing: dict[tuple[str, ...], list[str]] = {}
     sequences: list[str] = []
     not_owned: dict[str, list[str]] = {}
     has_state = False
-    for row in rows:
-        if row.relkind == "S":
-            if need.write and need.tables is None and not row.seq:
-                sequences.append(row.relname)
+    for relname, relkind, owner, owns, s, i, u, d, seq in rows:
+        if relkind == "S":
+            if need.write and need.tables is None and not seq:
+                sequences.append(relname)
             continue
-        if row.relname not in (STATE_TABLES if need.tables is None else need.tables):
+        if relname not in (STATE_TABLES if need.tables is None else need.tables):
             continue
         has_state = True
-        wanted = _APPEND_ONLY.get(row.relname, _DML) if need.write else ("SELECT",)
-        has = {"SELECT": row.s, "INSERT": row.i, "UPDATE": row.u, "DELETE": row.d}
+        wanted = _APPEND_ONLY.get(relname, _DML) if need.write else ("SELECT",)
+        has = {"SELECT": s, "INSERT": i, "UPDATE": u, "DELETE": d}
         lacking = tuple(r for r in wanted if not has[r])
         if lacking:
-            missing.setdefault(lacking, []).append(row.relname)
-        if need.ddl and not row.owns:
-            not_owned.setdefault(row.owner, []).append(row.relname)
+            missing.setdefault(lacking, []).append(relname)
+        if need.ddl and not owns:
+            not_owned.setdefault(owner, []).append(relname)
     lacks, grants = [], []
     for rights, tables in missing.items():
         lacks.append(f"{', '.join(rights)} on {', '.join(tables)}")

@@ -20,6 +20,10 @@ command; fenced writes refuse with ``RIVET_STATE_LEASE_LOST``).
 
 A lease table from before revision 0004 (a state waiting for its migration) has none of
 the new columns: the store sees that once, and takes and lists leases without them.
+
+Looking at leases (``list``, ``info``, ``require_state``) runs on a psycopg session of its
+own, without SQLAlchemy (issue 13 item 1); taking, beating and releasing them run on the
+pooled SQLAlchemy engine, made when the first lease is taken.
 """
 
 from __future__ import annotations
@@ -29,19 +33,22 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
-from sqlalchemy.engine import Connection
-
-from statetool.backends.base import HeldLease, Holder, LeaseInfo
+from statetool.backends.base import HeldLease, Holder, LeaseInfo, Reader
 from statetool.backends.postgres_faults import driver_error, rights_problem
 from statetool.backends.processes import alive
+from statetool.backends.readers import CoreReader, pyformat
 from statetool.errors import StateError
-from statetool.schema import LEASE_TABLE
+from statetool.tables import LEASE_TABLE
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+    from sqlalchemy.engine import Connection
 
 DEFAULT_TTL = 30
 #: SQLSTATE lock_not_available: lock_timeout ran out, or NOWAIT found the row locked.
@@ -61,21 +68,46 @@ def _iso(t: datetime) -> str:
     return t.isoformat()
 
 
-def _info(row: Any, here: str) -> LeaseInfo:
-    fenced = "fencing_token" in row._fields
-    holder = Holder(row.holder_pid, row.holder_host, row.holder_user, row.command, _iso(row.acquired_at),
-                    _iso(row.heartbeat_at), row.ttl_seconds,
-                    *((row.fencing_token, row.holder_started, row.child_pid, row.child_started) if fenced else ()))
-    age = float(row.age)
-    stale = age > row.ttl_seconds
-    if row.holder_host == here and not alive(holder.pid, holder.started):
+def _info(row: Mapping[str, Any], here: str) -> LeaseInfo:
+    """The lease of one row of :meth:`RowLeases._select` (column name -> value)."""
+    fenced = "fencing_token" in row
+    holder = Holder(row["holder_pid"], row["holder_host"], row["holder_user"], row["command"],
+                    _iso(row["acquired_at"]), _iso(row["heartbeat_at"]), row["ttl_seconds"],
+                    *((row["fencing_token"], row["holder_started"], row["child_pid"], row["child_started"])
+                      if fenced else ()))
+    age = float(row["age"])
+    stale = age > row["ttl_seconds"]
+    if row["holder_host"] == here and not alive(holder.pid, holder.started):
         stale = not alive(holder.child_pid, holder.child_started)
-    return LeaseInfo(row.key, "stale" if stale else "live", holder, age, max(0.0, row.ttl_seconds - age))
+    return LeaseInfo(row["key"], "stale" if stale else "live", holder, age, max(0.0, row["ttl_seconds"] - age))
 
 
-def _observed(row: Any) -> dict[str, object]:
-    return {"key": row.key, "o_pid": row.holder_pid, "o_host": row.holder_host,
-            "o_acquired": row.acquired_at, "o_heartbeat": row.heartbeat_at}
+def _observed(row: Mapping[str, Any]) -> dict[str, object]:
+    return {"key": row["key"], "o_pid": row["holder_pid"], "o_host": row["holder_host"],
+            "o_acquired": row["acquired_at"], "o_heartbeat": row["heartbeat_at"]}
+
+
+def _run(conn: Connection, sql: str, params: Mapping[str, object] | None = None) -> sa.CursorResult[Any]:
+    """``sql`` (``:name`` parameters) on the SQLAlchemy connection ``conn``, bound by psycopg
+    itself (:func:`~statetool.backends.readers.pyformat`): a lease write needs no SQL compiler."""
+    return conn.exec_driver_sql(pyformat(sql), dict(params or {}))
+
+
+def _lease_error(orig: BaseException, where: str) -> StateError:
+    """A driver error of a lease statement (psycopg's, or SQLAlchemy's wrapper of it): a
+    missing lease table (a state below revision 0002) is ``RIVET_STATE_MIGRATION_PENDING``,
+    found by the query itself, not a probe; a lease table locked past the lock timeout (a
+    migration altering it) is ``RIVET_STATE_MIGRATION_LOCKED``; every other error is
+    :func:`driver_error`'s (a server that went away is ``RIVET_STATE_UNREACHABLE``, never a
+    traceback)."""
+    sqlstate = getattr(getattr(orig, "orig", None) or orig, "sqlstate", None)
+    if sqlstate == "42P01":  # undefined_table
+        return StateError("RIVET_STATE_MIGRATION_PENDING",
+                          "this state has no lease table (revision 0002); run statetool migrate")
+    if sqlstate == _LOCK_NOT_AVAILABLE:
+        return StateError("RIVET_STATE_MIGRATION_LOCKED",
+                          "the lease table is locked by a migration or another write under way")
+    return driver_error(orig, where)
 
 
 @dataclass
@@ -107,15 +139,15 @@ class RowLease:
         self.holder = Holder(**{**self.holder.__dict__, "child_pid": pid, "child_started": started})
         if self.store.fenced_layout():
             with self.store.connect() as conn:
-                conn.execute(sa.text(f"UPDATE rivet_leases SET child_pid = :c, child_started = :cs WHERE {_MINE}"),
-                             {**self.mine(), "c": pid, "cs": started})
+                _run(conn, f"UPDATE rivet_leases SET child_pid = :c, child_started = :cs WHERE {_MINE}",
+                     {**self.mine(), "c": pid, "cs": started})
 
     def fence(self, conn: Connection, *, final: bool = False) -> None:
-        if conn.execute(sa.text("SELECT to_regclass('rivet_leases')")).scalar() is None:
+        if _run(conn, "SELECT to_regclass('rivet_leases')").scalar() is None:
             return  # this very transaction dropped the lease table (a downgrade under the state lease)
         lock = " FOR SHARE" if final else ""
-        held = not self.lost and conn.execute(sa.text(f"SELECT 1 FROM rivet_leases WHERE {_MINE}{lock}"),
-                                              self.mine()).first() is not None
+        held = not self.lost and _run(conn, f"SELECT 1 FROM rivet_leases WHERE {_MINE}{lock}",
+                                      self.mine()).first() is not None
         if not held:
             raise StateError("RIVET_STATE_LEASE_LOST",
                              f"lease {self.key} was taken over by another holder (this holder stalled past its "
@@ -129,7 +161,7 @@ class RowLease:
         self.store.forget(self)
         try:
             with self.store.connect() as conn:
-                conn.execute(sa.text(f"DELETE FROM rivet_leases WHERE {_MINE}"), self.mine())
+                _run(conn, f"DELETE FROM rivet_leases WHERE {_MINE}", self.mine())
         except StateError as err:
             # a downgrade this lease guarded dropped the lease table, and the lease with it;
             # or the lease was lost already (the error that says so is the one to report)
@@ -155,12 +187,20 @@ class RowStaleClaim:
         """Nothing to undo: the transaction that deleted the row rolled back."""
 
 
-class RowLeases:
-    """The lease store of a PostgreSQL state schema. ``engine`` runs in autocommit."""
+#: Opens a read session: ``translate`` turns each driver error into the registered error.
+Looking = Callable[[Callable[[BaseException], StateError]], AbstractContextManager[Reader]]
 
-    def __init__(self, engine: sa.Engine, ttl: int = DEFAULT_TTL, *, where: str = "the state database",
-                 schema: str | None = None) -> None:
-        self.engine = engine
+
+class RowLeases:
+    """The lease store of a PostgreSQL state schema: ``engine`` (made by ``make_engine``
+    when a lease is first taken) runs in autocommit; ``looking`` opens the psycopg session
+    that lists and reads leases."""
+
+    def __init__(self, make_engine: Callable[[], sa.Engine], looking: Looking, ttl: int = DEFAULT_TTL, *,
+                 where: str = "the state database", schema: str | None = None) -> None:
+        self._make_engine = make_engine
+        self._engine: sa.Engine | None = None
+        self._looking = looking
         self.ttl = ttl
         self.where = where
         self.schema = schema
@@ -171,26 +211,40 @@ class RowLeases:
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
 
+    @property
+    def engine(self) -> sa.Engine:
+        """The pooled autocommit engine the lease writes run on, made on first use."""
+        if self._engine is None:
+            self._engine = self._make_engine()
+        return self._engine
+
     @contextlib.contextmanager
     def connect(self) -> Iterator[Connection]:
-        """A pooled autocommit connection; a missing lease table (a state below revision
-        0002) is ``RIVET_STATE_MIGRATION_PENDING``, found by the query itself, not a probe;
-        a lease table locked past the lock timeout (a migration altering it) is
-        ``RIVET_STATE_MIGRATION_LOCKED``; every other driver error is translated as the
-        backend translates it (:func:`~statetool.backends.postgres.driver_error`: a server
-        that went away is ``RIVET_STATE_UNREACHABLE``, never a traceback)."""
+        """A pooled autocommit connection of :attr:`engine`, its driver errors as
+        :func:`_lease_error` names them."""
+        import sqlalchemy as sa
+
         try:
             with self.engine.connect() as conn:
                 yield conn
         except sa.exc.DBAPIError as err:
-            sqlstate = getattr(err.orig, "sqlstate", None)
-            if sqlstate == "42P01":  # undefined_table
-                raise StateError("RIVET_STATE_MIGRATION_PENDING",
-                                 "this state has no lease table (revision 0002); run statetool migrate") from None
-            if sqlstate == _LOCK_NOT_AVAILABLE:
-                raise StateError("RIVET_STATE_MIGRATION_LOCKED",
-                                 "the lease table is locked by a migration or another write under way") from None
-            raise driver_error(err, self.where) from None
+            raise _lease_error(err, self.where) from None
+
+    @contextlib.contextmanager
+    def looking(self) -> Iterator[Reader]:
+        """A session for reading leases, its driver errors as :func:`_lease_error` names
+        them: a psycopg session of its own (autocommit, no SQLAlchemy) while this store has
+        taken no lease, else a pooled connection of :attr:`engine` (a holder looks at leases
+        between its acquisitions: no connection is opened for each look)."""
+        def translate(err: BaseException) -> StateError:
+            return _lease_error(err, self.where)
+
+        if self._engine is None:
+            with self._looking(translate) as conn:
+                yield conn
+        else:
+            with self.connect() as pooled:
+                yield CoreReader(pooled, translate)
 
     def require_state(self, *, to_hold: bool = True) -> None:
         """Raise ``RIVET_STATE_MISSING`` when the schema holds no table (or does not
@@ -198,11 +252,11 @@ class RowLeases:
         table yet, and ``RIVET_STATE_PERMISSION_DENIED`` when the role may not write the
         lease tables (so a lease is refused before anything is written, SPEC §8a). A list
         (``to_hold`` False) of a state without a lease table lists nothing."""
-        with self.connect() as conn:
-            schema = self.schema or conn.execute(sa.text("SELECT current_schema()")).scalar()
-            tables = set(conn.execute(sa.text(
+        with self.looking() as conn:
+            schema = self.schema or conn.scalar("SELECT current_schema()")
+            tables = {r[0] for r in conn.rows(
                 "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                "WHERE n.nspname = :s AND c.relkind IN ('r', 'p')"), {"s": schema}).scalars())
+                "WHERE n.nspname = :s AND c.relkind IN ('r', 'p')", {"s": schema})}
             if not tables:
                 raise StateError("RIVET_STATE_MISSING", f"no state here: the state schema {schema} holds no table "
                                  "(or does not exist)", {"schema": str(schema)})
@@ -218,15 +272,24 @@ class RowLeases:
     def fenced_layout(self) -> bool:
         """True when the lease table has revision 0004's columns (read once per store)."""
         if self._fenced is None:
-            with self.connect() as conn:
-                self._fenced = bool(conn.execute(sa.text(
+            with self.looking() as conn:
+                self._fenced = bool(conn.scalar(
                     "SELECT count(*) FROM information_schema.columns WHERE table_schema = current_schema() "
-                    "AND table_name = 'rivet_leases' AND column_name = 'fencing_token'")).scalar())
+                    "AND table_name = 'rivet_leases' AND column_name = 'fencing_token'"))
         return self._fenced
+
+    def _columns(self) -> list[str]:
+        """The names of the columns :meth:`_select` returns, in order."""
+        return [*_OLD_COLUMNS.split(", "), *(_NEW_COLUMNS.split(", ") if self.fenced_layout() else ()), "age"]
 
     def _select(self) -> str:
         extra = f", {_NEW_COLUMNS}" if self.fenced_layout() else ""
         return f"SELECT {_OLD_COLUMNS}{extra}, {_AGE} FROM rivet_leases"
+
+    def _read(self, conn: Reader, where: str, params: Mapping[str, object] | None = None) -> list[dict[str, Any]]:
+        """The rows of :meth:`_select` followed by ``where`` (a WHERE and ORDER BY clause), by column name."""
+        columns = self._columns()
+        return [dict(zip(columns, row, strict=True)) for row in conn.rows(f"{self._select()} {where}", params)]
 
     def _take(self, conn: Connection, key: str, holder: Holder, row: Any | None) -> tuple[datetime, int | None] | None:
         """Insert the row (``row`` None) or take the observed stale ``row`` over; returns
@@ -246,7 +309,7 @@ class RowLeases:
                 sql = ("UPDATE rivet_leases SET holder_pid = :pid, holder_host = :host, holder_user = :user, "
                        "command = :cmd, acquired_at = now(), heartbeat_at = now(), ttl_seconds = :ttl "
                        f"WHERE {_OBSERVED} RETURNING acquired_at, NULL")
-            got = conn.execute(sa.text(sql), values).first()
+            got = _run(conn, sql, values).first()
             return None if got is None else (got[0], None)
         if row is None:
             take = (f"INSERT INTO rivet_leases ({_OLD_COLUMNS}, fencing_token, holder_started) "
@@ -258,12 +321,13 @@ class RowLeases:
                     "command = :cmd, acquired_at = now(), heartbeat_at = now(), ttl_seconds = :ttl, "
                     "fencing_token = (SELECT token FROM nxt), holder_started = :started, child_pid = NULL, "
                     f"child_started = NULL WHERE {_OBSERVED} RETURNING key, acquired_at, fencing_token")
-        got = conn.execute(sa.text(
+        got = _run(
+            conn,
             "WITH nxt AS (SELECT coalesce((SELECT token FROM rivet_lease_tokens WHERE key = :key FOR UPDATE), 0) + 1 "
             f"AS token), took AS ({take}), "
             "kept AS (INSERT INTO rivet_lease_tokens (key, token) SELECT key, fencing_token FROM took "
             "ON CONFLICT (key) DO UPDATE SET token = excluded.token) "
-            "SELECT acquired_at, fencing_token FROM took"), values).first()
+            "SELECT acquired_at, fencing_token FROM took", values).first()
         return None if got is None else (got[0], got[1])
 
     def try_acquire(self, key: str, holder: Holder) -> HeldLease | LeaseInfo:
@@ -280,7 +344,7 @@ class RowLeases:
             for _attempt in range(3):
                 taken = self._take(conn, key, holder, None)
                 if taken is None:
-                    row = conn.execute(sa.text(f"{self._select()} WHERE key = :key"), {"key": key}).first()
+                    row = self._first(conn, key)
                     if row is None:
                         continue  # released between the insert and the read: try again
                     info = _info(row, self.here)
@@ -295,8 +359,14 @@ class RowLeases:
                                                 "token": token}), self, acquired)
                 self._hold(lease)
                 return lease
-            row = conn.execute(sa.text(f"{self._select()} WHERE key = :key"), {"key": key}).first()
+            row = self._first(conn, key)
             return _info(row, self.here) if row is not None else LeaseInfo(key, "free", None)
+
+    def _first(self, conn: Connection, key: str, lock: str = "") -> dict[str, Any] | None:
+        """The row of lease ``key`` on the SQLAlchemy connection ``conn`` (``lock``: a row
+        lock clause), by column name, or None."""
+        row = _run(conn, f"{self._select()} WHERE key = :key{lock}", {"key": key}).first()
+        return None if row is None else dict(row._mapping)
 
     # -- the heartbeat: one thread for every lease this store holds ------------------------
 
@@ -330,9 +400,10 @@ class RowLeases:
                 continue
             try:
                 with self.connect() as conn:
-                    kept = {(r.key, r.acquired_at) for r in conn.execute(sa.text(
+                    kept = {(r.key, r.acquired_at) for r in _run(
+                        conn,
                         "UPDATE rivet_leases SET heartbeat_at = now() WHERE key = ANY(:keys) AND holder_pid = :pid "
-                        "AND holder_host = :host RETURNING key, acquired_at"),
+                        "AND holder_host = :host RETURNING key, acquired_at",
                         {"keys": [lease.key for lease in held], "pid": held[0].holder.pid,
                          "host": held[0].holder.host})}
             except StateError as err:
@@ -364,20 +435,20 @@ class RowLeases:
 
     def info(self, key: str) -> LeaseInfo:
         try:
-            with self.connect() as conn:
-                row = conn.execute(sa.text(f"{self._select()} WHERE key = :key"), {"key": key}).first()
+            with self.looking() as conn:
+                found = self._read(conn, "WHERE key = :key", {"key": key})
         except StateError as err:
             if err.code == "RIVET_STATE_MIGRATION_LOCKED":
                 return LeaseInfo(key, "live", _LOCKED_BY_A_WRITER)
             if err.code != "RIVET_STATE_MIGRATION_PENDING":
                 raise
             return LeaseInfo(key, "free", None)  # no lease table yet: no lease has ever been taken
-        return _info(row, self.here) if row is not None else LeaseInfo(key, "free", None)
+        return _info(found[0], self.here) if found else LeaseInfo(key, "free", None)
 
     def list(self) -> list[LeaseInfo]:
         try:
-            with self.connect() as conn:
-                rows = conn.execute(sa.text(f"{self._select()} ORDER BY key")).all()
+            with self.looking() as conn:
+                rows = self._read(conn, "ORDER BY key")
         except StateError as err:
             if err.code != "RIVET_STATE_MIGRATION_PENDING":
                 raise
@@ -385,9 +456,11 @@ class RowLeases:
         return [_info(row, self.here) for row in rows]
 
     def claim_stale(self, key: str, conn: Connection) -> RowStaleClaim:
+        from sqlalchemy.exc import OperationalError
+
         try:
-            row = conn.execute(sa.text(f"{self._select()} WHERE key = :key FOR UPDATE NOWAIT"), {"key": key}).first()
-        except sa.exc.OperationalError as err:
+            row = self._first(conn, key, " FOR UPDATE NOWAIT")
+        except OperationalError as err:
             if getattr(err.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
                 raise
             raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"lease {key} is locked by a writer that holds it "
@@ -399,5 +472,5 @@ class RowLeases:
             assert info.holder is not None
             raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
                              f"lease {key} is held by a live process: {info.holder.describe()}", {"key": key})
-        conn.execute(sa.text(f"DELETE FROM rivet_leases WHERE {_OBSERVED}"), _observed(row))
+        _run(conn, f"DELETE FROM rivet_leases WHERE {_OBSERVED}", _observed(row))
         return RowStaleClaim(info)

@@ -23,6 +23,9 @@ https://www.sqlite.org/uri.html#uriimmutable). So the open is chosen from what i
   beside the state;
 * a ``-wal``/``-shm`` that is not the state's own (:meth:`SqliteBackend.foreign_companions`):
   ``immutable=1``, the main file alone; every write refuses (``RIVET_STATE_FOREIGN_WAL``).
+
+Reads run on the standard library's ``sqlite3`` (a :class:`~statetool.backends.readers.DriverReader`);
+SQLAlchemy is imported only by the writer, the creation and a move's copy (issue 13 item 1).
 """
 
 from __future__ import annotations
@@ -39,15 +42,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import sqlalchemy as sa
-from sqlalchemy.engine import Connection
-from sqlalchemy.pool import NullPool
-
 from statetool.access import denied
 from statetool.backends.base import Progress, Step
 from statetool.backends.durable import CREATE_FLAGS, copy_bytes, fitting_name, fsync_dir, fsync_file
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
+from statetool.backends.readers import CoreReader, DriverReader
 from statetool.backends.sqlite_rows import copy_blocks
 from statetool.backends.sqlite_file import foreign_companions, read_header, refuse_unsafe_companions
 from statetool.backends.tombstone import remove_companions, wait_for_openers
@@ -55,6 +55,10 @@ from statetool.errors import StateError, internal_error
 from statetool.location import LEASE_DIR, Location
 
 if TYPE_CHECKING:
+    import sqlalchemy as sa
+    from sqlalchemy.engine import Connection
+
+    from statetool.backends.base import Reader
     from statetool.backends.copy_text import Block
     from statetool.backends.sqlite_leases import FlockLeases
 
@@ -206,12 +210,12 @@ class SqliteBackend:
                 "the state was changed")
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[Connection]:
-        """A read-only connection (see the module docstring). A rollback-journal state with a
-        hot ``-journal`` is read from a private copy rolled back there, and the connection's
-        ``info["interrupted_write"]`` says so (warning ``RIVET_STATE_HOT_JOURNAL``). Errors are
-        translated where the database is opened; an error of the caller's own SQL is
-        :meth:`_body_error`'s."""
+    def reading(self) -> Iterator[DriverReader]:
+        """A read-only session on ``sqlite3`` (see the module docstring). A rollback-journal
+        state with a hot ``-journal`` is read from a private copy rolled back there, and the
+        reader's ``info["interrupted_write"]`` says so (warning ``RIVET_STATE_HOT_JOURNAL``).
+        Errors are translated where the database is opened; an error of the caller's own SQL
+        is :meth:`_body_error`'s (busy: ``RIVET_STATE_RUN_IN_PROGRESS``)."""
         header = self._header()
         refuse_unsafe_companions(self.path)
         wal_mode = header[18] == 2
@@ -240,27 +244,23 @@ class SqliteBackend:
                 stack.close()
                 conn = self._open_read(stack, f"file:{self._quoted(self._private_copy(stack, '-journal'))}")
                 conn.info["interrupted_write"] = self._interrupted_message()
-            try:
-                yield conn
-            except sa.exc.DBAPIError as err:
-                raise self._body_error(err, "RIVET_STATE_RUN_IN_PROGRESS") from None
+            yield conn
 
-    def _open_read(self, stack: contextlib.ExitStack, uri: str) -> Connection:
+    def _open_read(self, stack: contextlib.ExitStack, uri: str) -> DriverReader:
         """Open ``uri`` in one read transaction (every query sees one snapshot), its first
         page read; SQLite's errors translated (:meth:`_translate`)."""
-        engine = self._engine(uri, timeout=min(self.lock_wait, 30.0))
-        stack.callback(engine.dispose)
-
-        @sa.event.listens_for(engine, "begin")
-        def begin_snapshot(conn: Connection) -> None:
-            conn.exec_driver_sql("BEGIN")
-
         try:
-            conn = stack.enter_context(engine.connect())
-            conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").all()
-        except sa.exc.DBAPIError as err:
+            raw = sqlite3.connect(uri, uri=True, timeout=min(self.lock_wait, 30.0), isolation_level=None)
+            stack.callback(raw.close)
+            raw.execute("BEGIN")
+            raw.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        except sqlite3.Error as err:
             raise self._translate(err) from None
-        return conn
+        return DriverReader(raw, sqlite3.Error, lambda err: self._body_error(err, "RIVET_STATE_RUN_IN_PROGRESS"))
+
+    def reader(self, conn: Connection) -> CoreReader:
+        """The reader over ``conn``, a connection of :meth:`writing` (or a move's copy)."""
+        return CoreReader(conn, lambda err: self._body_error(err, "RIVET_STATE_RUN_IN_PROGRESS"))
 
     @staticmethod
     def _quoted(path: Path) -> str:
@@ -269,15 +269,18 @@ class SqliteBackend:
         return quote(str(path))
 
     def _engine(self, uri: str, timeout: float) -> sa.Engine:
+        import sqlalchemy as sa
+        from sqlalchemy.pool import NullPool
+
         def connect() -> sqlite3.Connection:
             return sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None, check_same_thread=False)
 
         return sa.create_engine("sqlite://", creator=connect, poolclass=NullPool)
 
-    def _translate(self, err: sa.exc.DBAPIError) -> StateError:
-        """The registered error for a driver error met where the database is opened, begun,
-        locked or committed (issue 10, "one error boundary")."""
-        orig = err.orig
+    def _translate(self, orig: BaseException) -> StateError:
+        """The registered error for a driver error (``sqlite3``'s own, SQLAlchemy's ``orig``)
+        met where the database is opened, begun, locked or committed (issue 10, "one error
+        boundary")."""
         name = getattr(orig, "sqlite_errorname", "")
         text = str(orig)
         if name == "SQLITE_READONLY_ROLLBACK" or "hot journal" in text:
@@ -295,41 +298,44 @@ class SqliteBackend:
         return StateError("RIVET_STATE_UNREACHABLE", f"{self.path} cannot be opened: {text}",
                           {"path": str(self.path)})
 
-    def _body_error(self, err: sa.exc.DBAPIError, busy_code: str) -> StateError:
-        """The registered error for a driver error raised by an operation's own SQL: an
-        environment fault keeps its code (read-only, permission, disk full; busy as
-        ``busy_code``), damage is ``RIVET_STATE_CORRUPT``, a constraint is
-        ``RIVET_STATE_WRITE_REFUSED``, and anything else is a bug: ``RIVET_INTERNAL``."""
-        known = fault(self.path, err)
+    def _body_error(self, orig: BaseException, busy_code: str) -> StateError:
+        """The registered error for a driver error (``sqlite3``'s own, or SQLAlchemy's wrapper
+        of it) raised by an operation's own SQL: an environment fault keeps its code
+        (read-only, permission, disk full; busy as ``busy_code``), damage is
+        ``RIVET_STATE_CORRUPT``, a constraint is ``RIVET_STATE_WRITE_REFUSED``, and anything
+        else is a bug: ``RIVET_INTERNAL``."""
+        orig = getattr(orig, "orig", None) or orig
+        known = fault(self.path, orig)
         if known is not None:
             return known
-        if isinstance(err, sa.exc.IntegrityError):  # a constraint or a trigger's RAISE: the database refuses
-            return StateError("RIVET_STATE_WRITE_REFUSED", f"{self.path} refused the write: {err.orig}",
+        if isinstance(orig, sqlite3.IntegrityError):  # a constraint or a trigger's RAISE: the database refuses
+            return StateError("RIVET_STATE_WRITE_REFUSED", f"{self.path} refused the write: {orig}",
                               {"path": str(self.path)})
-        translated = self._translate(err)
+        translated = self._translate(orig)
         if translated.code == "RIVET_STATE_RUN_IN_PROGRESS":
             return StateError(busy_code, translated.message, translated.details)
         if translated.code in ("RIVET_STATE_CORRUPT", "RIVET_STATE_NOT_A_STATE"):
             return translated
-        return internal_error(err.orig if err.orig is not None else err)
+        return internal_error(orig)
 
-    def table_names(self, conn: Connection) -> set[str]:
-        try:
-            rows = conn.exec_driver_sql("SELECT name FROM sqlite_master WHERE type = 'table'").all()
-        except sa.exc.DBAPIError as err:
-            raise self._translate(err) from None
-        return {r[0] for r in rows if not r[0].startswith("sqlite_")}
+    def table_names(self, conn: Reader) -> set[str]:
+        """The tables of the file, from ``sqlite_master`` (SQLite's own tables left out)."""
+        return {r[0] for r in conn.rows("SELECT name FROM sqlite_master WHERE type = 'table'")
+                if not r[0].startswith("sqlite_")}
 
-    def integrity_problems(self, conn: Connection) -> list[str]:
+    def integrity_problems(self, conn: Reader) -> list[str]:
+        """What ``PRAGMA quick_check`` reports, or the driver's error when it cannot run."""
         try:
-            rows = [r[0] for r in conn.exec_driver_sql("PRAGMA quick_check").all()]
-        except sa.exc.DBAPIError as err:
-            return [str(err.orig)]
+            rows = [r[0] for r in conn.rows("PRAGMA quick_check")]
+        except StateError as err:  # the reader's translation: the driver's own words are the problem
+            return [str(err.__cause__ or err.message)]
         return [] if rows == ["ok"] else rows
 
     # -- writing ---------------------------------------------------------------------
 
     def _writer_engine(self, path: Path) -> sa.Engine:
+        import sqlalchemy as sa
+
         engine = self._engine(f"file:{self._quoted(path)}", timeout=self.lock_wait)
 
         @sa.event.listens_for(engine, "begin")
@@ -352,6 +358,8 @@ class SqliteBackend:
         not belong (:meth:`foreign_companions`), ``lock_code`` when the lock stays taken, and
         the registered code of an error where the state is opened, begun or committed; the
         caller's own SQL errors are :meth:`_body_error`'s."""
+        import sqlalchemy as sa
+
         self._refuse_foreign(self._header())
         self._stale_temps()  # refused here, before any lease or lock is taken
         engine = self._writer_engine(self.path)
@@ -359,7 +367,7 @@ class SqliteBackend:
             try:
                 connection = engine.connect()
             except sa.exc.OperationalError as err:  # "unable to open database file": read-only, permission
-                raise fault(self.path, err) or self._translate(err) from None
+                raise fault(self.path, err) or self._translate(err.orig) from None
             with connection as conn:
                 try:
                     trans = conn.begin()
@@ -367,21 +375,21 @@ class SqliteBackend:
                     if "locked" in str(err.orig) or "busy" in str(err.orig):
                         raise StateError(lock_code, f"{self.path} stayed locked by another writer for "
                                          f"{self.lock_wait:g} s (--lock-wait)", {"path": str(self.path)}) from None
-                    raise fault(self.path, err) or self._translate(err) from None
+                    raise fault(self.path, err) or self._translate(err.orig) from None
                 try:
                     yield conn
                 except BaseException as raised:
                     with contextlib.suppress(sa.exc.DBAPIError):
                         trans.rollback()
                     if isinstance(raised, sa.exc.DBAPIError):
-                        raise self._body_error(raised, lock_code) from None
+                        raise self._body_error(raised.orig, lock_code) from None
                     if isinstance(raised, (OSError, sqlite3.Error)):  # a backup, a sidecar: read-only, full disk
                         raise fault(self.path, raised) or raised from None
                     raise
                 try:
                     trans.commit()
                 except sa.exc.DBAPIError as err:
-                    raise self._body_error(err, lock_code) from None
+                    raise self._body_error(err.orig, lock_code) from None
         finally:
             engine.dispose()
 
@@ -391,6 +399,8 @@ class SqliteBackend:
                 if os.path.lexists(p)]
 
     def create(self, build: Callable[[Connection], None]) -> None:
+        import sqlalchemy as sa
+
         leftovers = self._companions()
         if leftovers:
             # SQLite would apply them to the new file as if they were its own: another state's
@@ -486,7 +496,7 @@ class SqliteBackend:
         (BEGIN IMMEDIATE) so that nobody can write between the copy and what follows.
         """
         writer: sqlite3.Connection = conn.connection.driver_connection  # type: ignore[assignment]
-        tables = sorted(self.table_names(conn))
+        tables = sorted(self.table_names(self.reader(conn)))
         expected = {t: writer.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}
         source = sqlite3.connect(f"file:{self._quoted(self.path)}?mode=ro", uri=True, timeout=self.lock_wait)
         target = sqlite3.connect(tmp)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Iterator
-
-from sqlalchemy.engine import Connection
+from typing import TYPE_CHECKING
 
 from statetool.backends.copy_text import ESCAPES, NULL, Block, row_checksum, sum60
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
 
 #: Rows per block: a block's text is held in memory once, then written to COPY.
 BATCH_ROWS = 5000

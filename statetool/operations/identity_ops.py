@@ -77,7 +77,7 @@ def adopt(ctx: Context) -> IdentityResult:
     if snap.recorded_key == ctx.computed_key:
         return show_after(ctx, snap.recorded_key, changed=False)  # nothing to write: no lease, no audit row
     with guarded_write(ctx, WHOLE_STATE, preflight=pf) as session:
-        unclaimed(recorded_key(session.conn))  # another writer may have claimed it meanwhile
+        unclaimed(recorded_key(session.reader))  # another writer may have claimed it meanwhile
         result = show_after(ctx, snap.recorded_key, changed=True)
         result.warnings = session.warnings
         return result
@@ -119,7 +119,7 @@ def rekey(ctx: Context, old: str, new: str | None = None, reason: str = "") -> I
                               f"the state already records {old}: a re-key to the same key changes nothing")
     with guarded_write(ctx, WHOLE_STATE, claim=False, allow=_REKEY_ALLOWS,
                        check=lambda snap: recorded_is_old(snap.recorded_key)) as session:
-        recorded_is_old(recorded_key(session.conn))  # another writer may have re-keyed it meanwhile
+        recorded_is_old(recorded_key(session.reader))  # another writer may have re-keyed it meanwhile
         session.record_identity(target, "rekey", old=old, reason=reason)
     return IdentityResult(target, ctx.computed_key, ctx.location.scope, "ok", None,
                           f"re-keyed from {old} to {target}", changed=True)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import sqlalchemy as sa
-
-from statetool import migrations, schema
+from statetool import migrations
 from statetool.backends import orphan_companions
 from statetool.errors import StateError, StateWarning
 from statetool.identity import identity_message
 from statetool.operations.context import Context
 from statetool.operations.leasing import list_leases
 from statetool.operations.preflight import DESCRIBABLE, raise_failures, run_preflight
-from statetool.operations.probe import ExportProgress, Snapshot
+from statetool.operations.probe import ExportProgress, Snapshot, recent_runs
 
 
 @dataclass
@@ -144,11 +142,6 @@ def export_show(ctx: Context, name: str, limit: int = 10) -> ExportDetail:
         raise StateError("RIVET_EXPORT_UNKNOWN", f"export '{name}' is in neither {ctx.config.path} nor the state")
     recent: list[dict[str, object]] = []
     if rows[name]["in_state"]:
-        backend = ctx.backend()
-        r = schema.runs
-        with backend.reading() as conn:
-            query = (sa.select(r.c.run_id, r.c.mode, r.c.status, r.c.started_at, r.c.finished_at, r.c.rows,
-                               r.c.files, r.c.error)
-                     .where(r.c.export_name == name).order_by(r.c.started_at.desc()).limit(limit))
-            recent = [dict(row._mapping) for row in conn.execute(query)]
+        with ctx.backend().reading() as conn:
+            recent = recent_runs(conn, name, limit)
     return ExportDetail(rows[name], recent, described.warnings)

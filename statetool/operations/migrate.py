@@ -16,9 +16,9 @@ migrations"). Any failure before the switch leaves the state exactly as before.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
 
 from statetool import migrations, schema
 from statetool.errors import StateError, StateWarning
@@ -26,6 +26,11 @@ from statetool.operations.context import Context
 from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import row_counts
 from statetool.operations.writes import WHOLE_STATE, guarded_write, require_writable
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from statetool.backends.base import Reader
 
 #: Files as large as the state a migration may add beside it (SQLite): the copy it builds
 #: the new revision in, and the tables it rebuilds in that copy (written before the old
@@ -81,7 +86,7 @@ class MigrateResult:
         return doc
 
 
-def _plan(conn: Connection, tables: set[str], direction: str, steps: list[migrations.Revision]) -> list[StepPlan]:
+def _plan(conn: Reader, tables: set[str], direction: str, steps: list[migrations.Revision]) -> list[StepPlan]:
     plans = []
     for rev in steps:
         plan = StepPlan(rev.id, rev.description, direction)
@@ -91,7 +96,7 @@ def _plan(conn: Connection, tables: set[str], direction: str, steps: list[migrat
             for table, predicate in rev.loses.items():
                 if table in tables:
                     where = f" WHERE {predicate}" if predicate else ""
-                    plan.loses[table] = int(conn.execute(sa.text(f'SELECT count(*) FROM "{table}"{where}')).scalar() or 0)
+                    plan.loses[table] = int(conn.scalar(f'SELECT count(*) FROM "{table}"{where}') or 0)
         plans.append(plan)
     return plans
 
@@ -167,7 +172,8 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
         backend.require_frozen()
         ctx.on_step("locked")
         conn = session.conn
-        tables = backend.table_names(conn)
+        reader = backend.reader(conn)
+        tables = backend.table_names(reader)
         now = _revision(conn) if schema.VERSION_TABLE in tables else None
         if now is not None and now != (None if legacy else result.from_revision):
             if now == target:
@@ -175,23 +181,24 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
                 return
             raise StateError("RIVET_STATE_MIGRATION_PENDING",
                              f"the state moved to revision {now} while waiting; re-run to plan again")
-        before = row_counts(conn, tables - _WRITTEN_BY_MIGRATE)
+        before = row_counts(reader, tables - _WRITTEN_BY_MIGRATE)
         with ctx.progress("copying") as update:
             migration = backend.migration(conn, result.from_revision or "legacy", update, ctx.on_step)
         session.on_abort(migration.discard)
         session.after_commit(migration.switch)
         result.backup = str(migration.backup) if migration.backup else None
         with migration.connection() as new:
+            new_reader = backend.reader(new)
             _upgrade(ctx, new, result, legacy)
             ctx.on_step("migrated")
-            after_tables = backend.table_names(new)
+            after_tables = backend.table_names(new_reader)
             if schema.identity.name in after_tables:
                 result.warnings = session.claim(into=new)
             if schema.audit.name in after_tables:
                 session.audit("migrate", {"from": result.from_revision, "to": target, "backup": result.backup},
                               into=new)
-            problems = backend.integrity_problems(new)
-            after = row_counts(new, set(before) & after_tables)
+            problems = backend.integrity_problems(new_reader)
+            after = row_counts(new_reader, set(before) & after_tables)
             revision = _revision(new)
             changed = {t: (before[t], after[t]) for t in after if before[t] != after[t]}
             if problems or changed or revision != target:

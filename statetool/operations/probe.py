@@ -5,6 +5,13 @@ command sees a state the same way. Progress (SPEC §3, §5a: whether an export's
 resumes or is a first run) is one rule, :func:`has_progress`, over one query set: the
 statements of this module (:func:`read_snapshot`'s per-export read, :func:`resume_points`
 for ``doctor``'s indexed lookups, and the ``LIMIT 1`` probes of "any progress").
+
+Every statement is SQL text with ``:name`` parameters, held here and nowhere else, read
+through the :class:`~statetool.backends.base.Reader` of a read session (the backend's own
+driver: ``sqlite3`` or psycopg, no SQLAlchemy) or of a write's connection
+(:meth:`~statetool.backends.base.Backend.reader`). The SQL is the same on both backends:
+table names are unqualified (a PostgreSQL session's ``search_path`` is the state's schema)
+and the backend binds the parameters in its driver's style.
 """
 
 from __future__ import annotations
@@ -13,12 +20,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy.engine import Connection
-
-from statetool import migrations, schema
-from statetool.backends.base import Backend
+from statetool import migrations
+from statetool.backends.base import Backend, Reader
 from statetool.errors import StateError
+from statetool.tables import (AUDIT, IDENTITY, IN_FLIGHT_REVISION, LEGACY_TABLES, LOAD_LEDGER, STATE_TABLES,
+                              VERSION_TABLE)
 
 
 def has_progress(cursor: str | None, succeeded_runs: int, chunks: int, ledger_rows: int) -> bool:
@@ -92,12 +98,11 @@ class Snapshot:
         return any(e.has_progress for e in self.exports.values())
 
 
-def _in_flight_error(where: str, conn: Connection) -> StateError:
+def _in_flight_error(where: str, conn: Reader) -> StateError:
     """``RIVET_STATE_MOVE_IN_FLIGHT`` for the target ``where`` of an unfinished move, read
     on ``conn`` (its last ``relocate``/``transfer`` audit row names the source and the
     command that finishes the move)."""
-    row = conn.execute(sa.text("SELECT detail FROM rivet_audit WHERE action IN ('relocate', 'transfer') "
-                               "ORDER BY id DESC LIMIT 1")).first()
+    row = conn.one("SELECT detail FROM rivet_audit WHERE action IN ('relocate', 'transfer') ORDER BY id DESC LIMIT 1")
     detail: dict[str, Any] = {}
     if row is not None:
         try:
@@ -112,7 +117,7 @@ def _in_flight_error(where: str, conn: Connection) -> StateError:
                       f"{finish}", {"place": where, "from": source, "finish": finish})
 
 
-def read_snapshot(backend: Backend, conn: Connection, *, integrity: bool = True, progress: bool = True) -> Snapshot:
+def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, progress: bool = True) -> Snapshot:
     """Read the state on a read-only ``conn``.
 
     Raises ``RIVET_STATE_NOT_A_STATE`` (no table of the state, or a shape of no release)
@@ -124,7 +129,7 @@ def read_snapshot(backend: Backend, conn: Connection, *, integrity: bool = True,
     """
     where = backend.location.display
     tables = frozenset(backend.table_names(conn))
-    ours = tables & schema.STATE_TABLES
+    ours = tables & STATE_TABLES
     if not tables:
         raise StateError("RIVET_STATE_NOT_A_STATE", f"{where} is a database with no tables, not a rivet state")
     if not ours:
@@ -134,13 +139,13 @@ def read_snapshot(backend: Backend, conn: Connection, *, integrity: bool = True,
     problems = backend.integrity_problems(conn) if integrity else []
     if problems:
         raise StateError("RIVET_STATE_CORRUPT", f"{where} fails its integrity check: {'; '.join(problems[:3])}")
-    if schema.VERSION_TABLE in tables:
-        versions = [r[0] for r in conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).all()]
+    if VERSION_TABLE in tables:
+        versions = [r[0] for r in conn.rows(f"SELECT version_num FROM {VERSION_TABLE}")]
         revision = versions[0] if len(versions) == 1 else ",".join(versions) or None
         legacy = False
-        if revision == schema.IN_FLIGHT_REVISION:  # the target of an unfinished move
+        if revision == IN_FLIGHT_REVISION:  # the target of an unfinished move
             raise _in_flight_error(where, conn)
-    elif schema.LEGACY_TABLES <= tables:
+    elif LEGACY_TABLES <= tables:
         revision, legacy = None, True
     else:
         raise StateError("RIVET_STATE_NOT_A_STATE",
@@ -157,66 +162,61 @@ def read_snapshot(backend: Backend, conn: Connection, *, integrity: bool = True,
             snap.exports = _read_exports(conn, tables)
         else:
             snap.any_progress = _any_progress(conn, tables)
-        if schema.identity.name in tables:
+        if IDENTITY in tables:
             snap.recorded_key = recorded_key(conn)
     return snap
 
 
-def _read_exports(conn: Connection, tables: frozenset[str]) -> dict[str, ExportProgress]:
+#: The columns of a run as ``last_run`` and ``exports show`` give them, in this order.
+RUN_COLUMNS = ("run_id", "mode", "status", "started_at", "finished_at", "rows", "files", "error")
+_RUN_SELECT = f"SELECT {', '.join(RUN_COLUMNS)} FROM rivet_runs"
+#: ``(export_name, chunks, chunks done)`` per export: the chunk checkpoints.
+_CHUNK_COUNTS = ("SELECT export_name, count(*), sum(CASE WHEN status = 'done' THEN 1 ELSE 0 END) "
+                 "FROM rivet_chunks GROUP BY export_name")
+_CURSORS = "SELECT export_name, cursor_value, cursor_updated_at FROM rivet_exports"
+
+
+def _read_exports(conn: Reader, tables: frozenset[str]) -> dict[str, ExportProgress]:
     out: dict[str, ExportProgress] = {}
 
     def get(name: str) -> ExportProgress:
         return out.setdefault(name, ExportProgress(name))
 
-    e, r = schema.exports, schema.runs
-    for row in conn.execute(sa.select(e.c.export_name, e.c.mode, e.c.cursor_value, e.c.cursor_updated_at)):
-        p = get(row.export_name)
-        p.mode, p.cursor, p.cursor_updated_at = row.mode, row.cursor_value, row.cursor_updated_at
-    counts = sa.select(
-        r.c.export_name,
-        sa.func.count(),
-        sa.func.sum(sa.case((r.c.status == "succeeded", 1), else_=0)),
-        sa.func.sum(sa.case((r.c.status == "failed", 1), else_=0)),
-        sa.func.max(r.c.started_at),
-    ).group_by(r.c.export_name)
-    for name, total, ok, failed, last_started in conn.execute(counts):
+    for name, mode, cursor, cursor_updated_at in conn.rows(
+            "SELECT export_name, mode, cursor_value, cursor_updated_at FROM rivet_exports"):
+        p = get(name)
+        p.mode, p.cursor, p.cursor_updated_at = mode, cursor, cursor_updated_at
+    counts = ("SELECT export_name, count(*), sum(CASE WHEN status = 'succeeded' THEN 1 ELSE 0 END), "
+              "sum(CASE WHEN status = 'failed' THEN 1 ELSE 0 END), max(started_at) "
+              "FROM rivet_runs GROUP BY export_name")
+    for name, total, ok, failed, last_started in conn.rows(counts):
         p = get(name)
         p.runs_total, p.runs_succeeded, p.runs_failed = int(total), int(ok or 0), int(failed or 0)
-        last = conn.execute(
-            sa.select(r.c.run_id, r.c.mode, r.c.status, r.c.started_at, r.c.finished_at, r.c.rows, r.c.files, r.c.error)
-            .where(r.c.export_name == name, r.c.started_at == last_started).order_by(r.c.run_id.desc()).limit(1)
-        ).first()
+        last = conn.one(f"{_RUN_SELECT} WHERE export_name = :name AND started_at = :started "
+                        "ORDER BY run_id DESC LIMIT 1", {"name": name, "started": last_started})
         if last is not None:
-            p.last_run = dict(last._mapping)
-            p.mode = p.mode or last.mode
-    for name, total, done in conn.execute(_chunk_counts()):
+            p.last_run = dict(zip(RUN_COLUMNS, last, strict=True))
+            p.mode = p.mode or p.last_run["mode"]  # type: ignore[assignment]
+    for name, total, done in conn.rows(_CHUNK_COUNTS):
         p = get(name)
         p.chunks_total, p.chunks_done = int(total), int(done or 0)
-    if schema.load_ledger.name in tables:
-        ledger = schema.load_ledger
-        for name, total in conn.execute(sa.select(ledger.c.export_name, sa.func.count()).group_by(ledger.c.export_name)):
+    if LOAD_LEDGER in tables:
+        for name, total in conn.rows("SELECT export_name, count(*) FROM rivet_load_ledger GROUP BY export_name"):
             get(name).ledger_rows = int(total)
     return out
 
 
-def _chunk_counts() -> sa.Select[Any]:
-    """``(export_name, chunks, chunks done)`` per export: the chunk checkpoints."""
-    c = schema.chunks
-    return sa.select(c.c.export_name, sa.func.count(),
-                     sa.func.sum(sa.case((c.c.status == "done", 1), else_=0))).group_by(c.c.export_name)
-
-
-def _any_progress(conn: Connection, tables: frozenset[str]) -> bool:
+def _any_progress(conn: Reader, tables: frozenset[str]) -> bool:
     """:func:`has_progress` of any export, by one ``LIMIT 1`` probe per fact of the rule
     (a cursor, a succeeded run, a chunk checkpoint, a ledger row): no full scan."""
     probes = [
-        sa.select(schema.exports.c.export_name).where(schema.exports.c.cursor_value.is_not(None)),
-        sa.select(schema.runs.c.run_id).where(schema.runs.c.status == "succeeded"),
-        sa.select(schema.chunks.c.run_id),
+        "SELECT export_name FROM rivet_exports WHERE cursor_value IS NOT NULL",
+        "SELECT run_id FROM rivet_runs WHERE status = 'succeeded'",
+        "SELECT run_id FROM rivet_chunks",
     ]
-    if schema.load_ledger.name in tables:
-        probes.append(sa.select(schema.load_ledger.c.id))
-    return any(conn.execute(probe.limit(1)).first() is not None for probe in probes)
+    if LOAD_LEDGER in tables:
+        probes.append("SELECT id FROM rivet_load_ledger")
+    return any(conn.one(f"{probe} LIMIT 1") is not None for probe in probes)
 
 
 @dataclass
@@ -248,78 +248,78 @@ class ResumePoint:
 _BATCH = 500
 
 
-def resume_points(conn: Connection, tables: frozenset[str], names: list[str]) -> dict[str, ResumePoint]:
+def resume_points(conn: Reader, tables: frozenset[str], names: list[str]) -> dict[str, ResumePoint]:
     """Per export of ``names``, only what a first-run verdict needs, by indexed lookups
     (fast on large states): the cursor row, the chunk counts, and per batch of names one
     statement for the last succeeded run (a backward scan of ``ix_rivet_runs_export_started``)
     and whether a ledger row exists. ``tables`` are the state's (the ledger is optional)."""
-    e, r = schema.exports, schema.runs
     out = {name: ResumePoint() for name in names}
-    for row in conn.execute(sa.select(e.c.export_name, e.c.cursor_value, e.c.cursor_updated_at)):
-        if row.export_name in out:
-            out[row.export_name].cursor, out[row.export_name].cursor_updated_at = row.cursor_value, row.cursor_updated_at
-    for name, total, done in conn.execute(_chunk_counts()):
+    for name, cursor, cursor_updated_at in conn.rows(_CURSORS):
+        if name in out:
+            out[name].cursor, out[name].cursor_updated_at = cursor, cursor_updated_at
+    for name, total, done in conn.rows(_CHUNK_COUNTS):
         if name in out:
             out[name].chunks_total, out[name].chunks_done = int(total), int(done or 0)
-    with_ledger = schema.load_ledger.name in tables
+    with_ledger = LOAD_LEDGER in tables
     for start in range(0, len(names), _BATCH):
         batch = names[start:start + _BATCH]
         values = ", ".join(f"(:n{i})" for i in range(len(batch)))
-        ledger = (f", EXISTS (SELECT 1 FROM {schema.load_ledger.name} AS l WHERE l.export_name = names.name)"
+        ledger = (f", EXISTS (SELECT 1 FROM {LOAD_LEDGER} AS l WHERE l.export_name = names.name)"
                   if with_ledger else "")
-        succeeded = f"FROM {r.name} AS r WHERE r.export_name = names.name AND r.status = 'succeeded'"
-        query = sa.text(
-            f"WITH names(name) AS (VALUES {values}) "
-            f"SELECT names.name, (SELECT r.finished_at {succeeded} ORDER BY r.started_at DESC LIMIT 1), "
-            f"EXISTS (SELECT 1 {succeeded}){ledger} FROM names")
-        for row in conn.execute(query, {f"n{i}": name for i, name in enumerate(batch)}):
+        succeeded = "FROM rivet_runs AS r WHERE r.export_name = names.name AND r.status = 'succeeded'"
+        query = (f"WITH names(name) AS (VALUES {values}) "
+                 f"SELECT names.name, (SELECT r.finished_at {succeeded} ORDER BY r.started_at DESC LIMIT 1), "
+                 f"EXISTS (SELECT 1 {succeeded}){ledger} FROM names")
+        for row in conn.rows(query, {f"n{i}": name for i, name in enumerate(batch)}):
             point = out[row[0]]
             point.last_success, point.succeeded = row[1], bool(row[2])
             point.ledger = bool(row[3]) if with_ledger else False
     return out
 
 
-def last_resets(conn: Connection, tables: frozenset[str]) -> dict[str, dict[str, Any]]:
+def last_resets(conn: Reader, tables: frozenset[str]) -> dict[str, dict[str, Any]]:
     """``{export: {at, by, detail}}``: the latest ``exports.reset`` audit row of each export
     (a reset clears its progress), in one pass over those rows; ``{}`` without an audit table."""
-    if schema.audit.name not in tables:
+    if AUDIT not in tables:
         return {}
-    a = schema.audit
     found: dict[str, dict[str, Any]] = {}
-    for row in conn.execute(sa.select(a.c.at, a.c.actor, a.c.detail).where(a.c.action == "exports.reset")
-                            .order_by(a.c.id.desc())):
+    for at, actor, text in conn.rows("SELECT at, actor, detail FROM rivet_audit WHERE action = 'exports.reset' "
+                                     "ORDER BY id DESC"):
         try:
-            detail = json.loads(row.detail)
+            detail = json.loads(text)
         except ValueError:
             continue
         name = detail.get("export") if isinstance(detail, dict) else None
         if isinstance(name, str) and name not in found:
-            found[name] = {"at": row.at, "by": row.actor, "detail": detail}
+            found[name] = {"at": at, "by": actor, "detail": detail}
     return found
 
 
-def activity(conn: Connection) -> tuple[str | None, int]:
+def activity(conn: Reader) -> tuple[str | None, int]:
     """``(finished_at of the latest run, how many exports have a cursor)``: what tells two
     candidate states apart (``doctor``'s state search)."""
-    last = conn.execute(sa.select(sa.func.max(schema.runs.c.finished_at))).scalar()
-    cursors = conn.execute(sa.select(sa.func.count()).select_from(schema.exports)
-                           .where(schema.exports.c.cursor_value.is_not(None))).scalar()
+    last = conn.scalar("SELECT max(finished_at) FROM rivet_runs")
+    cursors = conn.scalar("SELECT count(*) FROM rivet_exports WHERE cursor_value IS NOT NULL")
     return last, int(cursors or 0)
 
 
-def recorded_key(conn: Connection) -> str | None:
+def recorded_key(conn: Reader) -> str | None:
     """The ``state_key`` the state records (SPEC §3), None when it records none."""
-    return conn.execute(sa.select(schema.identity.c.state_key)).scalar() or None
+    return conn.scalar("SELECT state_key FROM rivet_identity") or None
 
 
-def export_names(conn: Connection) -> set[str]:
+def export_names(conn: Reader) -> set[str]:
     """Every export name the state knows (exports, runs, chunks), without reading progress."""
-    e, r, c = schema.exports, schema.runs, schema.chunks
-    query = sa.union(sa.select(e.c.export_name), sa.select(r.c.export_name).distinct(),
-                     sa.select(c.c.export_name).distinct())
-    return {row[0] for row in conn.execute(query)}
+    return {row[0] for row in conn.rows("SELECT export_name FROM rivet_exports UNION SELECT export_name "
+                                        "FROM rivet_runs UNION SELECT export_name FROM rivet_chunks")}
 
 
-def row_counts(conn: Connection, tables: set[str] | frozenset[str]) -> dict[str, int]:
+def recent_runs(conn: Reader, name: str, limit: int) -> list[dict[str, object]]:
+    """The last ``limit`` runs of export ``name``, newest first, as :data:`RUN_COLUMNS` dicts."""
+    query = f"{_RUN_SELECT} WHERE export_name = :name ORDER BY started_at DESC LIMIT :limit"
+    return [dict(zip(RUN_COLUMNS, row, strict=True)) for row in conn.rows(query, {"name": name, "limit": limit})]
+
+
+def row_counts(conn: Reader, tables: set[str] | frozenset[str]) -> dict[str, int]:
     """``{table: rows}`` for the given tables, counted on ``conn``."""
-    return {t: int(conn.execute(sa.text(f'SELECT count(*) FROM "{t}"')).scalar() or 0) for t in sorted(tables)}
+    return {t: int(conn.scalar(f'SELECT count(*) FROM "{t}"') or 0) for t in sorted(tables)}

@@ -14,8 +14,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
-
 from statetool.backends import open_backend, tombstone_at
 from statetool.errors import StateError
 from statetool.location import STATE_FILE, Location, resolve_location
@@ -62,7 +60,7 @@ def _candidate(location: Location) -> dict[str, Any] | None:
         with backend.reading() as conn:
             snap = read_snapshot(backend, conn, integrity=False, progress=False)
             last, cursors = activity(conn)
-    except (StateError, sa.exc.DBAPIError):
+    except StateError:  # the reader's errors are registered errors too
         return None
     return {"path": str(path), "kind": "state", "identity": snap.recorded_key, "revision": snap.revision or "legacy",
             "last_run_finished_at": last, "exports_with_cursor": cursors, "state_url": location.state_url}

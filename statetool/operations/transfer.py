@@ -58,7 +58,7 @@ from statetool.operations.relocate import finish_command, retire_source
 from statetool.operations.writes import WHOLE_STATE, WriteSession, guarded_write, require_writable
 
 if TYPE_CHECKING:
-    from statetool.backends.base import FileMoves, TransferDestination, TransferSource
+    from statetool.backends.base import FileMoves, Reader, TransferDestination, TransferSource
 
 #: Tables copied, parents first; ``id`` columns of the append-only tables are not copied
 #: (the destination assigns its own, so a shared schema's rows never collide).
@@ -77,7 +77,7 @@ def _columns(table: sa.Table) -> list[str]:
     return [c.name for c in table.columns if not (table.name in _FRESH_IDS and c.name == "id")]
 
 
-def _counts(conn: Connection) -> dict[str, int]:
+def _counts(conn: Reader) -> dict[str, int]:
     """``{table: rows}`` of every table of :data:`COPIED`, in its order, counted on ``conn``."""
     counted = row_counts(conn, {t.name for t in COPIED})
     return {t.name: counted[t.name] for t in COPIED}
@@ -149,7 +149,7 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     source_key = snap.recorded_key or ctx.computed_key or None
     with source.reading() as conn:
         counts = _counts(conn)
-        in_state = set(conn.execute(sa.text(_EXPORT_NAMES)).scalars())
+        in_state = {row[0] for row in conn.rows(_EXPORT_NAMES)}
     with dest.inspecting() as conn:
         dest.check_rights("create", conn)  # the dry run refuses what the real run would, before any lease
         earlier = _check_destination(ctx, dest, conn, source_key, str(source_path))
@@ -175,7 +175,7 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
         digest = move.digest()
         ctx.on_step("digested")
         # counted again under the write lock: a run waited for above may have added rows
-        counts = _counts(session.conn)
+        counts = _counts(source.reader(session.conn))
         for copy in result.tables:
             copy.rows = counts[copy.table]
         # step 3: the one destination transaction
@@ -216,18 +216,17 @@ def _destination(ctx: Context, url: str) -> TransferDestination:
     return cast("TransferDestination", backend)
 
 
-def _transfer_row(conn: Connection, tables: set[str], source: str) -> dict[str, Any] | None:
+def _transfer_row(conn: Reader, tables: set[str], source: str) -> dict[str, Any] | None:
     if schema.audit.name not in tables:
         return None
-    a = schema.audit
-    for (detail,) in conn.execute(sa.select(a.c.detail).where(a.c.action == "transfer").order_by(a.c.id.desc())):
+    for (detail,) in conn.rows("SELECT detail FROM rivet_audit WHERE action = 'transfer' ORDER BY id DESC"):
         doc = json.loads(detail)
         if doc.get("from") == source:
             return doc
     return None
 
 
-def _check_destination(ctx: Context, dest: TransferDestination, conn: Connection, source_key: str | None,
+def _check_destination(ctx: Context, dest: TransferDestination, conn: Reader, source_key: str | None,
                        source: str) -> dict[str, Any] | None:
     """Refuse a destination that holds another source's state or progress of this config,
     or another source's unfinished move (``RIVET_STATE_MOVE_IN_FLIGHT``); return an earlier
@@ -284,7 +283,7 @@ def _fill(ctx: Context, source: TransferSource, session: WriteSession, dest: Tra
     """Step 3 inside the destination's transaction ``conn``: converge on an earlier transfer
     of this very source, or copy every table, audit it and mark the destination in flight."""
     source_path = result.source
-    earlier = _check_destination(ctx, dest, conn, source_key, source_path)
+    earlier = _check_destination(ctx, dest, dest.reader(conn), source_key, source_path)
     if earlier is not None and earlier.get("source_digest") != digest:
         if not earlier.get("created_schema") or not dest.in_flight(conn):
             raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
@@ -296,7 +295,7 @@ def _fill(ctx: Context, source: TransferSource, session: WriteSession, dest: Tra
         earlier = None
     if earlier is not None:
         return
-    created = not dest.table_names(conn)
+    created = not dest.table_names(dest.reader(conn))
     _copy(ctx, source, session.conn, dest, conn, result)
     finish = finish_command(ctx, f"transfer --to {shlex.quote(result.state_url)}")
     session.audit("transfer", {"from": source_path, "to": result.destination, "source_digest": digest,
@@ -328,7 +327,7 @@ def _copy(ctx: Context, source: TransferSource, source_conn: Connection, dest: T
     """Every table of :data:`COPIED` from ``source_conn`` into ``conn`` (the schema built at
     head first when empty), each verified by its rows and checksum:
     ``RIVET_STATE_VERIFY_FAILED`` on any difference (the transaction is rolled back)."""
-    if not dest.table_names(conn):
+    if not dest.table_names(dest.reader(conn)):
         migrations.apply(conn, migrations.head(), dest.schema, "up")
     has_identity = conn.execute(sa.select(sa.func.count()).select_from(schema.identity)).scalar()
     total = sum(t.rows for t in result.tables)
@@ -355,5 +354,5 @@ def _copy(ctx: Context, source: TransferSource, source_conn: Connection, dest: T
                                  f"{loaded.gained_checksum}), the source has {copy.rows} (checksum "
                                  f"{loaded.sent_checksum}); the transaction was rolled back, nothing was changed")
             copy.verified = True
-    if schema.VERSION_TABLE not in dest.table_names(conn):
+    if schema.VERSION_TABLE not in dest.table_names(dest.reader(conn)):
         raise StateError("RIVET_STATE_VERIFY_FAILED", "the destination has no version table after the copy")

@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from statetool import migrations, schema
-from statetool.backends.base import HeldLease
+from statetool.backends.base import HeldLease, Reader
 from statetool.errors import StateError, StateWarning
 from statetool.identity import identity_warning
 from statetool.operations.context import Context, now_iso
@@ -88,6 +88,11 @@ class WriteSession:
     warnings: list[StateWarning] = field(default_factory=list)
     _after_commit: list[Callable[[], None]] = field(default_factory=list)
     _on_abort: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def reader(self) -> Reader:
+        """The read queries (:mod:`statetool.operations.probe`) in this transaction."""
+        return self.ctx.backend().reader(self.conn)
 
     @property
     def snapshot(self) -> Snapshot:

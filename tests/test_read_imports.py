@@ -1,0 +1,95 @@
+"""Read commands load no SQLAlchemy, no alembic and no pydantic (issue 13 items 1 and 5;
+docs/decisions.md, "Reads without SQLAlchemy"): the real CLI runs in a fresh interpreter
+against a real state, on SQLite and on PostgreSQL, and reports what it imported. Start-up
+(``--help``) loads typer and the error registry only.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support import describe, process_env, tree_digest, write_config
+from support.backends import StateBackend
+from support.states import build_state
+
+#: Packages a read command must not import: the write engine, the migration engine, and
+#: what a newer typer would pull in.
+FORBIDDEN = ("sqlalchemy", "alembic", "pydantic")
+
+#: Runs ``python -m statetool ARGS`` in this interpreter, then prints (on fd 3's stand-in:
+#: the last line of stderr) the exit code and the forbidden modules it imported.
+_DRIVER = """\
+import json, runpy, sys
+sys.argv = ["statetool", *sys.argv[1:]]
+code = 0
+try:
+    runpy.run_module("statetool", run_name="__main__", alter_sys=True)
+except SystemExit as done:
+    code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+sys.stdout.flush()
+sys.stderr.write("\\nIMPORTS " + json.dumps({"code": code, "modules": sorted(
+    m for m in sys.modules if m.split(".")[0] in %r)}) + "\\n")
+""" % (FORBIDDEN,)
+
+#: Every read command of issue 13 item 1, and the exit codes a state built by
+#: :func:`build_state` gives them (``check``: 0; ``doctor``: 0, nothing is a first run).
+READ_COMMANDS = (("check",), ("--json", "check"), ("info",), ("--json", "info"), ("doctor",), ("checkpoints",),
+                 ("revisions",), ("exports", "list"), ("exports", "show", "orders"), ("leases",), ("leases", "list"),
+                 ("--json", "leases", "list"))
+
+
+def imports_of(*args: str, cwd: Path, env: dict[str, str] | None = None) -> tuple[int, list[str], str]:
+    """``(exit code, forbidden modules imported, output)`` of ``statetool ARGS`` run in a
+    fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, *args], cwd=cwd, env=process_env(env), text=True,
+                          capture_output=True, timeout=120)
+    marker = proc.stderr.rsplit("\nIMPORTS ", 1)
+    assert len(marker) == 2, describe(proc)
+    doc = json.loads(marker[1])
+    return doc["code"], doc["modules"], proc.stdout + marker[0]
+
+
+@pytest.mark.parametrize("args", READ_COMMANDS, ids=" ".join)
+def test_a_read_command_imports_no_sqlalchemy_alembic_or_pydantic(state_backend: StateBackend, args: tuple[str, ...]
+                                                                   ) -> None:
+    config = write_config(state_backend.pipeline)
+    build_state(config, state_backend.url, checkpoint_dir=config.parent, env=state_backend.env)
+    before = tree_digest(config.parent)
+    code, modules, output = imports_of("-c", str(config), *args, cwd=config.parent, env=state_backend.env)
+    assert code == 0, output
+    assert modules == [], f"statetool {' '.join(args)} on {state_backend.kind} imported {modules[:8]}"
+    assert tree_digest(config.parent) == before, "a read changed or created a file"
+
+
+def test_a_read_of_a_legacy_state_imports_no_sqlalchemy_either(tmp_path: Path) -> None:
+    """A state waiting for its migration (no version table) is read the same way: ``check``
+    reports the pending migration (exit 3) without loading the migration engine."""
+    from statetool.example import build_legacy_state
+    from statetool.location import STATE_FILE
+
+    config = write_config(tmp_path)
+    build_legacy_state(config.parent / STATE_FILE, [("orders", "incremental"), ("order_lines", "chunked")], runs=50)
+    code, modules, output = imports_of("-c", str(config), "check", cwd=tmp_path)
+    assert code == 3, output
+    assert "RIVET_STATE_MIGRATION_PENDING" in output, output
+    assert modules == [], modules
+
+
+def test_help_imports_only_typer_and_the_registry(tmp_path: Path) -> None:
+    """``statetool --help`` (issue 13 item 5): of statetool, only the CLI, its help and the
+    error registry load; no YAML, no rich, no ``dataclasses``, no database driver."""
+    code = ("import runpy, sys; sys.argv = ['statetool', '--help']\n"
+            "try:\n    runpy.run_module('statetool', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit:\n    pass\n"
+            "print('\\nMODULES', sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('statetool', 'sqlalchemy', 'alembic', 'pydantic', 'yaml', 'psycopg', 'sqlite3', 'rich', 'dataclasses')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=process_env(), text=True,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 0, describe(proc)
+    loaded = proc.stdout.rsplit("\nMODULES ", 1)[1].strip()
+    assert loaded == str(["statetool", "statetool.cli", "statetool.cli_help", "statetool.errors"]), loaded
