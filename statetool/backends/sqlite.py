@@ -778,6 +778,8 @@ class CopyMigration:
         for a WAL state) and the copy fsynced (``on_step("built")``). On any error the copy
         goes (:meth:`discard`); errors of the copy's own file are the state directory's
         faults (a full disk: ``RIVET_STATE_DISK_FULL``)."""
+        import sqlalchemy as sa
+
         backend = self.backend
         engine = backend._engine(f"file:{backend._quoted(self.copy)}", timeout=backend.lock_wait)
 
