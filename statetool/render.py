@@ -130,9 +130,11 @@ def stderr_width() -> int | None:
 
 def _labelled(label: str, style: str, code: str, message: str) -> None:
     """``Label [CODE]: message`` on stderr, the message wrapped at spaces to a terminal's
-    width under its first line (a long warning is not broken mid-word by the terminal),
-    one line when stderr is no terminal."""
-    lines = wrap(f"{label} [{code}]: {message}", stderr_width(), rest="  ")
+    width under its first line (a long warning is not broken mid-word by the terminal);
+    when stderr is no terminal, the message exactly as it is (its own lines unindented)."""
+    width = stderr_width()
+    text = f"{label} [{code}]: {message}"
+    lines = text.split("\n") if width is None else wrap(text, width, rest="  ")
     err().print(Text.assemble((label, style), lines[0][len(label):]))
     for line in lines[1:]:
         err().print(line)
