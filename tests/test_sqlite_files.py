@@ -331,3 +331,35 @@ def test_a_copy_of_bytes_works_where_copy_file_range_does_not(tmp_path: Path, so
                 feeder.wait(timeout=30)
     assert copied == len(data) and target.read_bytes() == data
     assert seen and seen[-1][0] == len(data) and [d for d, _ in seen] == sorted({d for d, _ in seen})
+
+
+def test_what_a_killed_migration_left_counts_as_room_so_its_rerun_on_a_nearly_full_disk_converges(
+        tmp_path: Path) -> None:
+    """A migrate killed while it copied leaves its private ``….backup-….tmp`` directory
+    beside the state. The re-run removes it before it copies; its space check must count
+    it as room, or on a disk that had room for one migration the re-run refuses
+    ``RIVET_STATE_DISK_FULL`` for ever (found by a fresh user, issue 13)."""
+    from statetool.backends.faults import WRITE_MARGIN
+    from statetool.example import build_legacy_state
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)], check=True)
+    try:
+        config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+        state = disk / ".rivet_state.db"
+        build_legacy_state(state, [("orders", "incremental")], runs=15000)
+        size = state.stat().st_size
+        stale = disk / ".rivet_state.db.backup-legacy-20260101T000000Z.x1y2.tmp"
+        stale.mkdir(mode=0o700)
+        (stale / "migrated.db").write_bytes(state.read_bytes())
+        needed = 2 * size + WRITE_MARGIN  # MIGRATION_COPIES files as large as the state, and the margin
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        room = needed - size // 2  # less than a migration needs, unless the leftover counts
+        assert free > room, "the tmpfs is too small for this test"
+        (disk / "filler").write_bytes(b"\0" * (free - room))
+        proc = run_cli("-c", str(config), "migrate", env={"RIVET_STATE_URL": f"sqlite:{disk}"})
+        assert proc.returncode == 0, describe(proc)
+        assert not stale.exists() and len(list(disk.glob(".rivet_state.db.backup-*"))) == 1, sorted(disk.iterdir())
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

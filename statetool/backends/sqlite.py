@@ -67,6 +67,14 @@ if TYPE_CHECKING:
 _PRIVATE_DIR_ROOM = 13
 
 
+def _bytes_under(path: Path) -> int:
+    """The bytes of the regular file ``path``, or of every regular file under the directory
+    ``path`` (links not followed)."""
+    if not path.is_dir():
+        return os.lstat(path).st_size
+    return sum(os.lstat(Path(top) / name).st_size for top, _dirs, files in os.walk(path) for name in files)
+
+
 class SqliteBackend:
     """A SQLite state file. See the module docstring for how it is opened read-only."""
 
@@ -128,16 +136,19 @@ class SqliteBackend:
         """Refuse a write this user or this filesystem cannot complete before any file is
         opened for writing (:func:`~statetool.backends.faults.refuse_unwritable`): the
         state's directory, its lease folder and the file must be writable, and there must
-        be room for ``copies`` files as large as the state (a backup, a journal, rebuilt
-        tables) and the change itself."""
+        be room for ``copies`` files as large as the state (a migration's copy and the tables
+        it rebuilds, a backup) and the change itself. What a killed backup or migration left
+        (:meth:`_stale_temps`) counts as room: the write removes it before it copies, so a
+        re-run on a nearly full disk converges."""
         refuse_unsafe_companions(self.path)
         size = self.path.stat().st_size if os.path.isfile(self.path) else 0
+        reclaimed = sum(_bytes_under(path) for path in self._stale_temps()) if copies else 0
         # the real file's directory first: a migration's copy and backup are made there
         directories = dict.fromkeys((self.real.parent, self.path.parent, self.path.parent / LEASE_DIR))
         refuse_unwritable(self.path, directories=tuple(directories),
-                          need=copies * size + WRITE_MARGIN,
-                          room_for=f"{copies} copies as large as the state (a backup, a journal, rebuilt tables) "
-                          "and the change" if copies else "the change")
+                          need=max(copies * size - reclaimed, 0) + WRITE_MARGIN,
+                          room_for=f"{copies} copies as large as the state (a migration's copy, rebuilt tables, "
+                          "a backup) and the change" if copies else "the change")
 
     def _spelling_hint(self) -> str:
         directory = self.path.parent
