@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import stat
 import os
 import re
 import shutil
@@ -946,3 +947,19 @@ def test_the_relocation_audit_row_in_the_target_is_redacted(tmp_path: Path, smal
     assert secret not in repr(rows), f"a password reached the audit trail: {rows}"
     assert "postgresql://rivet:***@db.internal/sales" in rows[0][2], rows
     assert json.loads(rows[0][4])["to"] == str(target / STATE)
+
+
+def test_relocation_keeps_the_modes_of_the_state_and_of_its_checkpoints(tmp_path: Path, history: Template) -> None:
+    """A state and a CDC checkpoint readable by their owner only stay so at the new place:
+    a move never widens who may read a pipeline's progress (found by a fresh user)."""
+    config = history.copy_to(tmp_path)
+    checkpoint = next(config.parent.rglob("order_events.json"))
+    (config.parent / STATE).chmod(0o600)
+    checkpoint.chmod(0o640)
+    target = tmp_path / "volume" / "rivet-state"
+    target.mkdir(parents=True)
+    proc = run_cli("-c", str(config), "--json", "relocate", "--to", str(target), timeout=300)
+    assert proc.returncode == 0, describe(proc)
+    moved = [Path(m["target"]) for m in json.loads(proc.stdout)["checkpoints"] if m["present"]]
+    assert stat.S_IMODE((target / STATE).stat().st_mode) == 0o600, describe(proc)
+    assert moved and all(stat.S_IMODE(p.stat().st_mode) == 0o640 for p in moved), (moved, describe(proc))

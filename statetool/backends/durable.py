@@ -12,6 +12,7 @@ import errno
 import hashlib
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -136,7 +137,8 @@ def copy_verified(source: Path, target: Path) -> None:
     tmp = side_copy(target)
     tmp.unlink(missing_ok=True)  # a regular file (checked): what a killed run left
     try:
-        with open(source, "rb") as src, os.fdopen(os.open(tmp, CREATE_FLAGS, 0o644), "wb") as dst:
+        with open(source, "rb") as src, os.fdopen(os.open(tmp, CREATE_FLAGS, 0o600), "wb") as dst:
+            os.fchmod(dst.fileno(), stat.S_IMODE(os.fstat(src.fileno()).st_mode))  # the source's mode, not wider
             shutil.copyfileobj(src, dst)
             dst.flush()
             os.fsync(dst.fileno())

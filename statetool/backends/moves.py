@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import stat
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -123,11 +124,12 @@ class FileMove:
         removed then."""
         copy = self.copy_path(target)
         try:
-            fd = os.open(copy, CREATE_FLAGS, 0o644)  # checked absent or removed: never follows a link
+            fd = os.open(copy, CREATE_FLAGS, 0o600)  # checked absent or removed: never follows a link
         except FileExistsError:
             raise unsafe_error(copy, "appeared while the copy was being started") from None
         try:
             before = os.stat(self.source)
+            os.fchmod(fd, stat.S_IMODE(before.st_mode))  # the state's own mode at its new place, not wider
             with self.backend.checking_pages(full_verify, self.backend.table_names(self.backend.reader(conn))) as checked:
                 digest = copy_digested(self.source, fd, progress)
                 problems, tables = checked()
