@@ -363,3 +363,17 @@ def test_what_a_killed_migration_left_counts_as_room_so_its_rerun_on_a_nearly_fu
         assert not stale.exists() and len(list(disk.glob(".rivet_state.db.backup-*"))) == 1, sorted(disk.iterdir())
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_backup_is_no_more_readable_than_its_state(tmp_path: Path) -> None:
+    """A state readable by its owner only gives backups readable by its owner only: the
+    backup API makes its file with SQLite's default mode (0644 less the umask), which would
+    hand every cursor to every user of the host (the kind of bug relocate had)."""
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    assert run_cli("-c", str(config), "init").returncode == 0
+    state = config.parent / ".rivet_state.db"
+    state.chmod(0o600)
+    proc = run_cli("-c", str(config), "--json", "exports", "set-cursor", "orders", "2026-01-01")
+    assert proc.returncode == 0, describe(proc)
+    backup = Path(json.loads(proc.stdout)["backup"])
+    assert backup.is_file() and oct(backup.stat().st_mode & 0o777) == "0o600", describe(proc)

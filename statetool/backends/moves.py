@@ -130,7 +130,8 @@ class FileMove:
         try:
             before = os.stat(self.source)
             os.fchmod(fd, stat.S_IMODE(before.st_mode))  # the state's own mode at its new place, not wider
-            with self.backend.checking_pages(full_verify, self.backend.table_names(self.backend.reader(conn))) as checked:
+            names = self.backend.table_names(self.backend.reader(conn))
+            with self.backend.checking_pages(full_verify, names) as checked:
                 digest = copy_digested(self.source, fd, progress)
                 problems, tables = checked()
             if problems:

@@ -557,6 +557,7 @@ class SqliteBackend:
             # MAX_PATHNAME), and the directory's name alone may take 255
             tmp = private / "backup.db"
             self._copy(conn, tmp, progress)
+            os.chmod(tmp, stat.S_IMODE(os.stat(self.real).st_mode))  # no wider than the state (in our 0700 directory)
             try:
                 os.link(tmp, final)  # never replaces, never follows what stands at that name
             except FileExistsError:
@@ -721,9 +722,9 @@ class CopyMigration:
     migrations"). The original is never written: renamed aside, it IS the backup.
 
     Made under the state's write lock, once :meth:`SqliteBackend.require_frozen` holds:
-    the real file is copied (``copy_file_range``) into ``migrated.db`` inside a private
-    directory (``….backup-<label>-<time>.<random>.tmp``, mode 0700) beside it, with the
-    original's mode and owner. :meth:`connection` opens the copy with journaling and
+    the real file is copied (:func:`~statetool.backends.durable.copy_bytes`) into
+    ``migrated.db`` inside a private directory (``….backup-<label>-<time>.<random>.tmp``,
+    mode 0700) beside it, with the original's mode and owner. :meth:`connection` opens the copy with journaling and
     syncing off (a crash loses only the copy; the original is untouched) for the
     migration's steps, commits, sets the original's journal mode back and fsyncs.
     :meth:`switch`, after the state's own transaction has closed and under every lease,
