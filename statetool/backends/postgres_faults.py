@@ -57,7 +57,8 @@ def driver_error(err: BaseException, where: str) -> StateError:
 
     Faults of the environment keep their code everywhere: ``RIVET_STATE_AUTH_FAILED``
     (28P01, 28000, and a connection the server refused with their texts: no such role, a
-    role that may not log in, no pg_hba.conf entry, a failed password; issue 12 fixB item 4), ``RIVET_STATE_URL_INVALID`` (3D000: no such database),
+    role that may not log in, no pg_hba.conf entry, a failed password; issue 12 fixB item 4),
+    ``RIVET_STATE_URL_INVALID`` (3D000: no such database),
     ``RIVET_STATE_PERMISSION_DENIED`` (42501), ``RIVET_STATE_READ_ONLY`` (25006),
     ``RIVET_STATE_DISK_FULL`` (53100), ``RIVET_STATE_WRITE_REFUSED`` (classes 23, P0),
     ``RIVET_STATE_UNREACHABLE`` (classes 08, 53, 57, states 40001, 40P01, 55P03, and a
