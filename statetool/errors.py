@@ -97,8 +97,8 @@ REGISTRY: dict[str, Entry] = {
     ),
     "RIVET_STATE_SQL_UNSUPPORTED": _e(
         "usage", "generic",
-        "--sql is for PostgreSQL states; a SQLite upgrade runs in one transaction after a verified backup "
-        "(statetool migrate --dry-run shows the plan)",
+        "--sql is for PostgreSQL states; a SQLite upgrade is built in a verified copy that replaces the state, "
+        "the original kept as the backup (statetool migrate --dry-run shows the plan)",
     ),
     "RIVET_STATE_BACKEND_UNSUPPORTED": _e(
         "usage", "generic", "this command moves SQLite states; check RIVET_STATE_URL",

@@ -33,14 +33,17 @@ def script_location() -> Path:
 class Revision:
     """One revision of the state schema: id, one-line description, parent, and what it costs.
 
-    ``rebuilds``: tables the upgrade copies row by row. ``loses``: table -> SQL predicate
-    of rows whose data the downgrade drops (None: every row).
+    ``rebuilds``: tables the upgrade copies row by row. ``retypes``: table -> column -> new
+    declared type, the only reason a table of ``rebuilds`` is rebuilt (a backend that can
+    make them in place rebuilds nothing: :meth:`~statetool.backends.base.Backend.rebuilt_tables`).
+    ``loses``: table -> SQL predicate of rows whose data the downgrade drops (None: every row).
     """
 
     id: str
     description: str
     down: str | None
     rebuilds: tuple[str, ...]
+    retypes: dict[str, dict[str, str]]
     loses: dict[str, str | None]
 
     def as_dict(self) -> dict[str, object]:
@@ -49,7 +52,7 @@ class Revision:
 
 
 #: The module-level names a revision file declares its place and cost with.
-_DECLARED = ("revision", "down_revision", "UPGRADE_REBUILDS", "DOWNGRADE_LOSES")
+_DECLARED = ("revision", "down_revision", "UPGRADE_REBUILDS", "UPGRADE_RETYPES", "DOWNGRADE_LOSES")
 
 
 def _declared(path: Path) -> tuple[str, dict[str, Any]]:
@@ -76,7 +79,7 @@ def revisions() -> tuple[Revision, ...]:
     """Every revision, oldest first (a single line of history: no branches).
 
     Read from the revision files' own literal values (``revision``, ``down_revision``,
-    ``UPGRADE_REBUILDS``, ``DOWNGRADE_LOSES``, the first line of the docstring) without
+    ``UPGRADE_REBUILDS``, ``UPGRADE_RETYPES``, ``DOWNGRADE_LOSES``, the first line of the docstring) without
     running them: ``check`` and ``info`` need the list, not the engine, and load neither
     alembic nor SQLAlchemy (docs/decisions.md, "Reading the revision graph").
     """
@@ -84,7 +87,8 @@ def revisions() -> tuple[Revision, ...]:
     for path in sorted((script_location() / "versions").glob("*.py")):
         doc, values = _declared(path)
         rev = Revision(values["revision"], doc.splitlines()[0] if doc else "", values.get("down_revision"),
-                       tuple(values.get("UPGRADE_REBUILDS", ())), dict(values.get("DOWNGRADE_LOSES", {})))
+                       tuple(values.get("UPGRADE_REBUILDS", ())), dict(values.get("UPGRADE_RETYPES", {})),
+                       dict(values.get("DOWNGRADE_LOSES", {})))
         found[rev.id] = rev
     ordered: list[Revision] = []
     parent: str | None = None
@@ -153,9 +157,10 @@ def steps(current: str | None, target: str) -> tuple[str, list[Revision]]:
 def alembic_loading_behind(enabled: bool = True) -> Iterator[None]:
     """While the block runs, import alembic (its ``command`` module, the engine a migration
     runs on) in a thread of its own, joined on the way out (no thread outlives the block).
-    ``migrate`` wraps its pre-flight in it: the import is Python work that holds the GIL,
-    the pre-flight's ``quick_check`` is SQLite's C code that releases it, so on a second
-    core the two overlap instead of adding up (issue 13). An import error surfaces again
+    ``migrate`` wraps its pre-flight in it, and loads nothing of SQLAlchemy itself before
+    the pre-flight is done (statetool/operations/migrate.py): the import is Python work
+    that holds the GIL, the pre-flight's ``quick_check`` is SQLite's C code that releases
+    it, so on a second core the two overlap instead of adding up (issue 13). An import error surfaces again
     where alembic is first used. ``enabled`` False (a dry run) does nothing."""
 
     def load() -> None:

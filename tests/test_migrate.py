@@ -371,7 +371,7 @@ def test_upgrade_of_a_legacy_state_built_by_an_old_release(tmp_path: Path) -> No
     before = target.dump()
 
     plan = migrate(target.context(), dry_run=True)
-    assert {s.id: s.rebuilds for s in plan.steps}["0002"] == {"rivet_runs": written["rivet_runs"]}
+    assert {s.id: s.rebuilds for s in plan.steps}["0002"] == {}  # widened in place: no row copied
 
     proc = cli(target, "migrate", "--json")
     assert proc.returncode == 0, describe(proc)
@@ -493,12 +493,14 @@ def test_dry_run_prints_the_plan_and_writes_nothing(target: Target) -> None:
     assert "from legacy to 0004" in out, describe(proc)
     for rev in migrations.revisions()[1:]:
         assert rev.id in out and rev.description.split(";")[0] in out, describe(proc)
-    assert f"rivet_runs ({runs})" in out, describe(proc)
+    # PostgreSQL rewrites rivet_runs to widen its counts; SQLite changes only their declared type
+    rebuilt = {"rivet_runs": runs} if target.kind == "postgres" else {}
+    assert (f"rivet_runs ({runs})" in out) == bool(rebuilt), describe(proc)
     assert "nothing was changed" in out, describe(proc)
 
     doc = migrate(target.context(), dry_run=True).as_dict()  # the --json document
     assert (doc["from_revision"], doc["to_revision"], doc["dry_run"], doc["applied"]) == ("legacy", HEAD, True, False)
-    assert [(s["id"], s["rebuilds"]) for s in doc["steps"]] == [("0002", {"rivet_runs": runs}), ("0003", {}), ("0004", {})]
+    assert [(s["id"], s["rebuilds"]) for s in doc["steps"]] == [("0002", rebuilt), ("0003", {}), ("0004", {})]
     assert doc["backup"] is None
 
     assert target.dump() == before

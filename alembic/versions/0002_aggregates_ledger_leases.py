@@ -2,8 +2,11 @@
 
 Adds the run aggregate and the load ledger, the PostgreSQL lease table (SQLite leases
 are flocks on sidecar files, SPEC §5, so SQLite gets no such table), and new run-history
-columns. The run counts become 64-bit, which rebuilds ``rivet_runs`` on SQLite (alembic
-batch mode: a copy of every row into the new table, in the migration's transaction).
+columns. The run counts become 64-bit: PostgreSQL rewrites ``rivet_runs``; SQLite, whose
+integers are 64-bit already, only changes their declared type in the table's text
+(statetool/backends/sqlite_schema.py) and adds the columns in place, and rebuilds the
+table (alembic batch mode: every row copied into a new table) only where that cannot be
+proved safe.
 
 Revision ID: 0002
 Revises: 0001
@@ -18,6 +21,9 @@ depends_on = None
 
 #: Tables this upgrade rebuilds (copies every row of), for the migrate plan.
 UPGRADE_REBUILDS: tuple[str, ...] = ("rivet_runs",)
+#: Table -> column -> new declared type: the only reason a table above is rebuilt. A
+#: backend that makes these changes in place (SQLite, same affinity) rebuilds nothing.
+UPGRADE_RETYPES: dict[str, dict[str, str]] = {"rivet_runs": {"rows": "BIGINT", "files": "BIGINT"}}
 #: Table -> SQL predicate of the rows whose data the downgrade drops (None: every row).
 DOWNGRADE_LOSES: dict[str, str | None] = {
     "rivet_run_aggregates": None,
@@ -32,12 +38,20 @@ def upgrade() -> None:
     # (statetool/migrations.py), and `check` and `info` must not load alembic.
     from alembic import op
 
-    with op.batch_alter_table("rivet_runs", recreate="auto") as batch:
-        batch.alter_column("rows", type_=sa.BigInteger, existing_nullable=False, existing_server_default="0")
-        batch.alter_column("files", type_=sa.BigInteger, existing_nullable=False, existing_server_default="0")
-        batch.add_column(sa.Column("bytes_read", sa.BigInteger, nullable=False, server_default="0"))
-        batch.add_column(sa.Column("duration_ms", sa.BigInteger))
-        batch.add_column(sa.Column("error_code", sa.Text))
+    from statetool.backends.sqlite_schema import retype_in_place
+
+    bind = op.get_bind()
+    added = [sa.Column("bytes_read", sa.BigInteger, nullable=False, server_default="0"),
+             sa.Column("duration_ms", sa.BigInteger), sa.Column("error_code", sa.Text)]
+    if bind.dialect.name == "sqlite" and retype_in_place(bind, "rivet_runs", UPGRADE_RETYPES["rivet_runs"]):
+        for column in added:
+            op.add_column("rivet_runs", column)
+    else:
+        with op.batch_alter_table("rivet_runs", recreate="auto") as batch:
+            for name in UPGRADE_RETYPES["rivet_runs"]:
+                batch.alter_column(name, type_=sa.BigInteger, existing_nullable=False, existing_server_default="0")
+            for column in added:
+                batch.add_column(column)
     op.create_index("ix_rivet_runs_export_started", "rivet_runs", ["export_name", "started_at"])
     op.create_table(
         "rivet_run_aggregates",

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from statetool.backends.copy_text import Block, Loaded
     from statetool.location import Location
+    from statetool.migrations import Revision
 
 #: progress(done, total) in backend-defined units (pages for a SQLite backup).
 Progress = Callable[[int, int], None]
@@ -241,6 +242,12 @@ class Backend(Protocol):
 
     def integrity_problems(self, conn: Reader) -> list[str]:
         """Problems ``quick_check`` finds (SQLite); always empty for PostgreSQL."""
+
+    def rebuilt_tables(self, conn: Reader, revision: Revision) -> tuple[str, ...]:
+        """The tables of ``revision.rebuilds`` its upgrade copies row by row here, for the
+        migrate plan: all of them on PostgreSQL (the server rewrites a table whose column
+        type changes); on SQLite those whose ``revision.retypes`` it cannot make in place
+        (statetool/backends/sqlite_schema.py)."""
 
     def writing(self, lock_code: str) -> AbstractContextManager[Connection]:
         """One writing transaction, exclusive among statetool writers, committed on a clean exit.

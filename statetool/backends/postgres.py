@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from statetool.backends.base import Reader
     from statetool.backends.copy_text import Block, Loaded
     from statetool.backends.postgres_leases import RowLeases
+    from statetool.migrations import Revision
 
 _POLL_SECONDS = 0.2
 #: Milliseconds a lease statement waits for a row lock before it counts as busy.
@@ -236,6 +237,10 @@ class PostgresBackend:
 
     def integrity_problems(self, conn: Connection) -> list[str]:
         return []
+
+    def rebuilt_tables(self, conn: Reader, revision: Revision) -> tuple[str, ...]:
+        """All of ``revision.rebuilds``: the server rewrites a table whose column type changes."""
+        return revision.rebuilds
 
     def _lock(self, conn: Reader, lock_code: str) -> None:
         deadline = time.monotonic() + self.lock_wait

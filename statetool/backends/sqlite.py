@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from statetool.backends.base import Reader
     from statetool.backends.copy_text import Block
     from statetool.backends.sqlite_leases import FlockLeases
+    from statetool.migrations import Revision
 
 #: Bytes a backup's private directory adds to the backup's name: "." + mkdtemp's 8 random
 #: characters + ".tmp".
@@ -341,6 +342,18 @@ class SqliteBackend:
         except StateError as err:  # the reader's translation: the driver's own words are the problem
             return [str(err.__cause__ or err.message)]
         return [] if rows == ["ok"] else rows
+
+    def rebuilt_tables(self, conn: Reader, revision: Revision) -> tuple[str, ...]:
+        """Those of ``revision.rebuilds`` whose only change, ``revision.retypes``, cannot be
+        made in the table's declared text (:func:`~statetool.backends.sqlite_schema.retyped_sql`)."""
+        from statetool.backends.sqlite_schema import retyped_sql
+
+        def in_place(table: str) -> bool:
+            create_sql = conn.scalar("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = :t", {"t": table})
+            return table in revision.retypes and bool(create_sql) and \
+                retyped_sql(create_sql, revision.retypes[table]) is not None
+
+        return tuple(table for table in revision.rebuilds if not in_place(table))
 
     # -- writing ---------------------------------------------------------------------
 

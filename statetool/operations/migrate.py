@@ -18,19 +18,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-import sqlalchemy as sa
-
-from statetool import migrations, schema
+from statetool import migrations
 from statetool.errors import StateError, StateWarning
 from statetool.operations.context import Context
 from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import row_counts
-from statetool.operations.writes import WHOLE_STATE, guarded_write, require_writable
+from statetool.tables import AUDIT, IDENTITY, LEASE_TABLES, VERSION_TABLE
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-    from statetool.backends.base import Reader
+    from statetool.backends.base import Backend, Reader
 
 #: Files as large as the state a migration may add beside it (SQLite): the copy it builds
 #: the new revision in, and the tables it rebuilds in that copy (written before the old
@@ -48,7 +46,7 @@ CRASH_POINTS = ("locked", "copied", "migrated", "verified", "built", "closed", "
 #: Tables left out of the before/after row-count comparison: those a migration writes to
 #: itself, and the lease tables, which runs and heartbeats change while it runs (their own
 #: guard is the fence of the migration's leases, checked before the commit).
-_WRITTEN_BY_MIGRATE = {schema.identity.name, schema.audit.name, schema.VERSION_TABLE, *schema.LEASE_TABLES}
+_WRITTEN_BY_MIGRATE = {IDENTITY, AUDIT, VERSION_TABLE, *LEASE_TABLES}
 
 
 @dataclass
@@ -86,12 +84,13 @@ class MigrateResult:
         return doc
 
 
-def _plan(conn: Reader, tables: set[str], direction: str, steps: list[migrations.Revision]) -> list[StepPlan]:
+def _plan(backend: Backend, conn: Reader, tables: set[str], direction: str,
+          steps: list[migrations.Revision]) -> list[StepPlan]:
     plans = []
     for rev in steps:
         plan = StepPlan(rev.id, rev.description, direction)
         if direction == "up":
-            plan.rebuilds = row_counts(conn, {t for t in rev.rebuilds if t in tables})
+            plan.rebuilds = row_counts(conn, {t for t in backend.rebuilt_tables(conn, rev) if t in tables})
         else:
             for table, predicate in rev.loses.items():
                 if table in tables:
@@ -139,7 +138,7 @@ def _migrate(ctx: Context, to: str | None, dry_run: bool, sql: bool, allow_data_
     direction, steps = migrations.steps(current, target)
     backend = ctx.backend()
     with backend.reading() as conn:
-        plans = _plan(conn, set(snap.tables), direction, steps)
+        plans = _plan(backend, conn, set(snap.tables), direction, steps)
     result = MigrateResult(ctx.location.as_dict(), "legacy" if snap.legacy else current, target, direction, plans,
                            dry_run=dry_run)
     lost = {f"{p.id}:{t}": n for p in plans for t, n in p.loses.items() if n}
@@ -154,6 +153,8 @@ def _migrate(ctx: Context, to: str | None, dry_run: bool, sql: bool, allow_data_
         result.message = "SQL printed; nothing was changed"
         return result
     if dry_run:
+        from statetool.operations.writes import require_writable
+
         require_writable(ctx, copies=MIGRATION_COPIES)
         result.message = "dry run: nothing was changed" + (
             "; this downgrade drops the rows in the 'drops' column" if lost else "")
@@ -163,6 +164,10 @@ def _migrate(ctx: Context, to: str | None, dry_run: bool, sql: bool, allow_data_
 
 
 def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -> None:
+    # Imported here, once the pre-flight has read the state: the write path loads
+    # SQLAlchemy, which the thread of migrations.alembic_loading_behind imports meanwhile.
+    from statetool.operations.writes import WHOLE_STATE, guarded_write
+
     backend = ctx.backend()
     target = result.to_revision
     with guarded_write(ctx, WHOLE_STATE, preflight=pf, allow=frozenset({"RIVET_STATE_MIGRATION_PENDING"}),
@@ -174,7 +179,7 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
         conn = session.conn
         reader = backend.reader(conn)
         tables = backend.table_names(reader)
-        now = _revision(conn) if schema.VERSION_TABLE in tables else None
+        now = _revision(conn) if VERSION_TABLE in tables else None
         if now is not None and now != (None if legacy else result.from_revision):
             if now == target:
                 result.message = f"another migration brought the state to {target} meanwhile; nothing to do"
@@ -192,9 +197,9 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
             _upgrade(ctx, new, result, legacy)
             ctx.on_step("migrated")
             after_tables = backend.table_names(new_reader)
-            if schema.identity.name in after_tables:
+            if IDENTITY in after_tables:
                 result.warnings = session.claim(into=new)
-            if schema.audit.name in after_tables:
+            if AUDIT in after_tables:
                 session.audit("migrate", {"from": result.from_revision, "to": target, "backup": result.backup},
                               into=new)
             problems = backend.integrity_problems(new_reader)
@@ -214,7 +219,7 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
 
 def _revision(conn: Connection) -> str | None:
     """The version table's one value."""
-    return conn.execute(sa.text(f"SELECT version_num FROM {schema.VERSION_TABLE}")).scalar()
+    return conn.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}").scalar()
 
 
 def _upgrade(ctx: Context, conn: Connection, result: MigrateResult, legacy: bool) -> None:
