@@ -4,6 +4,7 @@ Facts only: reads ``stat`` and the user database, changes nothing."""
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import stat
@@ -46,6 +47,50 @@ def denied(path: Path, doing: str) -> StateError:
     return StateError("RIVET_STATE_PERMISSION_DENIED",
                       f"this user, {_user()}, may not {doing} {path}: access stops at {_blocking_part(path)}",
                       {"path": str(path)})
+
+
+def _name_of(uid: int, gid: int) -> str:
+    """``user (uid N), group G (gid M)`` for a message."""
+    try:
+        user = f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        user = f"uid {uid}"
+    try:
+        return f"{user}, group {grp.getgrgid(gid).gr_name} (gid {gid})"
+    except KeyError:
+        return f"{user}, gid {gid}"
+
+
+def may_give_owner(st: os.stat_result) -> bool:
+    """True when this process may give a file it creates the owner and group of ``st``
+    (``fchown``, chown(2)): it is root, or it is that owner and that group is one of its
+    groups. (A process with CAP_CHOWN but not root counts as not: told so truly, it is
+    refused rather than half-done.)"""
+    if os.geteuid() == 0:
+        return True
+    return st.st_uid == os.geteuid() and (st.st_gid == os.getegid() or st.st_gid in os.getgroups())
+
+
+def unownable(path: Path, st: os.stat_result, doing: str) -> StateError:
+    """``RIVET_STATE_PERMISSION_DENIED``: ``doing`` (e.g. ``a migration``) puts a new file
+    where ``path`` is (or at its new place), which must keep ``path``'s owner and group
+    (``st``), and this user cannot give them (:func:`may_give_owner`). The path is shown
+    as it is."""
+    return StateError("RIVET_STATE_PERMISSION_DENIED",
+                      f"{path} belongs to {_name_of(st.st_uid, st.st_gid)}: {doing} replaces it by a new file, "
+                      f"which this user, {_user()}, cannot give to that owner; run it as the state's owner "
+                      "(or as root); nothing was changed", {"path": str(path), "uid": st.st_uid, "gid": st.st_gid})
+
+
+def refuse_unownable(path: Path, doing: str) -> None:
+    """Raise :func:`unownable` unless this user may give a new file ``path``'s owner and
+    group; a ``path`` that does not exist passes (there is no owner to keep)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    if not may_give_owner(st):
+        raise unownable(path, st, doing)
 
 
 def file_kind(mode: int) -> str:

@@ -272,6 +272,12 @@ WARNINGS: dict[str, str] = {
     "RIVET_STATE_HOT_JOURNAL":
         "nothing is lost: the state shown is the one before the interrupted write; leave the -journal where it "
         "is, the next write (statetool migrate, or the pipeline) rolls it back in place",
+    "RIVET_STATE_LEFTOVER_TEMP":
+        "nothing is lost: re-run statetool migrate, which removes them before it copies and converges; or, with "
+        "no statetool write running, delete them: none is the state nor a backup",
+    "RIVET_STATE_READ_ONLY_DRY_RUN":
+        "the plan shown is right; before the real run, mount the state's filesystem read-write (or run it where "
+        "the state is writable)",
     "RIVET_STATE_CREATED":
         "nothing to do for a new pipeline; otherwise stop it and find where its state went",
     "RIVET_STATE_LEASE_LIVE":

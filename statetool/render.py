@@ -804,6 +804,7 @@ def relocate(doc: dict[str, Any]) -> None:
     _move_end(page, doc, [f"checkpoint {m['export']}: {m['source']} -> {m['target']} "
                           + (f"({m['bytes']} bytes)" if m["present"] else "(MISSING)") for m in doc["checkpoints"]],
               "old bytes kept as:", "move")
+    print_warnings(doc.get("warnings", []))
 
 
 def transfer(doc: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sqlite3
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +59,14 @@ def _require_root() -> None:
         pytest.skip(message)
 
 
-@pytest.fixture(scope="session")
-def as_nobody() -> Iterator[Runner]:
-    """``run(*args, cwd=, env=)``: the real CLI as user ``nobody``, in a process of its
-    own forked by a zygote that runs as nobody (:func:`support.zygote.zygote`): the
-    machine's ``/usr/bin/python3`` on a copy of the installed packages and of ``support``
-    that nobody may read (the tests' interpreter lives where nobody may not enter)."""
+@contextmanager
+def _cli_as(user: str) -> Iterator[Runner]:
+    """``run(*args, cwd=, env=)``: the real CLI as ``user``, in a process of its own forked
+    by a zygote that runs as that user (:func:`support.zygote.zygote`): the machine's
+    ``/usr/bin/python3`` on a copy of the installed packages and of ``support`` that every
+    user may read (the tests' interpreter lives where other users may not enter)."""
     _require_root()
-    root = Path(tempfile.mkdtemp(prefix="statetool-nobody-"))
+    root = Path(tempfile.mkdtemp(prefix=f"statetool-{user}-"))
     site = root / "site"
     shutil.copytree(sysconfig.get_paths()["purelib"], site, symlinks=True,
                     ignore=shutil.ignore_patterns("__pycache__", "pip", "pip-*"))
@@ -78,7 +80,7 @@ def as_nobody() -> Iterator[Runner]:
     base = {"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "200", "NO_COLOR": "1",
             "HOME": "/nonexistent"}
     try:
-        with zygote("nobody", "/usr/bin/python3", [str(site), str(root / "tests")], base) as shell:
+        with zygote(user, "/usr/bin/python3", [str(site), str(root / "tests")], base) as shell:
             client = Path(shell["PATH"].split(os.pathsep)[0]) / "statetool"
 
             def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
@@ -90,6 +92,21 @@ def as_nobody() -> Iterator[Runner]:
             yield run
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def as_nobody() -> Iterator[Runner]:
+    """The real CLI as user ``nobody`` (:func:`_cli_as`)."""
+    with _cli_as("nobody") as run:
+        yield run
+
+
+@pytest.fixture(scope="session")
+def as_daemon() -> Iterator[Runner]:
+    """The real CLI as user ``daemon`` (:func:`_cli_as`): the owner of a state that
+    ``nobody`` may write but does not own."""
+    with _cli_as("daemon") as run:
+        yield run
 
 
 def _ok(*args: str, env: dict[str, str] | None = None) -> None:
@@ -265,7 +282,10 @@ def test_migrate_fails_with_the_faults_code_and_changes_nothing(place: Callable[
     before = where.snapshot()
     for args in (("migrate", "--dry-run"), ("migrate",)):  # the dry run refuses what the real run refuses
         proc = where.run("-c", str(where.config), "--json-errors", "--lock-wait", "0", *args)
-        _assert_fault(proc, kind, " ".join(args))
+        if kind == "read-only" and "--dry-run" in args:  # but gives its plan on a read-only mount, warning
+            assert proc.returncode == 0 and "RIVET_STATE_READ_ONLY_DRY_RUN" in proc.stderr, describe(proc)
+        else:
+            _assert_fault(proc, kind, " ".join(args))
         assert where.snapshot() == before
 
 
@@ -294,7 +314,10 @@ def test_relocate_fails_with_the_faults_code_and_leaves_no_copy(place: Callable[
         for dry_run in (("--dry-run",), ()):  # found by a tester: the dry run passed where the real run refused
             proc = where.run("-c", str(where.config), "--json-errors", "--lock-wait", "0", "relocate", *dry_run,
                              "--to", str(target))
-            _assert_fault(proc, kind, " ".join(("relocate", *dry_run)))
+            if kind == "read-only" and dry_run:  # a read-only source: the plan, and the warning
+                assert proc.returncode == 0 and "RIVET_STATE_READ_ONLY_DRY_RUN" in proc.stderr, describe(proc)
+            else:
+                _assert_fault(proc, kind, " ".join(("relocate", *dry_run)))
             assert where.snapshot() == before
             assert list(target.iterdir()) == [], f"relocate left {sorted(p.name for p in target.iterdir())} behind"
     finally:
@@ -309,9 +332,14 @@ def test_transfer_fails_with_the_faults_code_and_leaves_the_target_empty(place: 
     kind = request.node.callspec.params["place"]
     where = place(None)
     before = where.snapshot()
-    proc = where.run("-c", str(where.config), "--json-errors", "--lock-wait", "0", "transfer", "--to", pg_url)
-    _assert_fault(proc, kind, "transfer")
-    assert where.snapshot() == before
+    for dry_run in (("--dry-run",), ()):
+        proc = where.run("-c", str(where.config), "--json-errors", "--lock-wait", "0", "transfer", *dry_run,
+                         "--to", pg_url)
+        if kind == "read-only" and dry_run:  # a read-only source: the plan, and the warning
+            assert proc.returncode == 0 and "RIVET_STATE_READ_ONLY_DRY_RUN" in proc.stderr, describe(proc)
+        else:
+            _assert_fault(proc, kind, " ".join(("transfer", *dry_run)))
+        assert where.snapshot() == before
     import psycopg
 
     base, schema = pg_url.rsplit("schema=", 1)
@@ -574,3 +602,155 @@ def test_leases_run_refuses_an_export_name_with_control_characters_and_leaves_no
         after = sorted(p.name for p in (config.parent / LEASE_DIR).iterdir()) \
             if (config.parent / LEASE_DIR).is_dir() else []
         assert after == before, after
+
+
+def _listing(directory: Path) -> list[tuple[str, str]]:
+    """Every file and directory below ``directory`` (its name, and its sha256 for a file):
+    a refused command creates no directory either."""
+    digests = tree_digest(directory)
+    return sorted((str(p.relative_to(directory)), digests.get(str(p.relative_to(directory)), "dir"))
+                  for p in directory.rglob("*"))
+
+
+@contextmanager
+def _owned_by_daemon(revision: str | None) -> Iterator[Path]:
+    """The config of a state (:func:`_build`, without lease records) that belongs to user
+    ``daemon``, in a directory every user may write, the state writable by every user (mode
+    0666): ``nobody`` passes every permission check of a write and still is not its owner.
+    The directory's name has capitals: a message must show it as it is."""
+    shared = Path(tempfile.mkdtemp(prefix="statetool-Owner-"))
+    try:
+        shared.chmod(0o755)
+        config = _build(shared / "Pipeline", revision=revision)
+        shutil.rmtree(config.parent / LEASE_DIR, ignore_errors=True)
+        subprocess.run(["chown", "-R", "daemon:daemon", str(config.parent)], check=True)
+        config.parent.chmod(0o777)
+        (config.parent / STATE_FILE).chmod(0o666)
+        yield config
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_migration_by_another_user_is_refused_before_any_lease_and_the_owner_migrates_after(
+        as_nobody: Runner, as_daemon: Runner) -> None:
+    """A migration replaces the state's file by a new one, which must belong to the state's
+    owner: a user that may write the state but cannot give a file to its owner is refused
+    ``RIVET_STATE_PERMISSION_DENIED`` before anything is created (no lease folder of its
+    own, which the owner could then not write into), in the dry run too, with the path as
+    it is; the owner's own migration then runs (found by a fresh user, B2)."""
+    with _owned_by_daemon("0002") as config:
+        state = config.parent / STATE_FILE
+        before = _listing(config.parent)
+        for args in (("migrate", "--dry-run"), ("migrate",)):
+            proc = as_nobody("-c", str(config), "--json-errors", "--lock-wait", "0", *args)
+            assert proc.returncode == REGISTRY["RIVET_STATE_PERMISSION_DENIED"].exit_code, describe(proc)
+            error = error_object(proc)
+            assert error["code"] == "RIVET_STATE_PERMISSION_DENIED", describe(proc)
+            assert str(state) in error["message"] and "daemon" in error["message"], describe(proc)
+            assert _listing(config.parent) == before, f"{args} as nobody created or changed files\n{describe(proc)}"
+        proc = as_daemon("-c", str(config), "--json", "--lock-wait", "0", "migrate")
+        assert proc.returncode == 0, describe(proc)
+        assert json.loads(proc.stdout)["applied"] is True, describe(proc)
+        assert state.stat().st_uid == 1 and stat.S_IMODE(state.stat().st_mode) == 0o666, describe(proc)
+
+
+def test_a_relocation_by_another_user_is_refused_before_anything_is_created(as_nobody: Runner) -> None:
+    """A relocation puts a new file where the state was (the tombstone) and a new file at
+    its new place: a user that cannot give them the state's owner is refused before any
+    lease or copy is made, at the source and at the target, in the dry run too."""
+    with _owned_by_daemon(None) as config:
+        target = config.parent.parent / "Target"
+        target.mkdir()
+        shutil.chown(target, "nobody")
+        before = _listing(config.parent)
+        for dry_run in (("--dry-run",), ()):
+            proc = as_nobody("-c", str(config), "--json-errors", "--lock-wait", "0", "relocate", *dry_run,
+                             "--to", str(target))
+            assert proc.returncode == REGISTRY["RIVET_STATE_PERMISSION_DENIED"].exit_code, describe(proc)
+            assert error_object(proc)["code"] == "RIVET_STATE_PERMISSION_DENIED", describe(proc)
+            assert _listing(config.parent) == before and list(target.iterdir()) == [], describe(proc)
+
+
+def test_a_migrate_dry_run_on_a_read_only_mount_gives_its_plan_and_says_the_real_run_is_refused(
+        tmp_path: Path) -> None:
+    """A dry run changes nothing, so a state on a filesystem mounted read-only (a bind mount
+    remounted ``ro``) still gets its plan, for people and in JSON, with warning
+    ``RIVET_STATE_READ_ONLY_DRY_RUN`` saying the real run will be refused; the real run is
+    refused ``RIVET_STATE_READ_ONLY``; neither creates or changes a file."""
+    _require_root()
+    source = tmp_path / "rw"
+    config = _build(source / "pipeline", revision="0002")
+    view = tmp_path / "ro"
+    view.mkdir()
+    _mount("--bind", str(source), str(view))
+    try:
+        _mount("-o", "remount,ro,bind", str(view))
+        ro_config = view / "pipeline" / config.name
+        before = _listing(source)
+        proc = run_cli("-c", str(ro_config), "--json", "migrate", "--dry-run")
+        assert proc.returncode == 0, describe(proc)
+        doc = json.loads(proc.stdout)
+        assert doc["dry_run"] and [s["id"] for s in doc["steps"]] == ["0003", "0004"], describe(proc)
+        assert [w["code"] for w in doc["warnings"]] == ["RIVET_STATE_READ_ONLY_DRY_RUN"], describe(proc)
+        assert "read-only" in doc["warnings"][0]["message"], describe(proc)
+        human = run_cli("-c", str(ro_config), "migrate", "--dry-run")
+        assert human.returncode == 0 and "0003" in human.stdout, describe(human)
+        assert "RIVET_STATE_READ_ONLY_DRY_RUN" in human.stdout + human.stderr, describe(human)
+        real = run_cli("-c", str(ro_config), "--json-errors", "migrate")
+        _assert_fault(real, "read-only", "migrate")
+        assert _listing(source) == before
+    finally:
+        subprocess.run(["umount", str(view)], check=True)
+
+
+@pytest.mark.parametrize("left", ["a lease folder", "a lease file"])
+def test_lease_files_another_user_left_are_refused_with_their_names_as_they_are(as_daemon: Runner, left: str) -> None:
+    """A lease folder, or a lease file in a folder every user may write, that another user
+    made (as an older release let a refused migration do) and the state's owner may not
+    write: the owner's writes are refused ``RIVET_STATE_PERMISSION_DENIED``, never a bug,
+    and the message shows each path as it is spelled (capitals, a lease file's
+    percent-encoding ``%3A``), never lowercased."""
+    writes = {None: (("leases", "run", "--export", "orders", "--", "true"),
+                     ("exports", "set-cursor", "orders", "2026-02-02")), "0002": (("migrate",),)}
+    for revision, commands in writes.items():
+        with _owned_by_daemon(revision) as config:
+            folder = config.parent / LEASE_DIR
+            folder.mkdir(mode=0o755)
+            blocking = folder
+            if left == "a lease file":
+                shutil.chown(folder, "daemon", "daemon")
+                folder.chmod(0o777)
+                blocking = folder / "chunk-run%3Aorders"
+                blocking.write_text("")
+            shutil.chown(blocking, "nobody", "nogroup")
+            before = _listing(config.parent)
+            for args in commands:
+                proc = as_daemon("-c", str(config), "--json-errors", "--lock-wait", "0", *args)
+                assert proc.returncode == REGISTRY["RIVET_STATE_PERMISSION_DENIED"].exit_code, describe(proc)
+                message = error_object(proc)["message"]
+                assert error_object(proc)["code"] == "RIVET_STATE_PERMISSION_DENIED", describe(proc)
+                assert str(folder) in message and "/pipeline/" not in message, describe(proc)
+                assert "%3a" not in message and "[errno" not in message, describe(proc)
+                assert _listing(config.parent) == before, describe(proc)
+
+
+def test_a_relocation_by_root_gives_the_moved_state_and_the_tombstone_the_states_owner(as_daemon: Runner) -> None:
+    """Root relocates a state of ``daemon``'s (mode 0600): the moved state and the tombstone
+    at the old place keep its owner, group and mode, so the owner's runs open the new
+    place, and at the old one read ``RIVET_STATE_RELOCATED`` (a tombstone only root may read
+    would be a permission failure instead)."""
+    with _owned_by_daemon(None) as config:
+        state = config.parent / STATE_FILE
+        state.chmod(0o600)
+        target = config.parent.parent / "Target"
+        target.mkdir()
+        shutil.chown(target, "daemon", "daemon")
+        proc = run_cli("-c", str(config), "--lock-wait", "0", "relocate", "--to", str(target))
+        assert proc.returncode == 0, describe(proc)
+        for path in (state, target / STATE_FILE):
+            st = path.stat()
+            assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1, 1, 0o600), (path, describe(proc))
+        old = as_daemon("-c", str(config), "--json-errors", "info")
+        assert error_object(old)["code"] == "RIVET_STATE_RELOCATED", describe(old)
+        new = as_daemon("-c", str(config), "--json", "info", env={"RIVET_STATE_URL": f"sqlite:{target}"})
+        assert new.returncode == 0, describe(new)

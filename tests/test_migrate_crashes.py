@@ -128,3 +128,43 @@ def test_a_symlinked_state_is_migrated_by_replacing_its_real_file(tmp_path: Path
     _assert_same_rows(original, sqlite_dump(real), "after the migration")
     assert target.revision() == HEAD
     assert _leftovers(real_dir) == [] and _leftovers(target.directory) == []
+
+
+@pytest.mark.parametrize("point", ["copied", "kept"])
+def test_info_and_check_report_what_a_killed_migration_left_and_say_what_to_do(tmp_path: Path, point: str) -> None:
+    """A migration SIGKILLed after its copy was made leaves the copy's private directory
+    (``….backup-….tmp``; killed after keeping the original, also a backup name that is a
+    second name of the state itself): ``info`` and ``check``, for people and in JSON, warn
+    ``RIVET_STATE_LEFTOVER_TEMP`` naming it and saying that a re-run of migrate converges and
+    that it is safe to delete; after the re-run the warning is gone."""
+    target = _build("wal", tmp_path / "pipeline")
+    proc = run_killed_at(point, "-c", str(target.config), "migrate")
+    assert proc.returncode == -signal.SIGKILL, f"not killed at {point}: {describe(proc)}"
+    left = [target.directory / name for name in _leftovers(target.directory)]
+    if point == "kept":
+        left += [p for p in _backups(target.directory) if os.path.samefile(p, target.path)]
+    assert left, f"a kill at {point} left nothing to report"
+    digest = tree_digest(target.directory)
+
+    info = run_cli("-c", str(target.config), "--json", "info")
+    assert info.returncode == 0, describe(info)
+    warned = [w for w in json.loads(info.stdout)["warnings"] if w["code"] == "RIVET_STATE_LEFTOVER_TEMP"]
+    assert len(warned) == 1 and all(str(p) in warned[0]["message"] for p in left), describe(info)
+    assert "re-run of statetool migrate" in warned[0]["message"] and "safe to delete" in warned[0]["message"]
+    check = run_cli("-c", str(target.config), "--json", "check")
+    rows = {row["id"]: row for row in json.loads(check.stdout)["checks"]}
+    assert rows["leftovers"]["status"] == "warn" and rows["leftovers"]["code"] == "RIVET_STATE_LEFTOVER_TEMP", \
+        describe(check)
+    assert all(str(p) in rows["leftovers"]["message"] for p in left) and rows["leftovers"]["action"], describe(check)
+    for args in (("info",), ("check",)):  # and for people
+        human = run_cli("-c", str(target.config), *args)
+        text = " ".join((human.stdout + human.stderr).split())
+        assert "RIVET_STATE_LEFTOVER_TEMP" in text and "safe to delete" in text, describe(human)
+        assert left[0].name in text.replace(" ", ""), describe(human)
+    assert tree_digest(target.directory) == digest, "a read removed or changed what the kill left"
+
+    rerun = run_cli("-c", str(target.config), "migrate")
+    assert rerun.returncode == 0, describe(rerun)
+    check = run_cli("-c", str(target.config), "--json", "check")
+    rows = {row["id"]: row for row in json.loads(check.stdout)["checks"]}
+    assert check.returncode == 0 and rows["leftovers"]["status"] == "ok", describe(check)

@@ -443,6 +443,9 @@ def test_a_symlink_where_a_file_of_the_move_belongs_is_refused_and_nothing_is_wr
 
 def test_a_symlinked_state_whose_real_directory_is_read_only_is_refused_before_any_write(
         tmp_path: Path, template: Path) -> None:
+    """The real run is refused ``RIVET_STATE_READ_ONLY`` naming the real file; the dry run,
+    which writes nothing, gives its plan with warning ``RIVET_STATE_READ_ONLY_DRY_RUN``
+    naming it (docs/decisions.md, "Dry runs on a read-only mount"); neither writes."""
     config = _copy(template, tmp_path)
     real_dir = tmp_path / "disk"
     real_dir.mkdir()
@@ -456,12 +459,17 @@ def test_a_symlinked_state_whose_real_directory_is_read_only_is_refused_before_a
         target = tmp_path / "volume"
         target.mkdir()
         before = {d: tree_digest(d) for d in (config.parent, real_dir, target)}
-        for extra in (("--dry-run",), ()):
-            proc = run_cli("-c", str(config), "--json-errors", "relocate", "--to", str(target), *extra)
-            assert proc.returncode == 1, describe(proc)
-            err = error_object(proc)
-            assert err["code"] == "RIVET_STATE_READ_ONLY" and str(real_dir / STATE) in err["message"], err
-            assert {d: tree_digest(d) for d in before} == before
+        plan = run_cli("-c", str(config), "--json", "relocate", "--to", str(target), "--dry-run")
+        assert plan.returncode == 0, describe(plan)
+        warned = json.loads(plan.stdout)["warnings"]
+        assert [w["code"] for w in warned] == ["RIVET_STATE_READ_ONLY_DRY_RUN"], describe(plan)
+        assert str(real_dir / STATE) in warned[0]["message"], describe(plan)
+        assert {d: tree_digest(d) for d in before} == before
+        proc = run_cli("-c", str(config), "--json-errors", "relocate", "--to", str(target))
+        assert proc.returncode == 1, describe(proc)
+        err = error_object(proc)
+        assert err["code"] == "RIVET_STATE_READ_ONLY" and str(real_dir / STATE) in err["message"], err
+        assert {d: tree_digest(d) for d in before} == before
     finally:
         subprocess.run(["umount", "-l", str(real_dir)], check=False)
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,7 @@ import pytest
 
 from support import CliRun, describe, error_object, run_cli, run_cli_process, tree_digest, write_config
 from statetool.backends.durable import copy_bytes
+from statetool.location import LEASE_DIR
 from statetool.runtime import StateStore
 
 STATE = ".rivet_state.db"
@@ -267,6 +269,8 @@ def test_a_full_disk_during_a_lease_take_leaves_no_empty_sidecar(tmp_path: Path,
     proc = run_cli_process("-c", str(config), "--json-errors", "leases", "run", "--export", "orders", "--", "true",
                            env=env)
     assert proc.returncode != 0 and error_object(proc)["code"] == "RIVET_STATE_DISK_FULL", describe(proc)
+    # the system's own words as they are (they may name a file, whose case is its own), never lowercased
+    assert "[Errno 28] No space left on device" in error_object(proc)["message"], describe(proc)
     sidecars = [p for p in small_tmpfs.rglob("*") if ".rivet_state.leases/" in str(p)]
     assert sidecars == [], [(str(p), p.stat().st_size) for p in sidecars]
     assert [p for p in listing(small_tmpfs) if p not in before] in ([], [".rivet_state.leases"]), listing(small_tmpfs)
@@ -377,3 +381,32 @@ def test_a_backup_is_no_more_readable_than_its_state(tmp_path: Path) -> None:
     assert proc.returncode == 0, describe(proc)
     backup = Path(json.loads(proc.stdout)["backup"])
     assert backup.is_file() and oct(backup.stat().st_mode & 0o777) == "0o600", describe(proc)
+
+
+@pytest.mark.parametrize(("mode", "folder_mode"), [(0o600, 0o700), (0o660, 0o770), (0o640, 0o750)])
+def test_lease_files_their_folder_and_a_tombstone_are_no_more_readable_than_the_state(
+        tmp_path: Path, mode: int, folder_mode: int) -> None:
+    """Every file statetool makes beside a state is no more readable than the state: the
+    lease folder (rwx where the state is writable, r-x where only readable), each lease file
+    and the tombstone a relocation leaves get the state's mode (the kind of bug backups and
+    relocate had: they were made 0644 and 0755). A state shared by a group (0660) gives that
+    group a folder it may take leases in (0770)."""
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    assert run_cli("-c", str(config), "init").returncode == 0
+    state = config.parent / ".rivet_state.db"
+    state.chmod(mode)
+    shutil.rmtree(config.parent / LEASE_DIR, ignore_errors=True)
+    proc = run_cli("-c", str(config), "exports", "set-cursor", "orders", "2026-01-01")
+    assert proc.returncode == 0, describe(proc)
+    folder = config.parent / LEASE_DIR
+    assert oct(stat.S_IMODE(folder.stat().st_mode)) == oct(folder_mode), describe(proc)
+    files = list(folder.iterdir())
+    assert files and all(oct(stat.S_IMODE(p.stat().st_mode)) == oct(mode) for p in files), \
+        [(p.name, oct(p.stat().st_mode)) for p in files]
+    target = tmp_path / "volume"
+    target.mkdir()
+    proc = run_cli("-c", str(config), "relocate", "--to", str(target))
+    assert proc.returncode == 0, describe(proc)
+    assert state.read_bytes().startswith(b"RIVET-STATE-RELOCATED"), describe(proc)
+    assert oct(stat.S_IMODE(state.stat().st_mode)) == oct(mode), "the tombstone is more readable than the state"
+    assert oct(stat.S_IMODE((target / ".rivet_state.db").stat().st_mode)) == oct(mode)

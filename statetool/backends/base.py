@@ -161,6 +161,12 @@ class LeaseStore(Protocol):
     def info(self, key: str) -> LeaseInfo:
         """One lease with its state, read without taking any lock."""
 
+    def require_takable(self, keys: Iterable[str]) -> None:
+        """Refuse, before any lease is taken, a set of ``keys`` that this user could not
+        take all of (SQLite: a sidecar, or the folder, it may not write:
+        ``RIVET_STATE_PERMISSION_DENIED`` / ``RIVET_STATE_READ_ONLY``), so that a write
+        refused half way leaves no lease file of the leases it took first. Reads only."""
+
     def require_state(self, *, to_hold: bool = True) -> None:
         """Raise ``RIVET_STATE_MISSING`` / ``RIVET_STATE_RELOCATED`` (and the like) unless a
         state is where this store keeps its leases; cheap, loads no database driver for SQLite.
@@ -216,11 +222,19 @@ class Backend(Protocol):
         holds any table (PostgreSQL). Creates nothing. Raises ``RIVET_STATE_UNREACHABLE``.
         """
 
-    def check_writable(self, *, copies: int) -> None:
+    def leftovers(self) -> list[Path]:
+        """The temporary files a killed migration or backup left beside the state (SQLite:
+        ``….backup-….tmp``, a backup name that is the state itself), which the next
+        migration removes before it copies; empty on PostgreSQL. Read-only (SPEC §8a, §9)."""
+
+    def check_writable(self, *, copies: int, replaced_by: str | None = None) -> None:
         """Refuse, before anything is opened for writing, a write that cannot complete
         here: ``RIVET_STATE_READ_ONLY``, ``RIVET_STATE_PERMISSION_DENIED``,
         ``RIVET_STATE_DISK_FULL`` (SPEC §8a). ``copies``: how many files as large as the
-        state the write may add beside it (a backup, a journal, rebuilt tables)."""
+        state the write may add beside it (a backup, a journal, rebuilt tables);
+        ``replaced_by``: the name of a write that puts a new file in the state's place (a
+        migration, a relocation), which must keep the state's owner (SQLite: refused
+        ``RIVET_STATE_PERMISSION_DENIED`` when this user cannot give it)."""
 
     def reading(self) -> AbstractContextManager[Reader]:
         """A read-only session that creates no file and changes no byte of the state, on the

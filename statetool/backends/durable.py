@@ -61,6 +61,43 @@ def copy_bytes(src: int, dst: int, size: int, progress: Callable[[int, int], Non
     return done
 
 
+def mode_of(path: Path, default: int = 0o600) -> int:
+    """The permission bits of the file ``path`` leads to (a symlinked state: its real
+    file), or ``default`` when nothing is there."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return default
+
+
+def directory_mode(file_mode: int) -> int:
+    """The mode of a directory statetool makes beside a file of ``file_mode`` (the lease
+    folder beside the state): for the owner, the group and others alike, ``rwx`` where the
+    file is writable, ``r-x`` where it is only readable, nothing where it is neither. So
+    the folder is no more readable than the state, and whoever may write the state may
+    take a lease beside it (a group that shares a 0660 state shares a 0770 folder)."""
+    mode = 0
+    for shift in (6, 3, 0):
+        bits = (file_mode >> shift) & 0o7
+        mode |= (0o7 if bits & 0o2 else 0o5 if bits & 0o4 else 0) << shift
+    return mode
+
+
+def like(fd: int, model: os.stat_result, *, owner: bool = True) -> None:
+    """Give the file open as ``fd`` (just created by this process) the permission bits of
+    ``model`` (the state's ``stat``), never wider, and with ``owner`` its owner and group
+    too where they differ. A file statetool makes in a state's place or beside it is no
+    more readable than the state, and a file that replaces the state keeps its owner
+    (SPEC §9: the owner's next run must open it). Raises ``PermissionError`` when the owner
+    cannot be given (the callers refuse that case before they create anything:
+    :func:`statetool.access.refuse_unownable`)."""
+    os.fchmod(fd, stat.S_IMODE(model.st_mode))
+    if owner:
+        mine = os.fstat(fd)
+        if (mine.st_uid, mine.st_gid) != (model.st_uid, model.st_gid):
+            os.fchown(fd, model.st_uid, model.st_gid)
+
+
 def fsync_dir(directory: Path) -> None:
     """fsync a directory so a rename (or a link, an unlink) inside it survives power loss."""
     fd = os.open(directory, os.O_RDONLY)
@@ -138,7 +175,7 @@ def copy_verified(source: Path, target: Path) -> None:
     tmp.unlink(missing_ok=True)  # a regular file (checked): what a killed run left
     try:
         with open(source, "rb") as src, os.fdopen(os.open(tmp, CREATE_FLAGS, 0o600), "wb") as dst:
-            os.fchmod(dst.fileno(), stat.S_IMODE(os.fstat(src.fileno()).st_mode))  # the source's mode, not wider
+            like(dst.fileno(), os.fstat(src.fileno()), owner=False)  # the source's mode, not wider
             shutil.copyfileobj(src, dst)
             dst.flush()
             os.fsync(dst.fileno())

@@ -40,11 +40,12 @@ def fault(path: Path, err: BaseException) -> StateError | None:
     ``RIVET_STATE_PERMISSION_DENIED`` (this user may not write there), ``RIVET_STATE_DISK_FULL``.
     """
     number = err.errno if isinstance(err, OSError) else None
-    text = str(getattr(err, "orig", err)).lower()
+    text = str(getattr(err, "orig", err))  # as it is: it may name a file, whose case is its own
+    lowered = text.lower()  # (SQLite's texts matched whatever their case)
     where = {"path": str(path)}
-    if number in (errno.ENOSPC, errno.EDQUOT) or any(t in text for t in _SQLITE_FULL):
+    if number in (errno.ENOSPC, errno.EDQUOT) or any(t in lowered for t in _SQLITE_FULL):
         return StateError("RIVET_STATE_DISK_FULL", f"no space left for {path} ({text}); nothing was written", where)
-    if number in (errno.EROFS, errno.EACCES, errno.EPERM) or any(t in text for t in _SQLITE_READONLY):
+    if number in (errno.EROFS, errno.EACCES, errno.EPERM) or any(t in lowered for t in _SQLITE_READONLY):
         if number == errno.EROFS or _read_only_fs(path):
             return StateError("RIVET_STATE_READ_ONLY", f"{path} is on a filesystem mounted read-only; nothing was "
                               "written", where)

@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import sqlite3
-import stat
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,7 +35,7 @@ from sqlalchemy.engine import Connection
 
 from statetool import migrations, schema
 from statetool.backends.base import PageCopy, Progress, Step
-from statetool.backends.durable import CREATE_FLAGS, fsync_dir, fsync_file, side_copy
+from statetool.backends.durable import CREATE_FLAGS, fsync_dir, fsync_file, like, side_copy
 from statetool.backends.faults import fault
 from statetool.backends.sqlite import SqliteBackend
 from statetool.backends.sqlite_pages import content_digest, copy_digested, first_difference
@@ -129,7 +128,7 @@ class FileMove:
             raise unsafe_error(copy, "appeared while the copy was being started") from None
         try:
             before = os.stat(self.source)
-            os.fchmod(fd, stat.S_IMODE(before.st_mode))  # the state's own mode at its new place, not wider
+            like(fd, before)  # the state's own mode and owner at its new place (owner checked before any lease)
             names = self.backend.table_names(self.backend.reader(conn))
             with self.backend.checking_pages(full_verify, names) as checked:
                 digest = copy_digested(self.source, fd, progress)

@@ -28,6 +28,8 @@ from statetool.location import Location
 from statetool.tables import IN_FLIGHT_REVISION, VERSION_TABLE
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import sqlalchemy as sa
     from sqlalchemy.engine import Connection
 
@@ -207,9 +209,14 @@ class PostgresBackend:
                          "WHERE n.nspname = :s AND c.relkind IN ('r', 'p', 'v', 'f')", {"s": self.schema})
         return {r[0] for r in rows}
 
-    def check_writable(self, *, copies: int) -> None:
+    def check_writable(self, *, copies: int, replaced_by: str | None = None) -> None:
         """Nothing to look at before the server is asked: the server checks rights and
         space in the write's own transaction, and nothing of it outlives a failed write."""
+
+    def leftovers(self) -> list[Path]:
+        """None: a PostgreSQL migration runs in one transaction, which a kill rolls back;
+        it leaves no file."""
+        return []
 
     def present(self) -> bool:
         with self.inspecting() as conn:

@@ -33,7 +33,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -432,6 +432,11 @@ class RowLeases:
                                  f"not confirm it for {self.ttl} s (its TTL), so another holder may take it over\n")
 
     # -- reading and releasing ----------------------------------------------------------
+
+    def require_takable(self, keys: Iterable[str]) -> None:
+        """Nothing to look at: a lease row the role may not insert is refused by the server
+        in its own statement, which leaves nothing behind (rights are checked before any
+        lease: ``check_rights``)."""
 
     def info(self, key: str) -> LeaseInfo:
         try:

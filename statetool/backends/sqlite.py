@@ -42,9 +42,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from statetool.access import denied
+from statetool.access import denied, refuse_unownable, unownable
 from statetool.backends.base import Progress, Step
-from statetool.backends.durable import CREATE_FLAGS, copy_bytes, fitting_name, fsync_dir, fsync_file
+from statetool.backends.durable import (CREATE_FLAGS, copy_bytes, fitting_name, fsync_dir, fsync_file, like,
+                                        mode_of)
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.readers import CoreReader, DriverReader
@@ -133,14 +134,20 @@ class SqliteBackend:
                              f"not mount?){self._spelling_hint()}", {"path": str(self.path.parent)})
         return False
 
-    def check_writable(self, *, copies: int) -> None:
+    def check_writable(self, *, copies: int, replaced_by: str | None = None) -> None:
         """Refuse a write this user or this filesystem cannot complete before any file is
         opened for writing (:func:`~statetool.backends.faults.refuse_unwritable`): the
         state's directory, its lease folder and the file must be writable, and there must
         be room for ``copies`` files as large as the state (a migration's copy and the tables
         it rebuilds, a backup) and the change itself. What a killed backup or migration left
         (:meth:`_stale_temps`) counts as room: the write removes it before it copies, so a
-        re-run on a nearly full disk converges."""
+        re-run on a nearly full disk converges. With ``replaced_by`` (the write's name: ``a
+        migration``, ``a relocation``), the write puts a new file in the state file's place,
+        which must keep the real file's owner and group: a user that cannot give them is
+        refused first (:func:`~statetool.access.refuse_unownable`), before any lease record is
+        created that the owner could then not write beside."""
+        if replaced_by:
+            refuse_unownable(self.real, replaced_by)
         refuse_unsafe_companions(self.path)
         size = self.path.stat().st_size if os.path.isfile(self.path) else 0
         reclaimed = sum(_bytes_under(path) for path in self._stale_temps()) if copies else 0
@@ -477,16 +484,38 @@ class SqliteBackend:
         finally:
             shutil.rmtree(made, ignore_errors=True)
 
-    def _stale_temps(self) -> list[Path]:
-        """What a killed backup or migration left beside the state (or beside its real file):
-        ``….backup-….tmp`` (a private directory or, from older releases, a file) and
-        ``….backup-….tmp-journal``. Raises ``RIVET_STATE_UNSAFE_FILE`` when one of them is a
-        symlink or another kind of file: nothing is then removed or followed, and nothing is
-        written."""
+    def _temp_names(self) -> list[Path]:
+        """What a killed backup or migration left beside the state (or beside its real file),
+        found by name only: ``….backup-….tmp`` (a private directory or, from older releases, a
+        file) and ``….backup-….tmp-journal``."""
         found: list[Path] = []
         for directory in dict.fromkeys((self.path.parent, self.real.parent)):
             found += sorted(directory.glob(f"{self.path.name}.backup-*.tmp")) + sorted(
                 directory.glob(f"{self.path.name}.backup-*.tmp-journal"))
+        return found
+
+    def _second_names(self) -> list[Path]:
+        """Every backup name that is a hard link of the state itself: what a migration killed
+        between keeping the original and switching its copy in leaves. Such a name changes
+        with the state; it is no backup."""
+        return [path for path in sorted(self.real.parent.glob(f"{self.path.name}.backup-*"))
+                if path.is_file() and not path.is_symlink() and os.path.samefile(path, self.real)]
+
+    def leftovers(self) -> list[Path]:
+        """What a killed migration or backup left beside the state (:meth:`_temp_names`,
+        :meth:`_second_names`), for the reads to report (``info``, ``check``: warning
+        ``RIVET_STATE_LEFTOVER_TEMP``). Read-only: nothing is followed or removed; the next
+        migration, or write that takes a backup, removes them before it copies
+        (:meth:`_remove_stale_temps`)."""
+        if not os.path.isfile(self.real):
+            return []
+        return self._temp_names() + self._second_names()
+
+    def _stale_temps(self) -> list[Path]:
+        """:meth:`_temp_names`, each checked: raises ``RIVET_STATE_UNSAFE_FILE`` when one of
+        them is a symlink or another kind of file: nothing is then removed or followed, and
+        nothing is written."""
+        found = self._temp_names()
         for path in found:
             kind = os.lstat(path).st_mode
             if not (stat.S_ISDIR(kind) or stat.S_ISREG(kind)):
@@ -496,18 +525,15 @@ class SqliteBackend:
         return found
 
     def _remove_stale_temps(self) -> None:
-        """Remove :meth:`_stale_temps`, and every backup name that is a hard link of the state
-        itself (a migration killed between keeping the original and switching the copy in:
-        such a name would change with the state, it is no backup). Runs under the write lock,
+        """Remove :meth:`_stale_temps` and :meth:`_second_names`. Runs under the write lock,
         so no backup or migration copy is being made."""
         for path in self._stale_temps():
             if path.is_dir():
                 shutil.rmtree(path)
             else:
                 path.unlink(missing_ok=True)
-        for path in self.real.parent.glob(f"{self.path.name}.backup-*"):
-            if path.is_file() and not path.is_symlink() and os.path.samefile(path, self.real):
-                path.unlink()
+        for path in self._second_names():
+            path.unlink()
 
     def _copy(self, conn: Connection, tmp: Path, progress: Progress | None) -> dict[str, int]:
         """Copy the state, as ``conn``'s write lock freezes it, into ``tmp`` with the online
@@ -570,7 +596,7 @@ class SqliteBackend:
             # MAX_PATHNAME), and the directory's name alone may take 255
             tmp = private / "backup.db"
             self._copy(conn, tmp, progress)
-            os.chmod(tmp, stat.S_IMODE(os.stat(self.real).st_mode))  # no wider than the state (in our 0700 directory)
+            os.chmod(tmp, mode_of(self.real))  # no wider than the state (in our 0700 directory)
             try:
                 os.link(tmp, final)  # never replaces, never follows what stands at that name
             except FileExistsError:
@@ -777,17 +803,10 @@ class CopyMigration:
         except OSError as err:
             raise fault(self.real.parent, err) or err from None
         try:
-            mine = os.fstat(fd)
-            if (mine.st_uid, mine.st_gid) != (st.st_uid, st.st_gid):
-                try:
-                    os.fchown(fd, st.st_uid, st.st_gid)
-                except PermissionError:
-                    raise StateError("RIVET_STATE_PERMISSION_DENIED",
-                                     f"{self.real} belongs to uid {st.st_uid} and gid {st.st_gid}: a migration "
-                                     "replaces the file with its new revision and cannot give the new file to that "
-                                     "owner; run the migration as the state's owner; nothing was changed",
-                                     {"path": str(self.real)}) from None
-            os.fchmod(fd, stat.S_IMODE(st.st_mode))
+            try:
+                like(fd, st)  # refused before any lease already (check_writable): here only if it changed since
+            except PermissionError:
+                raise unownable(self.real, st, "a migration") from None
             with open(self.real, "rb") as src:
                 copy_bytes(src.fileno(), fd, st.st_size, progress)
         except OSError as err:

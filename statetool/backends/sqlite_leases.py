@@ -33,6 +33,7 @@ import json
 import os
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,7 +41,8 @@ from typing import Any
 from urllib.parse import unquote
 
 from statetool.backends.base import HeldLease, Holder, LeaseInfo
-from statetool.backends.faults import fault
+from statetool.backends.durable import directory_mode, mode_of
+from statetool.backends.faults import fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders_of
 from statetool.backends.sqlite_file import foreign_companions, read_header, refuse_unsafe_companions
 from statetool.errors import StateError
@@ -204,14 +206,19 @@ class FlockLeases:
 
     def _dir_fd(self, create: bool) -> int | None:
         """The lease folder, opened without following a symlink; None when it does not
-        exist and ``create`` is false. Raises ``RIVET_STATE_UNSAFE_FILE``."""
+        exist and ``create`` is false. A folder this call creates is made 0700, then given
+        :func:`~statetool.backends.durable.directory_mode` of the state's mode (a set-group-ID
+        bit it inherited kept): no more readable than the state, and open to whoever may
+        write the state. Raises ``RIVET_STATE_UNSAFE_FILE``."""
+        made = False
         if create:
             try:
-                os.mkdir(self.directory, 0o755)
+                os.mkdir(self.directory, 0o700)
+                made = True
             except FileExistsError:
                 pass
         try:
-            return os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+            dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
         except FileNotFoundError:
             if create:
                 raise
@@ -220,10 +227,18 @@ class FlockLeases:
             if err.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise _unsafe(self.directory, "a symlink or not a directory") from None
             raise
+        if made:
+            inherited = os.fstat(dfd).st_mode & stat.S_ISGID
+            os.fchmod(dfd, directory_mode(mode_of(self.state_path)) | inherited)
+        return dfd
 
     def _open(self, dfd: int, name: str, flags: int) -> int:
+        """Open the sidecar ``name`` in the folder ``dfd`` (never through a link); one that
+        ``flags`` creates is given the state's mode (no more readable than the state, and
+        writable by whoever may write the state, who may take its lease). Raises
+        ``RIVET_STATE_UNSAFE_FILE`` for a symlink, a directory or another kind of file."""
         try:
-            fd = os.open(name, flags | _NOFOLLOW, 0o644, dir_fd=dfd)
+            fd = os.open(name, flags | _NOFOLLOW, 0o600, dir_fd=dfd)
         except OSError as err:
             if err.errno == errno.ELOOP:
                 raise _unsafe(self.directory / name, "a symlink") from None
@@ -233,6 +248,8 @@ class FlockLeases:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise _unsafe(self.directory / name, "not a regular file")
+        if flags & os.O_EXCL:
+            os.fchmod(fd, mode_of(self.state_path))
         return fd
 
     @staticmethod
@@ -310,6 +327,19 @@ class FlockLeases:
             return lease
         finally:
             os.close(dfd)
+
+    def require_takable(self, keys: Iterable[str]) -> None:
+        """Raise ``RIVET_STATE_PERMISSION_DENIED`` (or ``RIVET_STATE_READ_ONLY``) when this
+        user may not write the lease folder or the sidecar of one of ``keys`` (another
+        user's file, say; :func:`~statetool.backends.faults.refuse_unwritable`): found by
+        ``access(2)``, nothing opened or created. A symlink is left to the take, which
+        refuses it (``RIVET_STATE_UNSAFE_FILE``); ``RIVET_CLI_USAGE`` for a key no file can
+        be named after."""
+        if os.path.islink(self.directory) or not os.path.isdir(self.directory):
+            return  # a folder the first take makes, in a directory checked writable, or one it refuses
+        sidecars = [self.directory / key_to_filename(key) for key in keys]
+        for target in [self.directory, *(p for p in sidecars if p.is_file() and not p.is_symlink())]:
+            refuse_unwritable(target, directories=(self.directory,), need=0)
 
     def info(self, key: str) -> LeaseInfo:
         dfd = self._dir_fd(create=False)

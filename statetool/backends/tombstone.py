@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from statetool.backends.durable import CREATE_FLAGS, fsync_dir
+from statetool.backends.durable import CREATE_FLAGS, fsync_dir, like
 from statetool.backends.faults import fault
 from statetool.backends.proclocks import lock_holders
 from statetool.errors import StateError
@@ -82,20 +82,29 @@ def read_tombstone(path: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else {}
 
 
-def write_tombstone_tmp(directory: Path, doc: dict[str, Any]) -> Path:
+def write_tombstone_tmp(directory: Path, doc: dict[str, Any], model: os.stat_result) -> Path:
     """Write a tombstone to a temporary file in ``directory``, fsynced; the caller renames
-    it over the state file (one atomic step). Every string of ``doc`` is redacted (SPEC §7)."""
+    it over the state file (one atomic step). It gets the mode, owner and group of
+    ``model`` (the ``stat`` of the state it replaces: no more readable than the state, and
+    still readable by its owner's runs, which must see ``RIVET_STATE_RELOCATED``). Every
+    string of ``doc`` is redacted (SPEC §7). Raises ``PermissionError`` when the owner
+    cannot be given (refused before any lease: ``Backend.check_writable``)."""
     tmp = directory / f"{STATE_FILE}.tombstone-{os.getpid()}.tmp"
     refuse_unsafe(tmp)
     tmp.unlink(missing_ok=True)  # a regular file an earlier process of this pid left
     try:
-        fd = os.open(tmp, CREATE_FLAGS, 0o644)
+        fd = os.open(tmp, CREATE_FLAGS, 0o600)
     except FileExistsError:
         raise unsafe_error(tmp, "appeared while it was being created") from None
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(MAGIC + json.dumps(redact_values(doc), indent=2, sort_keys=True).encode() + b"\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            like(fd, model)
+            fh.write(MAGIC + json.dumps(redact_values(doc), indent=2, sort_keys=True).encode() + b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no fault leaves a temporary file behind (SPEC §8a)
+        raise
     return tmp
 
 
@@ -181,7 +190,7 @@ def retire(source: Path, doc: dict[str, Any], on_step: Step) -> Path:
         raise unsafe_error(kept, "already exists") from None
     fsync_dir(directory)
     on_step("kept")
-    tomb = write_tombstone_tmp(directory, {**doc, "kept_as": str(kept)})
+    tomb = write_tombstone_tmp(directory, {**doc, "kept_as": str(kept)}, os.stat(kept))
     on_step("tombstoned")
     os.replace(tomb, source)
     fsync_dir(directory)

@@ -148,11 +148,14 @@ def acquire(ctx: Context, key: str, command: str | None = None, *, under_state_l
             deadline: float | None = None) -> HeldLease:
     """Take lease ``key`` (see :func:`wait_for` for the wait and its errors).
 
-    A stale holder (dead, or past its TTL) never blocks: it is taken over. A run lease is
+    A lease this user could not take is refused first (``RIVET_STATE_PERMISSION_DENIED``,
+    :meth:`~statetool.backends.base.LeaseStore.require_takable`). A stale holder (dead, or
+    past its TTL) never blocks: it is taken over. A run lease is
     given back and waited for again while a whole-state write holds the state lease,
     unless this process holds that state lease itself (``under_state_lease``).
     """
     store = lease_store(ctx)
+    store.require_takable([key])  # a lease this user cannot take is refused before any wait
     holder = this_holder(ctx.command if command is None else command)
 
     respects_state = key != STATE_LEASE and not under_state_lease
@@ -186,11 +189,25 @@ def holding(ctx: Context, key: str, command: str | None = None) -> Iterator[Held
         lease.release()
 
 
+def refuse_untakable(ctx: Context, exports: Iterable[str]) -> None:
+    """Refuse, before any lease is taken, a write of the whole state that could not take
+    every lease it needs (the state lease and the run lease of each of ``exports``): one
+    it could not take (another user's lease file) would refuse it half way, with the lease
+    files of those it took before created (SPEC §9: a refusal creates no file). Raises
+    ``RIVET_STATE_PERMISSION_DENIED`` / ``RIVET_STATE_READ_ONLY``
+    (:meth:`~statetool.backends.base.LeaseStore.require_takable`); reads only.
+    :func:`hold_whole_state` calls it; a move calls it before its first file too."""
+    lease_store(ctx).require_takable([STATE_LEASE, *(run_lease_key(export) for export in sorted(set(exports)))])
+
+
 def hold_whole_state(ctx: Context, stack: ExitStack, exports: Iterable[str], busy_code: str) -> list[HeldLease]:
     """Hold off every run for a write of the whole state: the state lease, then the run
     lease of every export in ``exports``, then a wait until no other live lease is left;
     all released when ``stack`` closes. One ``--lock-wait`` bounds the whole wait; past it
-    (or at once with ``--lock-wait 0``) ``busy_code`` names the holders.
+    (or at once with ``--lock-wait 0``) ``busy_code`` names the holders. A lease this user
+    could not take (another user's lease file) is refused before any is taken
+    (:meth:`~statetool.backends.base.LeaseStore.require_takable`:
+    ``RIVET_STATE_PERMISSION_DENIED``).
 
     A PostgreSQL state without a lease table (below revision 0002) has no lease to take:
     no run can hold one there either. Returns the leases held.
@@ -198,6 +215,7 @@ def hold_whole_state(ctx: Context, stack: ExitStack, exports: Iterable[str], bus
     deadline = time.monotonic() + ctx.lock_wait
     held: list[HeldLease] = []
     store = lease_store(ctx)
+    refuse_untakable(ctx, exports)
 
     def quiet() -> bool | str:
         try:

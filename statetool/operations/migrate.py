@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 #: the new revision in, and the tables it rebuilds in that copy (written before the old
 #: ones are dropped). The original adds nothing: renamed aside, it is the backup.
 MIGRATION_COPIES = 2
+#: A SQLite migration's name where it puts the new revision's file in the state's place
+#: (:meth:`~statetool.backends.base.Backend.check_writable`: the owner it must keep).
+_REPLACED_BY = "a migration"
 
 #: The steps a SQLite migration announces to :attr:`Context.on_step`, in the order it
 #: passes them (the crash tests kill it at each): the write lock held, the state copied,
@@ -114,9 +117,12 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     ``RIVET_STATE_VERIFY_FAILED`` (the state not changed), and on SQLite
     ``RIVET_STATE_RUN_IN_PROGRESS`` (another process holds the state open past
     ``--lock-wait``, or wrote it without a lease while it was migrated),
-    ``RIVET_STATE_PERMISSION_DENIED`` (the new file cannot be given the state's owner) and
-    the faults of its directory (``RIVET_STATE_DISK_FULL``, ...). ``dry_run`` and ``sql``
-    write nothing. The result's ``backup`` names the original kept beside the state (SQLite).
+    ``RIVET_STATE_PERMISSION_DENIED`` (the new file cannot be given the state's owner:
+    refused before any lease or file, in a dry run too) and the faults of its directory
+    (``RIVET_STATE_DISK_FULL``, ...). ``dry_run`` and ``sql`` write nothing; a dry run on a
+    filesystem mounted read-only gives its plan with warning ``RIVET_STATE_READ_ONLY_DRY_RUN``
+    (:func:`~statetool.operations.writes.require_writable`). The result's ``backup`` names
+    the original kept beside the state (SQLite).
     """
     if sql and not ctx.backend().supports_offline_sql:  # whatever the state holds: the answer is the same
         raise StateError("RIVET_STATE_SQL_UNSUPPORTED", "--sql prints PostgreSQL DDL; this state is SQLite")
@@ -155,7 +161,7 @@ def _migrate(ctx: Context, to: str | None, dry_run: bool, sql: bool, allow_data_
     if dry_run:
         from statetool.operations.writes import require_writable
 
-        require_writable(ctx, copies=MIGRATION_COPIES)
+        result.warnings = require_writable(ctx, copies=MIGRATION_COPIES, replaced_by=_REPLACED_BY, dry_run=True)
         result.message = "dry run: nothing was changed" + (
             "; this downgrade drops the rows in the 'drops' column" if lost else "")
         return result
@@ -172,7 +178,7 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
     target = result.to_revision
     with guarded_write(ctx, WHOLE_STATE, preflight=pf, allow=frozenset({"RIVET_STATE_MIGRATION_PENDING"}),
                        claim=False, at_head=False, busy_code="RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN",
-                       lock_code="RIVET_STATE_MIGRATION_LOCKED", copies=MIGRATION_COPIES,
+                       lock_code="RIVET_STATE_MIGRATION_LOCKED", copies=MIGRATION_COPIES, replaced_by=_REPLACED_BY,
                        prepare=backend.hold_off_writers) as session:
         backend.require_frozen()
         ctx.on_step("locked")

@@ -25,7 +25,8 @@ from statetool.operations.leasing import live_holders
 from statetool.operations.probe import Snapshot, read_snapshot
 
 #: The checks in the order they run (SPEC §4): each id appears in ``check --json``.
-CHECK_IDS = ("location", "config", "state", "format", "integrity", "revision", "relocated", "identity", "leases")
+CHECK_IDS = ("location", "config", "state", "format", "integrity", "revision", "relocated", "identity", "leases",
+             "leftovers")
 
 #: The row a failure to read the state belongs to (anything else: ``integrity``).
 _READ_FAILURE_ROW = {"RIVET_STATE_NOT_A_STATE": "format", "RIVET_STATE_MISSING": "format",
@@ -159,9 +160,26 @@ def run_preflight(ctx: Context, *, for_write: bool = False, progress: bool = Tru
     if snap.known:
         _check_identity(pf, ctx, snap, for_write)
         _check_leases(pf, ctx, for_write)
+        _check_leftovers(pf, backend)
     else:
         pf.skip_rest("revision unknown to this release")
     return pf
+
+
+def _check_leftovers(pf: Preflight, backend: Backend) -> None:
+    """What a killed (SIGKILLed) migration or backup left beside the state
+    (:meth:`~statetool.backends.base.Backend.leftovers`): warning ``RIVET_STATE_LEFTOVER_TEMP``
+    naming each, with what to do; the state itself is whole (SPEC §9). Found by name, read
+    only: nothing is removed here."""
+    found = backend.leftovers()
+    if not found:
+        pf.add("leftovers", "ok", "no temporary file of a killed migration or backup")
+        return
+    pf.add("leftovers", "warn",
+           f"{len(found)} left by a killed migration or backup: {', '.join(map(str, found))}; the state itself is "
+           "whole. A re-run of statetool migrate (or of a write that takes a backup) removes them first and "
+           "converges; with no statetool write running they are safe to delete (none is the state's only copy, "
+           "nor a backup)", "RIVET_STATE_LEFTOVER_TEMP")
 
 
 def _read_named(backend: Backend, progress: bool, integrity: bool) -> Snapshot:

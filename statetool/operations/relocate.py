@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +56,15 @@ from statetool.backends.faults import WRITE_MARGIN, refuse_unwritable
 from statetool.errors import StateError
 from statetool.location import Location, resolve_checkpoint, resolve_location
 from statetool.operations.context import Context, now_iso
+from statetool.operations.leasing import refuse_untakable
 from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import export_names, row_counts
-from statetool.operations.writes import WHOLE_STATE, WriteSession, guarded_write, require_writable
+from statetool.operations.writes import (WHOLE_STATE, WriteSession, guarded_write, require_writable,
+                                         tolerate_read_only)
+
+#: A relocation's name where it replaces the state's file (by the tombstone) and makes it anew
+#: at the target: both keep the state's owner (:meth:`~statetool.backends.base.Backend.check_writable`).
+REPLACED_BY = "a relocation"
 
 #: The steps a relocation announces to :attr:`Context.on_step`, in the order it passes
 #: them (``copy-page-<n>`` come between ``locked`` and ``digested``). ``kept``,
@@ -99,6 +105,9 @@ class RelocateResult:
     #: True when an earlier run had finished this relocation: this one moved nothing (it
     #: only finished the last step when a kill had interrupted it). For the sentence people read.
     already: bool = False
+    #: Warnings of the plan (a dry run of a state on a read-only mount:
+    #: ``RIVET_STATE_READ_ONLY_DRY_RUN``), as ``{code, message, action}``.
+    warnings: list[dict[str, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         """JSON shape of the plan and outcome (a missing checkpoint has ``present: false``)."""
@@ -116,12 +125,14 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
     ``RIVET_STATE_MOVE_IN_FLIGHT`` (another source's move into the target is unfinished),
     ``RIVET_STATE_UNSAFE_FILE`` (a symlink where a file of the move belongs),
     ``RIVET_STATE_READ_ONLY`` / ``RIVET_STATE_PERMISSION_DENIED`` (the source's directory,
-    or a symlinked state's real directory, cannot be written),
+    or a symlinked state's real directory, cannot be written; or this user cannot give the
+    moved file and the tombstone the state's owner: refused before any lease or file),
     ``RIVET_STATE_RUN_IN_PROGRESS`` (a live run past ``--lock-wait``),
     ``RIVET_STATE_VERIFY_FAILED`` (the copy differs; the source is untouched),
     ``RIVET_STATE_DISK_FULL`` (the target filled up; what was copied is removed), and every
     pre-flight code of the source. ``dry_run`` runs every one of these checks, in this
-    function, then prints the plan and writes nothing. A re-run of a finished relocation
+    function, then prints the plan and writes nothing (a source on a read-only mount gives
+    its plan with warning ``RIVET_STATE_READ_ONLY_DRY_RUN``). A re-run of a finished relocation
     answers "already relocated" (and finishes one killed after the switch).
     """
     backend = ctx.backend()
@@ -139,6 +150,7 @@ def relocate(ctx: Context, to: str, *, create_dir: bool = False, dry_run: bool =
         result.message = (f"dry run: nothing was changed; after the move every task must run with "
                           f"RIVET_STATE_URL={result.state_url}")
         return result
+    refuse_untakable(ctx, exports)  # before the target is created: a refusal creates nothing
     _target(ctx, move, to, create_dir, dry_run=False)
     move.remove_leftovers(target, [side_copy(Path(m.target)) for m in result.checkpoints])
     with contextlib.ExitStack() as stack:
@@ -232,12 +244,12 @@ def _pre_flight(ctx: Context, move: FileMoves, target: Location, dry_run: bool
     assert target.path is not None and target.directory is not None
     # The source's own integrity is proven by the copy instead: page digests equal, and
     # the copy passes quick_check. Per-export progress is not needed, only export names.
-    move.require_retirable()  # these before the pre-flight
+    warnings = tolerate_read_only(move.require_retirable, dry_run=dry_run)  # these before the pre-flight
     move.refuse_unsafe(*move.own_files(target), *move.stale_tombstones())
     pf = run_preflight(ctx, for_write=True, progress=False, integrity=False)
     snap = require(pf)
-    if dry_run:
-        require_writable(ctx)  # the guarded write's own first refusal: the dry run gives it too
+    # the guarded write's own first refusal, before the real run creates the target or a lease; the dry run the same
+    warnings = warnings or require_writable(ctx, replaced_by=REPLACED_BY, dry_run=dry_run)
     resume = _check_target(ctx, move, target) if target.directory.is_dir() else None
     with ctx.backend().reading() as conn:
         # a copy counts the rows it copied, beside its check of the pages (copy_pages)
@@ -246,7 +258,7 @@ def _pre_flight(ctx: Context, move: FileMoves, target: Location, dry_run: bool
     result = RelocateResult(
         str(move.source), str(target.path), target.state_url, move.source.stat().st_size, tables,
         _checkpoints(ctx, target), f"the run lease of every export ({len(exports)}) and the SQLite write lock",
-        dry_run=dry_run, resumed=resume is not None)
+        dry_run=dry_run, resumed=resume is not None, warnings=[w.as_dict() for w in warnings])
     check_checkpoints(move, result.checkpoints, resuming=resume is not None)
     room = next(p for p in (target.directory, *target.directory.parents) if p.is_dir())
     refuse_unwritable(target.path if room == target.directory else room, directories=(room,),
@@ -327,7 +339,8 @@ def _hold_off_writers(ctx: Context, stack: contextlib.ExitStack, move: FileMoves
         ctx.on_step("checkpointed")
 
     session = stack.enter_context(guarded_write(ctx, WHOLE_STATE, preflight=pf, exports=exports, claim=False,
-                                                prepare=prepare, lock_code="RIVET_STATE_RUN_IN_PROGRESS"))
+                                                prepare=prepare, lock_code="RIVET_STATE_RUN_IN_PROGRESS",
+                                                replaced_by=REPLACED_BY))
     move.require_frozen()
     ctx.on_step("locked")
     return session

@@ -52,10 +52,12 @@ from statetool.errors import StateError, StateWarning
 from statetool.identity import identity_verdict
 from statetool.location import ENV_VAR, Location, checkpoint_relative_message, resolve_checkpoint, resolve_location
 from statetool.operations.context import Context
+from statetool.operations.leasing import refuse_untakable
 from statetool.operations.preflight import require, run_preflight
 from statetool.operations.probe import read_snapshot, row_counts
 from statetool.operations.relocate import finish_command, retire_source
-from statetool.operations.writes import WHOLE_STATE, WriteSession, guarded_write, require_writable
+from statetool.operations.writes import (WHOLE_STATE, WriteSession, guarded_write, require_writable,
+                                         tolerate_read_only)
 
 if TYPE_CHECKING:
     from statetool.backends.base import FileMoves, Reader, TransferDestination, TransferSource
@@ -68,6 +70,9 @@ _FRESH_IDS = {schema.load_ledger.name, schema.audit.name}
 #: Every export the state knows (their run leases are taken), from covering indexes.
 _EXPORT_NAMES = ("SELECT export_name FROM rivet_exports UNION SELECT export_name FROM rivet_runs "
                  "UNION SELECT export_name FROM rivet_chunks UNION SELECT export_name FROM rivet_load_ledger")
+#: A transfer's name where its tombstone replaces the state's file, which keeps the state's
+#: owner (:meth:`~statetool.backends.base.Backend.check_writable`).
+_REPLACED_BY = "a transfer"
 #: The identity verdicts (SPEC §3) of a recorded key that is another source's: a transfer
 #: refuses each of them, "report" (a shared schema) too, as it never merges two sources.
 _ANOTHER_SOURCE = frozenset({"refuse", "warn", "report"})
@@ -128,9 +133,11 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     ``--lock-wait``), ``RIVET_STATE_VERIFY_FAILED`` (rolled back; nothing committed),
     ``RIVET_STATE_MOVE_IN_FLIGHT`` (another source's move into the destination is
     unfinished), ``RIVET_STATE_READ_ONLY`` / ``RIVET_STATE_PERMISSION_DENIED`` (the source's
-    directory, or a symlinked state's real one, cannot take the tombstone), and every
+    directory, or a symlinked state's real one, cannot take the tombstone, or this user
+    cannot give the tombstone the state's owner: refused before any lease), and every
     pre-flight code of the source. ``dry_run`` runs the same checks and writes nothing
-    anywhere. The re-run of a completed transfer answers "already transferred" (exit 0).
+    anywhere (a source on a read-only mount gives its plan with warning
+    ``RIVET_STATE_READ_ONLY_DRY_RUN``). The re-run of a completed transfer answers "already transferred" (exit 0).
     """
     source = _source(ctx)
     dest = _destination(ctx, to)
@@ -140,7 +147,7 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     if tomb is not None and tomb.get("to") == dest.location.display:
         return _already_transferred(dest, move, tomb, dry_run)
     # step 1: the pre-flight of both places
-    move.require_retirable()  # before the pre-flight
+    retirable = tolerate_read_only(move.require_retirable, dry_run=dry_run)  # before the pre-flight
     move.refuse_unsafe(*move.stale_tombstones())
     # per-export progress is not needed (only which exports the state knows, read below):
     # on a large state that read costs seconds
@@ -157,12 +164,15 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     result = TransferResult(str(source_path), dest.location.display, dest.location.state_url,
                             source_path.stat().st_size, [TableCopy(t.name, counts[t.name]) for t in COPIED],
                             checkpoints, dry_run=dry_run, resumed=earlier is not None, warnings=warnings)
+    # the guarded write's own first refusal, before any lease or file; the dry run the same
+    read_only = retirable or require_writable(ctx, replaced_by=_REPLACED_BY, dry_run=dry_run)
+    result.warnings += [w.as_dict() for w in read_only]
     if dry_run:
-        require_writable(ctx)  # the guarded write's own first refusal: the dry run gives it too
         result.message = f"dry run: nothing was changed; after the transfer every task must run with " \
                          f"{ENV_VAR}={result.state_url}"
         return result
     exports = sorted({e.name for e in ctx.config.exports} | in_state)
+    refuse_untakable(ctx, exports)  # before the first file is touched: a refusal changes nothing
     for stale in move.stale_tombstones():  # a kill before the switch left it
         stale.unlink()
 
@@ -170,7 +180,8 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     with contextlib.ExitStack() as stack:
         session = stack.enter_context(guarded_write(ctx, WHOLE_STATE, preflight=pf, exports=exports, claim=False,
                                                     prepare=move.hold_off_writers,
-                                                    lock_code="RIVET_STATE_RUN_IN_PROGRESS"))
+                                                    lock_code="RIVET_STATE_RUN_IN_PROGRESS",
+                                                    replaced_by=_REPLACED_BY))
         move.require_frozen()
         digest = move.digest()
         ctx.on_step("digested")

@@ -149,14 +149,39 @@ def _scope_exports(ctx: Context, snap: Snapshot, exports: Iterable[str] | None) 
     return names
 
 
-def require_writable(ctx: Context, *, copies: int = 0) -> None:
-    """A write's first refusal, before it opens anything: the backend refuses a write it
-    cannot complete where the state is (:meth:`~statetool.backends.base.Backend.check_writable`:
-    ``RIVET_STATE_READ_ONLY``, ``RIVET_STATE_PERMISSION_DENIED``, ``RIVET_STATE_DISK_FULL``,
-    ``RIVET_STATE_UNSAFE_FILE``), with room for ``copies`` files as large as the state.
-    :func:`guarded_write` calls it, and every ``--dry-run`` of a write calls it with the same
-    ``copies``, so a dry run refuses what its real run would (SPEC §8a)."""
-    ctx.backend().check_writable(copies=copies)
+def tolerate_read_only(check: Callable[[], object], *, dry_run: bool) -> list[StateWarning]:
+    """Run ``check`` (a refusal of a write that cannot complete here); return no warning
+    when it passes. With ``dry_run``, a state on a filesystem mounted read-only is no
+    refusal: a dry run changes nothing, so it still gives its plan there, and this returns
+    warning ``RIVET_STATE_READ_ONLY_DRY_RUN`` saying that the real run will be refused
+    (``RIVET_STATE_READ_ONLY``) until the filesystem is writable (docs/decisions.md, "Dry
+    runs on a read-only mount"). Every other refusal is raised, in a dry run too."""
+    try:
+        check()
+    except StateError as err:
+        if not dry_run or err.code != "RIVET_STATE_READ_ONLY":
+            raise
+        return [StateWarning("RIVET_STATE_READ_ONLY_DRY_RUN",
+                             f"{err.message.replace('; nothing was written', '')}: the real run will be refused "
+                             "(RIVET_STATE_READ_ONLY) until it is mounted read-write; a dry run writes nothing, so "
+                             "this plan is given all the same")]
+    return []
+
+
+def require_writable(ctx: Context, *, copies: int = 0, replaced_by: str | None = None,
+                     dry_run: bool = False) -> list[StateWarning]:
+    """A write's first refusal, before it opens anything or takes any lease: the backend
+    refuses a write it cannot complete where the state is
+    (:meth:`~statetool.backends.base.Backend.check_writable`: ``RIVET_STATE_READ_ONLY``,
+    ``RIVET_STATE_PERMISSION_DENIED``, ``RIVET_STATE_DISK_FULL``,
+    ``RIVET_STATE_UNSAFE_FILE``), with room for ``copies`` files as large as the state and,
+    with ``replaced_by`` (the write's name), the state's owner given to the new file that
+    replaces it. :func:`guarded_write` calls it, and every ``--dry-run`` of a write calls it
+    with the same arguments and ``dry_run``, so a dry run refuses what its real run would
+    (SPEC §8a), except a read-only filesystem (:func:`tolerate_read_only`). Returns the
+    warnings (empty when the write can run)."""
+    return tolerate_read_only(lambda: ctx.backend().check_writable(copies=copies, replaced_by=replaced_by),
+                              dry_run=dry_run)
 
 
 @contextmanager
@@ -165,7 +190,8 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
                   at_head: bool = True, exports: Iterable[str] | None = None, preflight: Preflight | None = None,
                   prepare: Callable[[], None] | None = None, held: list[HeldLease] | None = None,
                   busy_code: str = "RIVET_STATE_RUN_IN_PROGRESS",
-                  lock_code: str = "RIVET_STATE_LOCK_TIMEOUT", copies: int | None = None) -> Iterator[WriteSession]:
+                  lock_code: str = "RIVET_STATE_LOCK_TIMEOUT", copies: int | None = None,
+                  replaced_by: str | None = None) -> Iterator[WriteSession]:
     """Pre-flight, leases, one fenced writing transaction with its audit row, release.
 
     ``scope`` says which leases are held (:class:`Scope`); a whole-state write also holds
@@ -188,13 +214,16 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
     start and right before the commit (``RIVET_STATE_LEASE_LOST``). Before anything is
     opened for writing, the backend refuses a write it cannot complete there
     (:meth:`~statetool.backends.base.Backend.check_writable`), with room for ``copies``
-    files as large as the state (default: 2 with a backup, the backup and its journal).
+    files as large as the state (default: 2 with a backup, the backup and its journal) and,
+    with ``replaced_by``, the state's owner to give to the file that replaces it
+    (:func:`require_writable`): refused then, nothing of the write exists yet, no lease file
+    either.
     """
     pf = preflight if preflight is not None else run_preflight(ctx, for_write=True)
     snap = require(pf, allow=allow)
     if check is not None:
         check(snap)
-    require_writable(ctx, copies=copies if copies is not None else 2 if backup_label else 0)
+    require_writable(ctx, copies=copies if copies is not None else 2 if backup_label else 0, replaced_by=replaced_by)
     if scope.whole_state or scope.export is not None:
         # Wait for the state's write lock once before any lease is taken, holding nothing:
         # a write refused because another writer keeps the state busy leaves no lease file.
