@@ -19,14 +19,14 @@ import pytest
 import typer.main
 
 from support import describe, error_object, run_cli, run_cli_forked, tree_digest, write_config
-from statetool.cli import app, global_options
+from statetool.cli import app, command_tree, global_options
 
 #: An 80-column terminal, as the issue's operator has.
 NARROW = {"COLUMNS": "80"}
 
 
-def _tree() -> list[tuple[tuple[str, ...], Any]]:
-    """The root and every command and group below it, depth first: ``[(path, click command)]``."""
+def _tree(root: Any) -> list[tuple[tuple[str, ...], Any]]:
+    """``root`` and every command and group below it, depth first: ``[(path, click command)]``."""
     found: list[tuple[tuple[str, ...], Any]] = []
 
     def walk(command: Any, path: tuple[str, ...]) -> None:
@@ -34,11 +34,13 @@ def _tree() -> list[tuple[tuple[str, ...], Any]]:
         for name, sub in (getattr(command, "commands", None) or {}).items():
             walk(sub, (*path, name))
 
-    walk(typer.main.get_command(app), ())
+    walk(root, ())
     return found
 
 
-TREE = _tree()
+#: The tree as the CLI runs it (:func:`statetool.cli.command_tree`, lazy: walking it builds
+#: every command).
+TREE = _tree(command_tree())
 SUBCOMMANDS = [(path, command) for path, command in TREE if path]
 
 
@@ -65,6 +67,29 @@ def _section(text: str, heading: str) -> str:
     """The lines of help section ``heading`` (up to the next blank line)."""
     start = text.index(f"\n{heading}:\n") + len(heading) + 3
     return text[start:].split("\n\n", 1)[0]
+
+
+def _shape(command: Any) -> tuple[Any, ...]:
+    """What parsing, help and invoking read of a click command: its class, its settings and
+    each parameter's (everything but the callback, a wrapper made anew by each build)."""
+    params = [(type(p).__name__, p.name, p.opts, p.secondary_opts, p.metavar, getattr(p, "help", None), p.required,
+               repr(p.default), p.nargs, p.multiple, p.is_eager, getattr(p, "is_flag", None),
+               type(p.type).__name__, repr(sorted(vars(p.type).items())),
+               p.callback is None, p.expose_value, p.hidden if hasattr(p, "hidden") else None) for p in command.params]
+    return (type(command).__name__, command.name, command.help, command.short_help, command.epilog, command.hidden,
+            command.deprecated, command.no_args_is_help, command.add_help_option, command.options_metavar,
+            command.context_settings, getattr(command, "invoke_without_command", None),
+            getattr(command, "subcommand_metavar", None), getattr(command, "suggest_commands", None), params)
+
+
+def test_the_lazy_tree_the_cli_runs_is_the_tree_typer_builds() -> None:
+    """issue 13 item 5: the CLI converts a command when it is looked up
+    (``cli_help.lazy_command_tree``), and what it converts is what typer's own
+    ``get_command`` makes of the app, command for command, parameter for parameter."""
+    eager = _tree(typer.main.get_command(app))
+    assert [path for path, _ in TREE] == [path for path, _ in eager]
+    for (path, lazy), (_, built) in zip(TREE, eager):
+        assert _shape(lazy) == _shape(built), f"statetool {' '.join(path)} differs from typer's own build"
 
 
 @pytest.mark.parametrize(("path", "group"), [(p, c) for p, c in TREE if getattr(c, "commands", None)],
