@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import typer
 import typer.main
 
 from support import describe, error_object, run_cli, run_cli_forked, tree_digest, write_config
@@ -103,6 +104,24 @@ def test_every_commands_summary_shows_whole_in_an_80_column_terminal(path: tuple
             f"statetool {' '.join(path)} --help cuts or wraps the summary of {name!r} ({summary!r}):\n{listing}"
     assert "..." not in listing, listing
     assert all(len(line) <= 80 for line in text.splitlines()), text
+
+
+GROUPS = [(p, c) for p, c in TREE if getattr(c, "commands", None)]
+
+
+@pytest.mark.parametrize("columns", [52, 80])
+@pytest.mark.parametrize(("path", "group"), GROUPS, ids=_ids(GROUPS))
+def test_a_groups_listing_is_the_one_clicks_write_dl_makes(path: tuple[str, ...], group: Any, columns: int) -> None:
+    """``Group.format_commands`` writes a listing whose rows all fit one line without click's
+    wrapping (issue 13 item 5): the ``statetool GROUP --help`` printed is, line for line,
+    what typer's listing written by click's ``write_dl`` would be."""
+    proc = run_cli_forked(*path, "--help", env={"COLUMNS": str(columns)})
+    assert proc.returncode == 0, describe(proc)
+    formatter = typer.Context(group, terminal_width=max(min(columns, 80) - 2, 50)).make_formatter()
+    limit = formatter.width - 6 - max(len(name) for name in group.commands)
+    with formatter.section("Commands"):
+        formatter.write_dl([(name, sub.get_short_help_str(limit)) for name, sub in group.commands.items()])
+    assert f"\n{formatter.getvalue()}" in proc.stdout, describe(proc)
 
 
 @pytest.mark.parametrize(("path", "command"), SUBCOMMANDS, ids=_ids(SUBCOMMANDS))
