@@ -3,7 +3,9 @@
 Start-up stays light: only typer and the error registry load here; each command imports
 its operation (SQLAlchemy, psycopg, alembic where the schema changes) and
 ``statetool.render`` (rich: loaded under ``--json`` too, though it formats none of that
-output) when it runs, so ``statetool --help`` costs about what ``import typer`` does.
+output) when it runs, and typer converts a command's function to its click command only
+when that command is looked up (:func:`command_tree`), so ``statetool --help`` costs about
+what ``import typer`` does.
 
 Each option more than one command takes is declared once, as an ``Annotated`` alias below
 (STYLE §3); the global options are declared once in :func:`main_options`, and the help of
@@ -17,12 +19,12 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
 from statetool import DEFAULT_CONFIG, __version__
-from statetool.cli_help import App, usage_error
+from statetool.cli_help import App, lazy_command_tree, usage_error
 from statetool.errors import EXIT_INTERRUPTED, StateError, internal_error
 
 app = App(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -46,19 +48,24 @@ Reason = Annotated[str, typer.Option("--reason", metavar="WHY", help="Why, for t
 ExportName = Annotated[str, typer.Argument(metavar="NAME", help="Export name.", show_default=False)]
 
 
-class Globals(NamedTuple):
-    """The global options of one invocation (a ``NamedTuple``: no ``dataclasses`` at start-up)."""
+class Globals:
+    """The global options of one invocation (a plain class: a ``NamedTuple`` class costs
+    more to create than the rest of this module, at every start-up; no ``dataclasses``)."""
 
-    config: Path
-    state_url: str | None
-    json: bool
-    json_errors: bool
-    lock_wait: float
-    debug: bool
-    command: str = "statetool"
-    #: Whether --config/-c was given: a named config must exist even where the state's
-    #: place does not depend on it (docs/decisions.md, "Leases without a pipeline config").
-    config_given: bool = False
+    __slots__ = ("config", "state_url", "json", "json_errors", "lock_wait", "debug", "command", "config_given")
+
+    def __init__(self, config: Path, state_url: str | None, json: bool, json_errors: bool, lock_wait: float,
+                 debug: bool, command: str = "statetool", config_given: bool = False) -> None:
+        self.config = config
+        self.state_url = state_url
+        self.json = json
+        self.json_errors = json_errors
+        self.lock_wait = lock_wait
+        self.debug = debug
+        self.command = command
+        #: Whether --config/-c was given: a named config must exist even where the state's
+        #: place does not depend on it (docs/decisions.md, "Leases without a pipeline config").
+        self.config_given = config_given
 
     def context(self) -> Any:
         """The operations' :class:`~statetool.operations.context.Context` for these options."""
@@ -494,7 +501,7 @@ def leases_run(
 def global_options() -> dict[str, bool]:
     """The global options, as declared by :func:`main_options`: name (``--config``, ``-c``)
     -> whether it takes a value."""
-    return {name: not param.is_flag for param in _command().params for name in param.opts}
+    return {name: not param.is_flag for param in command_tree().params for name in param.opts}
 
 
 def hoist_globals(argv: list[str]) -> list[str]:
@@ -559,11 +566,12 @@ def _fail(error: StateError, json_errors: bool) -> NoReturn:
 
 
 @functools.cache
-def _command() -> Any:
-    """The click command tree of :data:`app`, built once per process (typer's ``app(...)``
-    builds it anew, about 20 ms, on every call: a long-lived caller such as the test suite
-    calls :func:`main` thousands of times)."""
-    return typer.main.get_command(app)
+def command_tree() -> Any:
+    """The click command tree of :data:`app` that :func:`main` runs, built once per process
+    (typer's ``app(...)`` builds it anew on every call: a long-lived caller such as the test
+    suite calls :func:`main` thousands of times), and lazily: a command is converted from its
+    function when it is first looked up (:func:`statetool.cli_help.lazy_command_tree`)."""
+    return lazy_command_tree(app)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -572,7 +580,7 @@ def main(argv: list[str] | None = None) -> None:
     args = hoist_globals(given)
     json_errors, debug = "--json-errors" in args, "--debug" in args
     try:
-        code = _command().main(args=args, prog_name="statetool", standalone_mode=False, obj=given)
+        code = command_tree().main(args=args, prog_name="statetool", standalone_mode=False, obj=given)
     except StateError as error:
         if debug:
             _print_traceback()

@@ -13,16 +13,22 @@
   a command raises itself gets its usage line too (:meth:`Command.invoke`).
 
 typer's own classes do the rest; :class:`App` makes every command and group of the app
-use these.
+use these. :func:`lazy_command_tree` builds the click tree lazily (issue 13 item 5): a
+command is converted from its function when it is first looked up, and a group lists its
+commands from their registrations, so ``statetool --help`` converts only the root's options.
 """
 
-from __future__ import annotations
-
+import copy
+import functools
 import inspect
+from collections.abc import Callable, Iterator, MutableMapping
+from gettext import gettext
 from typing import Any
 
 import typer
 from typer.core import TyperCommand, TyperGroup
+from typer.main import get_command_from_info, get_command_name, get_group_from_info, solve_typer_info_defaults
+from typer.models import TyperInfo
 
 from statetool.errors import StateError
 
@@ -106,13 +112,101 @@ class Command(TyperCommand):
             raise StateError(err.code, f"{err.message}\n{ctx.get_usage()}", err.details) from err
 
 
+class _Pending:
+    """A command not converted yet: how to describe it to a group's listing, and how to
+    build it (a plain class: a ``NamedTuple`` class would cost about 0.1 ms at every start-up)."""
+
+    __slots__ = ("describe", "build")
+
+    def __init__(self, describe: Callable[[], Command], build: Callable[[], Any]) -> None:
+        self.describe = describe
+        self.build = build
+
+
+class LazyCommands(MutableMapping[str, Any]):
+    """A group's commands by name, in the order they were registered. A command added with
+    :meth:`defer` is built on its first lookup and kept; iterating over the names builds
+    nothing, and :meth:`listing` answers what a group's listing needs without building."""
+
+    def __init__(self, commands: dict[str, Any]) -> None:
+        self._commands: dict[str, Any] = dict(commands)
+
+    def defer(self, name: str, describe: Callable[[], Command], build: Callable[[], Any]) -> None:
+        """Register ``name``, built by ``build()`` when first looked up; until then a
+        group's listing shows ``describe()``, a stand-in with the command's help, short
+        help, hidden and deprecated, and nothing else."""
+        self._commands[name] = _Pending(describe, build)
+
+    def listing(self, name: str) -> Any:
+        """The command ``name`` as a listing needs it: the command once built, else its
+        stand-in. Raises ``KeyError`` for an unknown name."""
+        found = self._commands[name]
+        return found.describe() if isinstance(found, _Pending) else found
+
+    def __getitem__(self, name: str) -> Any:
+        found = self._commands[name]
+        if isinstance(found, _Pending):
+            found = self._commands[name] = found.build()
+        return found
+
+    def __setitem__(self, name: str, command: Any) -> None:
+        self._commands[name] = command
+
+    def __delitem__(self, name: str) -> None:
+        del self._commands[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._commands)
+
+    def __len__(self) -> int:
+        return len(self._commands)
+
+
 class Group(TyperGroup):
-    """A command group whose help ends with its examples and the global options (below the root)."""
+    """A command group whose help ends with its examples and the global options (below the
+    root), and whose commands are :class:`LazyCommands`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.commands = LazyCommands(dict(self.commands))
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        """The commands' names in the order they were registered, as typer's, building none."""
+        return list(self.commands)
+
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
+        """typer's "Commands:" listing (name and short help, hidden ones left out), read
+        from :meth:`LazyCommands.listing`: listing a group builds none of its commands."""
+        commands = [(name, command) for name in self.list_commands(ctx)
+                    if not (command := self.commands.listing(name)).hidden]
+        if not commands:
+            return
+        limit = formatter.width - 6 - max(len(name) for name, _ in commands)
+        with formatter.section(gettext("Commands")):
+            _write_listing(formatter, [(name, command.get_short_help_str(limit)) for name, command in commands])
 
     def format_epilog(self, ctx: Any, formatter: Any) -> None:
         """Examples, then the global options."""
         _format_examples(self, formatter)
         _format_globals(ctx, formatter)
+
+
+def _write_listing(formatter: Any, rows: list[tuple[str, str]]) -> None:
+    """``formatter.write_dl(rows)`` for a group's listing, without click's wrapping of each
+    row where no row needs it (a third of a millisecond of ``statetool --help``): typer cuts
+    each summary to fit its line, so when every name fits click's first column (30) and every
+    summary is one plain line that fits the second, the rows are written as ``write_dl``
+    writes them; any other listing goes through ``write_dl``."""
+    name_width = max(len(name) for name, _ in rows)
+    first_col = name_width + 2
+    text_width = max(formatter.width - first_col - 2, 10)
+    plain = name_width <= 30 and all(text and len(text) <= text_width and text == " ".join(text.split())
+                                     and "\x1b" not in name + text and "\b" not in text for name, text in rows)
+    if not plain:
+        formatter.write_dl(rows)
+        return
+    for name, text in rows:
+        formatter.write(f"{'':>{formatter.current_indent}}{name:<{first_col}}{text}\n")
 
 
 class App(typer.Typer):
@@ -125,6 +219,57 @@ class App(typer.Typer):
         """typer's ``command`` decorator, with :class:`Command` unless another class is given."""
         kwargs.setdefault("cls", Command)
         return super().command(name, **kwargs)
+
+
+def _group(info: TyperInfo, settings: dict[str, Any]) -> Group:
+    """The click group of ``info``'s typer app, its commands and groups deferred
+    (:meth:`LazyCommands.defer`). typer's ``get_group_from_info`` builds the group itself
+    from a copy of the app without commands, so every group setting is solved as typer
+    solves it; ``settings`` are its keyword arguments, handed down to every level."""
+    app = info.typer_instance
+    bare_app = copy.copy(app)
+    bare_app.registered_commands, bare_app.registered_groups = [], []
+    bare = copy.copy(info)
+    bare.typer_instance = bare_app
+    group = get_group_from_info(bare, **settings)
+    convert = {k: v for k, v in settings.items() if k != "suggest_commands"}
+    for command in app.registered_commands:
+        name = command.name or get_command_name(command.callback.__name__)
+        group.commands.defer(name, functools.partial(_describe_command, name, command),
+                             functools.partial(get_command_from_info, command, **convert))
+    for sub in app.registered_groups:
+        solved = solve_typer_info_defaults(sub)
+        if not solved.name:
+            raise TypeError("a group added with add_typer needs a name (typer would merge its commands)")
+        group.commands.defer(solved.name, functools.partial(_describe, solved.name, solved, solved.help),
+                             functools.partial(_group, sub, settings))
+    return group
+
+
+def _describe(name: str, info: Any, doc: str | None) -> Command:
+    """A stand-in for the command or group ``name`` registered as ``info`` (a
+    ``CommandInfo``, or a solved ``TyperInfo``) with the help ``doc``: what a listing
+    reads, and nothing else."""
+    return Command(name, help=doc, short_help=info.short_help, hidden=info.hidden, deprecated=info.deprecated)
+
+
+def _describe_command(name: str, command: Any) -> Command:
+    """:func:`_describe` for a command: its help as typer's ``get_command_from_info`` takes
+    it (the ``help=`` it was registered with, cleaned, else its function's docstring)."""
+    doc = inspect.cleandoc(command.help) if command.help is not None else inspect.getdoc(command.callback)
+    return _describe(name, command, doc)
+
+
+def lazy_command_tree(app: typer.Typer) -> Group:
+    """The click command tree of ``app``, as ``typer.main.get_command(app)`` builds it, but
+    lazy: a command's function is converted to its click command (typer's
+    ``get_command_from_info``: its signature and type hints read) when the command is first
+    looked up, a group's when it is first looked up, so ``statetool --help`` converts the
+    root's options alone (issue 13 item 5). The root is always a group (typer makes one
+    for an app with a callback, as statetool's has), and typer's completion options are not
+    added (statetool's app has ``add_completion=False``)."""
+    return _group(TyperInfo(app), {"pretty_exceptions_short": app.pretty_exceptions_short,
+                                   "rich_markup_mode": app.rich_markup_mode, "suggest_commands": app.suggest_commands})
 
 
 def _dash_dash_hint(ctx: Any, token: str, args: list[str]) -> str:

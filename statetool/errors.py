@@ -6,10 +6,8 @@ message, and the CLI turns it into text or the ``--json-errors`` object through
 :func:`error_object`.
 """
 
-from __future__ import annotations
-
 import signal
-from typing import Any, NamedTuple
+from typing import Any
 
 #: Exit classes: name -> exit code (SPEC §7).
 EXIT_CODES: dict[str, int] = {
@@ -37,15 +35,36 @@ STOP_RANK: dict[str, int] = {
 }
 
 
-class Entry(NamedTuple):
-    """One registered code: its kind (what happened), class (what to do) and action.
+class Entry(tuple[str, str, str]):
+    """One registered code: its kind (what happened), class (what to do) and action; a
+    ``(kind, exit_class, action)`` tuple, immutable and equal by value.
 
-    The registry's classes are plain (no ``dataclasses``): this module loads at every
-    start-up, ``statetool --help`` included (issue 13 item 5)."""
+    The registry's classes are plain (no ``dataclasses``, and no ``NamedTuple``, whose class
+    costs more to create than the registry itself: it compiles its ``__new__``): this module
+    loads at every start-up, ``statetool --help`` included (issue 13 item 5)."""
 
-    kind: str
-    exit_class: str
-    action: str
+    __slots__ = ()
+
+    def __new__(cls, kind: str, exit_class: str, action: str) -> "Entry":
+        return super().__new__(cls, (kind, exit_class, action))
+
+    def __repr__(self) -> str:
+        return f"Entry(kind={self.kind!r}, exit_class={self.exit_class!r}, action={self.action!r})"
+
+    @property
+    def kind(self) -> str:
+        """What happened: ``usage``, ``config``, ``environment``, ``busy``, ``schema``, ..."""
+        return self[0]
+
+    @property
+    def exit_class(self) -> str:
+        """What to do: the exit class (a key of :data:`EXIT_CODES`)."""
+        return self[1]
+
+    @property
+    def action(self) -> str:
+        """The registered action: what the operator does next (the ``Try:`` line)."""
+        return self[2]
 
     @property
     def exit_code(self) -> int:
@@ -350,7 +369,7 @@ def _object(err: StateError) -> dict[str, Any]:
     }
 
 
-def _warning(warning: StateWarning) -> dict[str, Any]:
+def _warning(warning: "StateWarning") -> dict[str, Any]:
     exit_class = failure_class(warning.code)
     return {
         "error": warning.message, "exit_class": EXIT_CODES[exit_class], "code": warning.code, "kind": "warning",
@@ -469,7 +488,7 @@ class StateWarning:
     def __hash__(self) -> int:
         return hash((self.code, self.message))
 
-    def __reduce__(self) -> tuple[type[StateWarning], tuple[str, str]]:
+    def __reduce__(self) -> tuple[type["StateWarning"], tuple[str, str]]:
         return StateWarning, (self.code, self.message)  # copied and pickled through __init__
 
     @property

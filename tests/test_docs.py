@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import typer.main
 
 from support import describe, error_object, run_cli, write_config
-from statetool.cli import app
+from statetool.cli import command_tree
 from statetool.errors import EXIT_CODES, REGISTRY, WARNINGS
 from support import markdown
 
@@ -73,7 +72,7 @@ def cli_commands() -> list[tuple[tuple[str, ...], Any]]:
             found.append(((*path, name), sub))
             walk(sub, (*path, name))
 
-    walk(typer.main.get_command(app), ())
+    walk(command_tree(), ())
     return found
 
 
@@ -100,7 +99,7 @@ def test_every_command_and_parameter_has_help_text(path: tuple[str, ...], comman
 
 
 def test_global_options_have_help_text_and_are_documented() -> None:
-    root = typer.main.get_command(app)
+    root = command_tree()
     body = sections(COMMANDS_MD.read_text())["Global options"]
     for param in root.params:
         assert (param.help or "").strip(), f"global option {param.opts} has no help text"

@@ -16,17 +16,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import typer
 import typer.main
 
 from support import describe, error_object, run_cli, run_cli_forked, tree_digest, write_config
-from statetool.cli import app, global_options
+from statetool.cli import app, command_tree, global_options
 
 #: An 80-column terminal, as the issue's operator has.
 NARROW = {"COLUMNS": "80"}
 
 
-def _tree() -> list[tuple[tuple[str, ...], Any]]:
-    """The root and every command and group below it, depth first: ``[(path, click command)]``."""
+def _tree(root: Any) -> list[tuple[tuple[str, ...], Any]]:
+    """``root`` and every command and group below it, depth first: ``[(path, click command)]``."""
     found: list[tuple[tuple[str, ...], Any]] = []
 
     def walk(command: Any, path: tuple[str, ...]) -> None:
@@ -34,11 +35,13 @@ def _tree() -> list[tuple[tuple[str, ...], Any]]:
         for name, sub in (getattr(command, "commands", None) or {}).items():
             walk(sub, (*path, name))
 
-    walk(typer.main.get_command(app), ())
+    walk(root, ())
     return found
 
 
-TREE = _tree()
+#: The tree as the CLI runs it (:func:`statetool.cli.command_tree`, lazy: walking it builds
+#: every command).
+TREE = _tree(command_tree())
 SUBCOMMANDS = [(path, command) for path, command in TREE if path]
 
 
@@ -67,6 +70,29 @@ def _section(text: str, heading: str) -> str:
     return text[start:].split("\n\n", 1)[0]
 
 
+def _shape(command: Any) -> tuple[Any, ...]:
+    """What parsing, help and invoking read of a click command: its class, its settings and
+    each parameter's (everything but the callback, a wrapper made anew by each build)."""
+    params = [(type(p).__name__, p.name, p.opts, p.secondary_opts, p.metavar, getattr(p, "help", None), p.required,
+               repr(p.default), p.nargs, p.multiple, p.is_eager, getattr(p, "is_flag", None),
+               type(p.type).__name__, repr(sorted(vars(p.type).items())),
+               p.callback is None, p.expose_value, p.hidden if hasattr(p, "hidden") else None) for p in command.params]
+    return (type(command).__name__, command.name, command.help, command.short_help, command.epilog, command.hidden,
+            command.deprecated, command.no_args_is_help, command.add_help_option, command.options_metavar,
+            command.context_settings, getattr(command, "invoke_without_command", None),
+            getattr(command, "subcommand_metavar", None), getattr(command, "suggest_commands", None), params)
+
+
+def test_the_lazy_tree_the_cli_runs_is_the_tree_typer_builds() -> None:
+    """issue 13 item 5: the CLI converts a command when it is looked up
+    (``cli_help.lazy_command_tree``), and what it converts is what typer's own
+    ``get_command`` makes of the app, command for command, parameter for parameter."""
+    eager = _tree(typer.main.get_command(app))
+    assert [path for path, _ in TREE] == [path for path, _ in eager]
+    for (path, lazy), (_, built) in zip(TREE, eager):
+        assert _shape(lazy) == _shape(built), f"statetool {' '.join(path)} differs from typer's own build"
+
+
 @pytest.mark.parametrize(("path", "group"), [(p, c) for p, c in TREE if getattr(c, "commands", None)],
                          ids=_ids([(p, c) for p, c in TREE if getattr(c, "commands", None)]))
 def test_every_commands_summary_shows_whole_in_an_80_column_terminal(path: tuple[str, ...], group: Any) -> None:
@@ -78,6 +104,24 @@ def test_every_commands_summary_shows_whole_in_an_80_column_terminal(path: tuple
             f"statetool {' '.join(path)} --help cuts or wraps the summary of {name!r} ({summary!r}):\n{listing}"
     assert "..." not in listing, listing
     assert all(len(line) <= 80 for line in text.splitlines()), text
+
+
+GROUPS = [(p, c) for p, c in TREE if getattr(c, "commands", None)]
+
+
+@pytest.mark.parametrize("columns", [52, 80])
+@pytest.mark.parametrize(("path", "group"), GROUPS, ids=_ids(GROUPS))
+def test_a_groups_listing_is_the_one_clicks_write_dl_makes(path: tuple[str, ...], group: Any, columns: int) -> None:
+    """``Group.format_commands`` writes a listing whose rows all fit one line without click's
+    wrapping (issue 13 item 5): the ``statetool GROUP --help`` printed is, line for line,
+    what typer's listing written by click's ``write_dl`` would be."""
+    proc = run_cli_forked(*path, "--help", env={"COLUMNS": str(columns)})
+    assert proc.returncode == 0, describe(proc)
+    formatter = typer.Context(group, terminal_width=max(min(columns, 80) - 2, 50)).make_formatter()
+    limit = formatter.width - 6 - max(len(name) for name in group.commands)
+    with formatter.section("Commands"):
+        formatter.write_dl([(name, sub.get_short_help_str(limit)) for name, sub in group.commands.items()])
+    assert f"\n{formatter.getvalue()}" in proc.stdout, describe(proc)
 
 
 @pytest.mark.parametrize(("path", "command"), SUBCOMMANDS, ids=_ids(SUBCOMMANDS))

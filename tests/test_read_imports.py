@@ -1,7 +1,8 @@
 """Read commands load no SQLAlchemy, no alembic and no pydantic (issue 13 items 1 and 5;
 docs/decisions.md, "Reads without SQLAlchemy"): the real CLI runs in a fresh interpreter
 against a real state, on SQLite and on PostgreSQL, and reports what it imported. Start-up
-(``--help``) loads typer and the error registry only.
+(``--help``) loads typer and the error registry only, and converts to click commands only
+what it shows.
 """
 
 from __future__ import annotations
@@ -80,16 +81,77 @@ def test_a_read_of_a_legacy_state_imports_no_sqlalchemy_either(tmp_path: Path) -
     assert modules == [], modules
 
 
-def test_help_imports_only_typer_and_the_registry(tmp_path: Path) -> None:
+#: What ``statetool ARGS`` loads of statetool (and of the packages start-up must not load):
+#: the CLI, its help and the registry; below the root, the root's callback runs before the
+#: help, and it loads :mod:`statetool.redact` (to mask the command line it records).
+START_UP = ["statetool", "statetool.cli", "statetool.cli_help", "statetool.errors"]
+HELP_IMPORTS = {("--help",): START_UP, ("exports", "--help"): [*START_UP, "statetool.redact"],
+                ("migrate", "--help"): [*START_UP, "statetool.redact"],
+                ("exports", "set-cursor", "--help"): [*START_UP, "statetool.redact"],
+                ("leases", "run", "--help"): [*START_UP, "statetool.redact"]}
+
+
+@pytest.mark.parametrize("args", list(HELP_IMPORTS), ids=" ".join)
+def test_help_imports_only_typer_and_the_registry(tmp_path: Path, args: tuple[str, ...]) -> None:
     """``statetool --help`` (issue 13 item 5): of statetool, only the CLI, its help and the
-    error registry load; no YAML, no rich, no ``dataclasses``, no database driver."""
-    code = ("import runpy, sys; sys.argv = ['statetool', '--help']\n"
+    error registry load; no YAML, no rich, no ``dataclasses``, no database driver. A
+    command's help loads no more than the masking of the command line."""
+    code = (f"import runpy, sys; sys.argv = ['statetool', *{list(args)!r}]\n"
             "try:\n    runpy.run_module('statetool', run_name='__main__', alter_sys=True)\n"
             "except SystemExit:\n    pass\n"
             "print('\\nMODULES', sorted(m for m in sys.modules if m.split('.')[0] in "
             "('statetool', 'sqlalchemy', 'alembic', 'pydantic', 'yaml', 'psycopg', 'sqlite3', 'rich', 'dataclasses')))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=process_env(), text=True,
                           capture_output=True, timeout=120)
-    assert proc.returncode == 0, describe(proc)
+    assert proc.returncode == 0 and "Usage: statetool" in proc.stdout, describe(proc)
     loaded = proc.stdout.rsplit("\nMODULES ", 1)[1].strip()
-    assert loaded == str(["statetool", "statetool.cli", "statetool.cli_help", "statetool.errors"]), loaded
+    assert loaded == str(HELP_IMPORTS[args]), loaded
+
+
+#: Runs ``python -m statetool ARGS`` with typer's two converters (a command's function to
+#: its click command, a typer app to its click group) counted, and prints on the last line
+#: of stderr the names of what was converted (the root group is ``""``), in order.
+_CONVERSIONS = """\
+import json, runpy, sys
+import typer.main
+built = []
+def counted(convert):
+    def wrapper(*args, **kwargs):
+        command = convert(*args, **kwargs)
+        built.append(command.name)
+        return command
+    return wrapper
+typer.main.get_command_from_info = counted(typer.main.get_command_from_info)
+typer.main.get_group_from_info = counted(typer.main.get_group_from_info)
+sys.argv = ["statetool", *sys.argv[1:]]
+try:
+    runpy.run_module("statetool", run_name="__main__", alter_sys=True)
+except SystemExit:
+    pass
+sys.stdout.flush()
+sys.stderr.write("\\nBUILT " + json.dumps(built) + "\\n")
+"""
+
+
+#: ``statetool ARGS`` -> what it converts (:data:`_CONVERSIONS`), and a line of what it prints.
+CONVERTED = {("--help",): ([""], "Commands:\n  info "),
+             ("exports", "--help"): (["", "exports"], "Commands:\n  list "),
+             ("exports", "show", "--help"): (["", "exports", "show"], "Usage: statetool exports show [OPTIONS] NAME"),
+             ("info", "--help"): (["", "info"], "Usage: statetool info [OPTIONS]"),
+             ("--version",): ([""], "statetool "),
+             ("infoo",): ([""], "No such command 'infoo'. Did you mean 'info'?")}
+
+
+@pytest.mark.parametrize("args", list(CONVERTED), ids=" ".join)
+def test_the_cli_converts_only_the_commands_it_runs_or_shows(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """Issue 13 item 5: the click tree is lazy (``cli_help.lazy_command_tree``). Help
+    lists a group's commands from their registrations, an unknown command is judged (and a
+    close one suggested) by name, and only the command that runs or shows its help is
+    converted from its function, the groups on its way too."""
+    built, shown = CONVERTED[args]
+    proc = subprocess.run([sys.executable, "-c", _CONVERSIONS, *args], cwd=tmp_path, env=process_env(), text=True,
+                          capture_output=True, timeout=120)
+    marker = proc.stderr.rsplit("\nBUILT ", 1)
+    assert len(marker) == 2, describe(proc)
+    assert shown in proc.stdout + marker[0], describe(proc)
+    assert json.loads(marker[1]) == built, describe(proc)
