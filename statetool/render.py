@@ -19,6 +19,10 @@ people"), each kept in one place here:
   (:func:`ago`, :func:`duration`); the exact values stay in ``--json``.
 - **Results are sentences**: a change says what it changed, where the backup is and what
   the next run does; the raw result is ``--json``'s.
+
+rich loads only when a page holds a table or a line goes to stderr (its import is about
+a tenth of a ``doctor`` on 2,000 exports, whose page is lines only; issue 13): the rest
+of a page is plain text written to stdout as it is.
 """
 
 from __future__ import annotations
@@ -33,16 +37,14 @@ import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
-
-from rich import box
-from rich.cells import cell_len
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from statetool.errors import StateError
 from statetool.moments import moment, parse_time
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 # -- the console: width, colour, stderr ---------------------------------------------------
 
@@ -72,12 +74,16 @@ def _console(width: int | None) -> Console:
     in-process by the tests, gets the stdout it runs with). Colour follows rich's rules:
     only on a terminal, never under ``NO_COLOR``. markup=False: paths, URLs, cursors and
     messages are the user's text, and "[/x]" in them is no style tag (SPEC §8a)."""
+    from rich.console import Console
+
     return Console(width=width or _UNBOUNDED, highlight=False, markup=False, emoji=False, soft_wrap=False)
 
 
 def err() -> Console:
     """A console on the current ``sys.stderr``, made per call; its lines are never wrapped
     (``soft_wrap``): a message or an action is copied whole."""
+    from rich.console import Console
+
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -100,7 +106,9 @@ def visible(value: Any) -> Any:
     """``value`` with every control character in its strings escaped (``\\x1b``), walking
     dicts, lists and tuples; other values are returned as they are."""
     if isinstance(value, str):
-        return value.translate(_ESCAPES)
+        # Every character escaped is one str.isprintable() refuses (Cc, Cf): a printable
+        # text, nearly every one, is returned without a translation.
+        return value if value.isprintable() else value.translate(_ESCAPES)
     if isinstance(value, dict):
         return {k: visible(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -132,6 +140,8 @@ def _labelled(label: str, style: str, code: str, message: str) -> None:
     """``Label [CODE]: message`` on stderr, the message wrapped at spaces to a terminal's
     width under its first line (a long warning is not broken mid-word by the terminal);
     when stderr is no terminal, the message exactly as it is (its own lines unindented)."""
+    from rich.text import Text
+
     width = stderr_width()
     text = f"{label} [{code}]: {message}"
     lines = text.split("\n") if width is None else wrap(text, width, rest="  ")
@@ -263,6 +273,11 @@ def _fmt(value: Any) -> str:
 # -- the page: what one command prints on stdout --------------------------------------------
 
 
+#: The whitespace textwrap turns into spaces (tabs expanded), which a line that fits keeps
+#: only when it goes through textwrap.
+_MUNGED = re.compile(r"[\t\x0b\x0c\r]")
+
+
 def wrap(text: str, width: int | None, first: str = "", rest: str = "") -> list[str]:
     """``text`` as lines of at most ``width`` columns, broken at spaces only: a word longer
     than the line stands whole on a line of its own. The first line starts with ``first``,
@@ -275,8 +290,14 @@ def wrap(text: str, width: int | None, first: str = "", rest: str = "") -> list[
             lines.append(lead + part)
             continue
         # At least 20 columns for the text itself: a deep indent at a narrow width goes past it.
-        lines += textwrap.wrap(part, max(width, len(lead) + 20, len(rest) + 20), initial_indent=lead,
-                               subsequent_indent=rest, break_long_words=False, break_on_hyphens=False) or [lead]
+        room = max(width, len(lead) + 20, len(rest) + 20)
+        if len(lead) + len(part) <= room and part and not part[-1].isspace() and not _MUNGED.search(part):
+            # What textwrap gives a line that fits, without its cost (2,000 of them in a doctor
+            # of 2,000 exports): nothing to break, no tab to expand, no space to drop at the end.
+            lines.append(lead + part)
+            continue
+        lines += textwrap.wrap(part, room, initial_indent=lead, subsequent_indent=rest, break_long_words=False,
+                               break_on_hyphens=False) or [lead]
     return lines
 
 
@@ -297,14 +318,30 @@ _TRAILING = re.compile(r"(?:[ \t]|\x1b\[[0-9;]*m)+$", re.MULTILINE)
 _SGR = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def _cell_len(text: str) -> int:
+    """The columns ``text`` takes on a terminal (rich's measure: a wide character takes two)."""
+    from rich.cells import cell_len
+
+    return cell_len(text)
+
+
+def _unpadded(text: str) -> str:
+    """``text`` with no line ending in spaces or tabs, also not before the colour codes
+    that close it (kept). Without colour codes, each line is stripped as it is: the
+    pattern, tried at every character, took near a tenth of a doctor of 2,000 exports (issue 13)."""
+    if "\x1b" in text:
+        return _TRAILING.sub(lambda m: "".join(_SGR.findall(m.group())), text)
+    return "\n".join(line.rstrip(" \t") for line in text.split("\n"))
+
+
 def _words(text: str) -> int:
     """The width of the longest word of ``text`` (0 for none)."""
-    return max((cell_len(w) for w in text.split()), default=0)
+    return max((_cell_len(w) for w in text.split()), default=0)
 
 
 def _widest(text: str) -> int:
     """The width of the longest line of ``text``."""
-    return max(cell_len(line) for line in text.split("\n"))
+    return max(_cell_len(line) for line in text.split("\n"))
 
 
 def _fit(columns: Sequence[Column], cells: list[list[str]], width: int | None) -> list[int] | None:
@@ -312,10 +349,10 @@ def _fit(columns: Sequence[Column], cells: list[list[str]], width: int | None) -
     word column is as wide as its widest value (and header); a prose column at least as
     wide as its longest word, and widened towards its widest value with what is left.
     None when that does not fit; ``width`` None: every column as wide as its widest value."""
-    widest = [max([cell_len(c.header), *(_widest(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    widest = [max([_cell_len(c.header), *(_widest(row[i]) for row in cells)]) for i, c in enumerate(columns)]
     if width is None:
         return widest
-    least = [max([cell_len(c.header), *(_words(row[i]) for row in cells)]) if c.prose else widest[i]
+    least = [max([_cell_len(c.header), *(_words(row[i]) for row in cells)]) if c.prose else widest[i]
              for i, c in enumerate(columns)]
     spare = width - _GAP * (len(columns) - 1) - sum(least)
     if spare < 0:
@@ -384,6 +421,10 @@ class Page:
                 self.line(row[0])
                 self.pairs(None, [(c.header, v) for c, v in zip(columns[1:], row[1:]) if v != "-"], indent="  ")
             return
+        from rich import box
+        from rich.table import Table
+        from rich.text import Text
+
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True,
                       header_style="bold")
         for column, width in zip(columns, widths):
@@ -395,16 +436,17 @@ class Page:
     def show(self) -> None:
         """Write the page to stdout. A table is laid out by rich at the page's width; no
         line ends in spaces (issue 12 item 2: a log keeps no padding)."""
-        console = _console(self.width)
+        console = None
         text: list[str] = []
         for part in self._parts:
             if isinstance(part, str):
                 text.append(part + "\n")
                 continue
+            console = console or _console(self.width)
             with console.capture() as captured:
                 console.print(part)
             text.append(captured.get())
-        sys.stdout.write(_TRAILING.sub(lambda m: "".join(_SGR.findall(m.group())), "".join(text)))
+        sys.stdout.write(_unpadded("".join(text)))
 
 
 # -- reads -------------------------------------------------------------------------------

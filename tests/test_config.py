@@ -116,6 +116,66 @@ def test_unknown_keys_are_ignored_everywhere(tmp_path: Path) -> None:
     assert config.source_url_env == "SALES_DB_URL"
 
 
+def test_every_value_is_read_as_the_text_the_file_holds_and_only_a_plain_null_is_null(tmp_path: Path) -> None:
+    """What looks like a number, a boolean or a date is the text written; ``~``, ``null``,
+    ``Null``, ``NULL`` and an empty value, unquoted, are null (an absent mode is ``full``);
+    quoted, they are text."""
+    path = write(tmp_path, """\
+        source:
+          url: ~
+          url_env: NULL
+        exports:
+          - name: 0x1F
+            mode: full
+          - name: yes
+            mode: incremental
+          - name: 2026-01-04
+          - name: "null"
+            mode: Null
+          - name: !!str 12
+            mode: cdc
+            cdc: {engine: mysql, checkpoint: ''}
+          - name: 1.50
+            mode: cdc
+            cdc:
+              engine: mysql
+              checkpoint:
+        """)
+    config = load_config(path)
+    assert (config.source_url, config.source_url_env) == (None, None)
+    assert [(e.name, e.mode) for e in config.exports] == [
+        ("0x1F", "full"), ("yes", "incremental"), ("2026-01-04", "full"), ("null", "full"), ("12", "cdc"),
+        ("1.50", "cdc")]
+    assert [e.cdc.checkpoint for e in config.exports if e.cdc] == ["", None]
+
+
+def test_the_loader_tells_null_from_text_as_pyyaml_s_full_resolver_does() -> None:
+    """The config's loader resolves no tag but null (issue 13): on every scalar, plain,
+    quoted or tagged, as a key or a value, it says null exactly where PyYAML's does."""
+    import yaml
+
+    from statetool.config import _Loader
+
+    scalars = ["", "~", "null", "Null", "NULL", "nULL", "nul", "'null'", '"~"', "''", "1", "yes", "No", "0x1F",
+               "1.5e3", ".inf", "2026-01-04", "!!null ''", "!!str null", "! null", "null # a comment", "~x", "<<"]
+    text = "".join(f"k{i}: {v}\n? {v}\n: {i}\n" + ("" if "#" in v else f"l{i}: [{v}]\n")
+                   for i, v in enumerate(scalars))
+
+    def nulls(root: yaml.Node) -> list[tuple[str, bool, int, int]]:
+        out, todo = [], [root]
+        while todo:
+            node = todo.pop()
+            if isinstance(node, yaml.ScalarNode):
+                out.append((node.value, node.tag.endswith(":null"), node.start_mark.line, node.start_mark.column))
+            else:
+                todo += [x for pair in node.value for x in (pair if isinstance(pair, tuple) else (pair,))]
+        return out
+
+    full = nulls(yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
+    assert nulls(yaml.compose(text, Loader=_Loader)) == full
+    assert sum(is_null for _, is_null, _, _ in full) >= 10, full
+
+
 # -- url_env ---------------------------------------------------------------------------
 
 

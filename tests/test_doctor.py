@@ -119,6 +119,24 @@ def test_every_export_resumes_from_its_cursor_chunk_and_cdc_position(config: Pat
     assert "orders (incremental): resumes from cursor" in human.stdout and "FIRST RUN" not in human.stdout
 
 
+def test_doctor_gives_the_cycle_collector_back_as_it_found_it(config: Path) -> None:
+    """doctor pauses the cyclic garbage collector while it reads and prints (issue 13):
+    on or off before, it is the same after, whether the diagnosis passes or fails."""
+    import gc
+
+    build_state(config, checkpoint_dir=config.parent)
+    was = gc.isenabled()
+    try:
+        for before in (True, False):
+            (gc.enable if before else gc.disable)()
+            assert run_cli("-c", str(config), "doctor").returncode == 0
+            assert gc.isenabled() is before
+            assert run_cli("-c", str(config), "doctor", "--export", "no_such_export").returncode != 0
+            assert gc.isenabled() is before
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 # -- no state at the resolved location, and where it probably is -------------------------
 
 

@@ -490,6 +490,58 @@ def test_ago_and_timestamp() -> None:
     assert (timestamp(None), timestamp("not a time")) == ("-", "not a time")
 
 
+def test_wrap_gives_textwraps_lines_also_where_it_skips_textwrap() -> None:
+    """A line that fits is taken as it is, without textwrap (issue 13): on any text, width
+    and indent, :func:`render.wrap` gives what textwrap gives, tabs, carriage returns, a
+    trailing space or a Unicode space at the end included."""
+    import random
+
+    def reference(text: str, width: int, first: str, rest: str) -> list[str]:
+        lines: list[str] = []
+        for n, part in enumerate(text.split("\n")):
+            lead = first if n == 0 else rest
+            lines += textwrap.wrap(part, max(width, len(lead) + 20, len(rest) + 20), initial_indent=lead,
+                                   subsequent_indent=rest, break_long_words=False, break_on_hyphens=False) or [lead]
+        return lines
+
+    pieces = ["word", "a", "export_0001", "-", " ", "  ", "\t", "\r", "\x0b", "\x0c", "\xa0", "\u3000", "\n", "é", "漢字"]
+    rng = random.Random(13)
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 40)))
+        width, first, rest = rng.choice([20, 30, 60, 100]), rng.choice(["", "  ", "- x: "]), rng.choice(["", "    "])
+        assert render.wrap(text, width, first, rest) == reference(text, width, first, rest), (text, width, first)
+
+
+def test_no_line_of_a_page_ends_in_spaces_whether_or_not_colour_codes_close_it() -> None:
+    """A page without colour codes is stripped line by line, not by the pattern (issue
+    13): both give the same text, trailing spaces and tabs gone, closing codes kept."""
+    import random
+
+    rng = random.Random(13)
+    pieces = ["a", "b c", " ", "\t", "\n", "\r", "\x1b[1m", "\x1b[0m", "\x1b[31;1m", "[1m"]
+    for _ in range(5000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 24)))
+        for page in (text, text.replace("\x1b", "")):
+            expected = render._TRAILING.sub(lambda m: "".join(render._SGR.findall(m.group())), page)
+            assert render._unpadded(page) == expected, repr(page)
+    assert render._unpadded("a  \n\tb\t\n c \x1b[0m \n") == "a\n\tb\n c\x1b[0m\n"
+
+
+def test_visible_escapes_exactly_the_control_and_invisible_characters() -> None:
+    """Printable text is returned as it is, without a translation (issue 13); every other
+    text has each control and invisible format character escaped, in dicts and lists too."""
+    import random
+
+    alphabet = ["a", " ", "\n", "\t", "\x1b", "\x7f", "\x85", "\xa0", "\xad", "\u200b", "\u202e", "\ufeff", "é", "\r"]
+    rng = random.Random(13)
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 12)))
+        assert render.visible(text) == text.translate(render._ESCAPES), repr(text)
+        assert render.visible({"k": [text, None, 3]}) == {"k": [text.translate(render._ESCAPES), None, 3]}
+    assert render.visible("order_events \u2014 é") == "order_events \u2014 é"
+    assert render.visible("a\x1b[2Jb\u202e") == "a\\x1b[2Jb\\u202e"
+
+
 def test_the_width_is_columns_else_the_terminal_else_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "97")
     assert terminal_width() == 97

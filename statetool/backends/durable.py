@@ -9,7 +9,6 @@ O_NOFOLLOW`` (:data:`CREATE_FLAGS`): never through a link.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shutil
 import stat
@@ -115,6 +114,8 @@ def fsync_file(path: Path) -> None:
 
 def sha256_file(path: Path) -> str:
     """The hex sha256 of the file at ``path``, read in 1 MiB blocks."""
+    import hashlib  # OpenSSL's start-up is a read's cost otherwise (issue 13): only copies hash
+
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -142,6 +143,8 @@ def fitting_name(head: str, text: str, tail: str, *, room: int = 0) -> str:
     whole = f"{head}{text}{tail}"
     if len(whole.encode()) + room <= NAME_MAX:
         return whole
+    import hashlib  # see sha256_file
+
     mark = "~" + hashlib.sha256(text.encode()).hexdigest()[:_NAME_HASH]
     budget = NAME_MAX - room - len(f"{head}{mark}{tail}".encode())
     if budget < 0:

@@ -25,7 +25,9 @@ https://www.sqlite.org/uri.html#uriimmutable). So the open is chosen from what i
   ``immutable=1``, the main file alone; every write refuses (``RIVET_STATE_FOREIGN_WAL``).
 
 Reads run on the standard library's ``sqlite3`` (a :class:`~statetool.backends.readers.DriverReader`);
-SQLAlchemy is imported only by the writer, the creation and a move's copy (issue 13 item 1).
+SQLAlchemy is imported only by the writer, the creation and a move's copy (issue 13 item 1);
+``tempfile`` and ``concurrent.futures`` only where a private copy or a page check needs them
+(issue 13: a read of a clean state does not pay for their start-up).
 """
 
 from __future__ import annotations
@@ -35,10 +37,8 @@ import os
 import shutil
 import sqlite3
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -204,6 +204,8 @@ class SqliteBackend:
         The two files are copied again when either changed meanwhile (a writer that started
         during the copy), so the pair is one moment's; after 5 tries ``RIVET_STATE_RUN_IN_PROGRESS``.
         """
+        import tempfile
+
         snapshot = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="statetool-snapshot-")))
         copy = snapshot / self.path.name
         sources = (self.path, Path(f"{self.path}{companion}"))
@@ -470,6 +472,8 @@ class SqliteBackend:
         in ``.tmp``) in ``directory``, for a file SQLite must create by path (a backup, a
         migration's copy, a new state) and its journal: a symlink planted at a predictable
         name is never followed (issue 10)."""
+        import tempfile
+
         try:
             return Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=directory))
         except OSError as err:
@@ -625,6 +629,8 @@ class SqliteBackend:
                 return [], {t: db.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in sorted(tables)}
             except sqlite3.Error as err:  # "database disk image is malformed", "interrupted"
                 return [str(err)], {}
+
+        from concurrent.futures import ThreadPoolExecutor
 
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="page-check") as pool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import getpass
 import os
-import socket
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -122,6 +121,8 @@ class Context:
     @property
     def actor(self) -> str:
         """``user@host`` of this process, for audit rows."""
+        import socket  # only a write's audit row asks: a read does not load it (issue 13)
+
         try:
             user = getpass.getuser()
         except (KeyError, OSError):
