@@ -263,7 +263,7 @@ def history(tmp_path_factory: pytest.TempPathFactory) -> Template:
 
 @pytest.fixture(scope="module")
 def paged(tmp_path_factory: pytest.TempPathFactory) -> Template:
-    """A WAL state of this release with ~19,000 pages: 32,000 runs of a legacy state
+    """A WAL state of this release with ~19,000 pages: 48,000 runs of a legacy state
     rebuilt with 512-byte pages (as SQLite allows; older SQLite releases defaulted to 1 KiB),
     upgraded, switched to WAL, then written by the runtime API. So many pages make the
     backup take five steps of 4,096 pages: five distinct copy-page-<n> crash points, the
@@ -272,7 +272,7 @@ def paged(tmp_path_factory: pytest.TempPathFactory) -> Template:
     config = write_config(directory)
     path = directory / STATE
     build_legacy_state(path, [("orders", "incremental"), ("order_lines", "chunked"), ("order_events", "cdc")],
-                       32_000)
+                       48_000)
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA page_size = 512")
     db.execute("VACUUM")
