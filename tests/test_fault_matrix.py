@@ -654,6 +654,23 @@ def test_a_migration_by_another_user_is_refused_before_any_lease_and_the_owner_m
         assert state.stat().st_uid == 1 and stat.S_IMODE(state.stat().st_mode) == 0o666, describe(proc)
 
 
+def test_root_migrating_another_users_state_leaves_its_lease_sidecars_to_that_user(as_daemon: Runner) -> None:
+    """Root may give files away, so its migration of ``daemon``'s state succeeds; the lease
+    folder and files it creates on the way must then be ``daemon``'s too, or the owner's
+    next run is refused at the folder root made (found by a fresh user)."""
+    with _owned_by_daemon("0002") as config:
+        proc = run_cli_process("-c", str(config), "--json", "--lock-wait", "0", "migrate")
+        assert proc.returncode == 0, describe(proc)
+        leases = config.parent / LEASE_DIR
+        made = [leases, *leases.iterdir()]
+        assert len(made) > 1, describe(proc)
+        assert {(p.name, p.stat().st_uid, p.stat().st_gid) for p in made} == \
+            {(p.name, 1, 1) for p in made}, describe(proc)
+        run = as_daemon("-c", str(config), "--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders",
+                        "--", "true")
+        assert run.returncode == 0, describe(run)
+
+
 def test_a_relocation_by_another_user_is_refused_before_anything_is_created(as_nobody: Runner) -> None:
     """A relocation puts a new file where the state was (the tombstone) and a new file at
     its new place: a user that cannot give them the state's owner is refused before any

@@ -230,7 +230,25 @@ class FlockLeases:
         if made:
             inherited = os.fstat(dfd).st_mode & stat.S_ISGID
             os.fchmod(dfd, directory_mode(mode_of(self.state_path)) | inherited)
+            self._give_to_state_owner(dfd)
         return dfd
+
+    def _give_to_state_owner(self, fd: int) -> None:
+        """Run as root, give the lease folder or file this process just created (``fd``) the
+        state's owner and group: root's run or migration of another user's state must not
+        leave sidecars that the owner's next run cannot open (the harm of a refused write
+        creating files, seen from root's side; docs/decisions.md "The owner of a replaced
+        state"). Anyone else keeps what they create: they could not give it away, and the
+        state's mode, which the sidecar has, already opens it to the state's writers."""
+        if os.geteuid() != 0:
+            return
+        try:
+            owner = os.stat(self.state_path)
+        except FileNotFoundError:
+            return
+        mine = os.fstat(fd)
+        if (mine.st_uid, mine.st_gid) != (owner.st_uid, owner.st_gid):
+            os.fchown(fd, owner.st_uid, owner.st_gid)
 
     def _open(self, dfd: int, name: str, flags: int) -> int:
         """Open the sidecar ``name`` in the folder ``dfd`` (never through a link); one that
@@ -250,6 +268,7 @@ class FlockLeases:
             raise _unsafe(self.directory / name, "not a regular file")
         if flags & os.O_EXCL:
             os.fchmod(fd, mode_of(self.state_path))
+            self._give_to_state_owner(fd)
         return fd
 
     @staticmethod
