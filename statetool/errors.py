@@ -193,6 +193,11 @@ REGISTRY: dict[str, Entry] = {
         "schema", "schema_drift",
         "use the statetool release that wrote this state (or newer); never open it with an older one",
     ),
+    "RIVET_STATE_SCHEMA_UNEXPECTED": _e(
+        "schema", "schema_drift",
+        "the state was left as it was; make its tables match its revision (docs/setup-guides/upgrading-a-state.md) "
+        "or restore a backup made by statetool, then re-run statetool migrate",
+    ),
     "RIVET_STATE_MIGRATION_PENDING": _e(
         "schema", "schema_drift", "run statetool migrate (statetool migrate --dry-run shows the plan)",
     ),
@@ -292,8 +297,8 @@ WARNINGS: dict[str, str] = {
         "nothing is lost: the state shown is the one before the interrupted write; leave the -journal where it "
         "is, the next write (statetool migrate, or the pipeline) rolls it back in place",
     "RIVET_STATE_LEFTOVER_TEMP":
-        "nothing is lost: re-run statetool migrate, which removes them before it copies and converges; or, with "
-        "no statetool write running, delete them: none is the state nor a backup",
+        "nothing is lost: with no statetool write running, delete them (none is the state nor a backup); a "
+        "migration still to run, and every write that takes a backup, removes them itself",
     "RIVET_STATE_READ_ONLY_DRY_RUN":
         "the plan shown is right; before the real run, mount the state's filesystem read-write (or run it where "
         "the state is writable)",

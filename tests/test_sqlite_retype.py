@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from support import describe, run_cli, write_config
+from support import describe, error_object, run_cli, write_config
 from statetool.backends.sqlite_schema import affinity, retyped_sql
 from statetool.example import build_legacy_state, create_legacy_schema
 
@@ -111,26 +111,34 @@ def test_migrate_widens_in_place_leaving_no_free_page_and_the_shape_of_a_new_sta
         db.close()
 
 
-@pytest.mark.parametrize("declared", ["TEXT", ""])
-def test_a_legacy_table_whose_counts_are_not_integer_affinity_is_rebuilt(tmp_path: Path, declared: str) -> None:
-    """A hand-made legacy state (the shape is recognised by its table names) whose counts
-    were stored as text: the edit would keep '12' a string, so the plan lists the rebuild
-    and the rebuild stores 12 an integer."""
+def _hand_made_legacy(tmp_path: Path, table: str, insert: str, runs: int) -> tuple[Path, Path]:
+    """``(config, state)``: a legacy state whose ``rivet_runs`` is made by ``table`` (SQL),
+    filled by ``insert`` with run ids ``r0`` .. (``runs`` rows)."""
     config = write_config(tmp_path / "legacy")
     state = config.parent / ".rivet_state.db"
     create_legacy_schema(state)
     db = sqlite3.connect(state)
     try:
         db.execute("DROP TABLE rivet_runs")
-        db.execute(f"CREATE TABLE rivet_runs (run_id TEXT NOT NULL PRIMARY KEY, export_name TEXT NOT NULL, "
-                   f"mode TEXT NOT NULL, status TEXT NOT NULL, started_at TEXT NOT NULL, finished_at TEXT, "
-                   f"rows {declared} DEFAULT '0' NOT NULL, files {declared} DEFAULT '0' NOT NULL, error TEXT)")
-        db.executemany("INSERT INTO rivet_runs VALUES (?, 'orders', 'incremental', 'succeeded', "
-                       "'2026-01-01T00:00:00Z', '2026-01-01T00:00:30Z', '12', '1', NULL)",
-                       [(f"r{i}",) for i in range(50)])
+        db.execute(table)
+        db.executemany(insert, [(f"r{i}",) for i in range(runs)])
         db.commit()
     finally:
         db.close()
+    return config, state
+
+
+@pytest.mark.parametrize("declared", ["TEXT", ""])
+def test_a_legacy_table_whose_counts_are_not_integer_affinity_is_rebuilt(tmp_path: Path, declared: str) -> None:
+    """A hand-made legacy state (the shape is recognised by its table names) whose counts
+    were stored as text: the edit would keep '12' a string, so the plan lists the rebuild
+    and the rebuild stores 12 an integer."""
+    config, state = _hand_made_legacy(
+        tmp_path, f"CREATE TABLE rivet_runs (run_id TEXT NOT NULL PRIMARY KEY, export_name TEXT NOT NULL, "
+                  f"mode TEXT NOT NULL, status TEXT NOT NULL, started_at TEXT NOT NULL, finished_at TEXT, "
+                  f"rows {declared} DEFAULT '0' NOT NULL, files {declared} DEFAULT '0' NOT NULL, error TEXT)",
+        "INSERT INTO rivet_runs VALUES (?, 'orders', 'incremental', 'succeeded', '2026-01-01T00:00:00Z', "
+        "'2026-01-01T00:00:30Z', '12', '1', NULL)", 50)
 
     plan = run_cli("-c", str(config), "--json", "migrate", "--dry-run")
     assert plan.returncode == 0, describe(plan)
@@ -145,3 +153,30 @@ def test_a_legacy_table_whose_counts_are_not_integer_affinity_is_rebuilt(tmp_pat
     finally:
         db.close()
     assert [c[2] for c in _columns(state, "rivet_runs") if c[1] in ("rows", "files")] == ["BIGINT", "BIGINT"]
+
+
+@pytest.mark.parametrize("table", [
+    # a hand-made legacy table that already has a column the upgrade adds
+    "CREATE TABLE rivet_runs (run_id TEXT NOT NULL PRIMARY KEY, export_name TEXT NOT NULL, mode TEXT NOT NULL, "
+    "status TEXT NOT NULL, started_at TEXT NOT NULL, finished_at TEXT, rows INTEGER DEFAULT '0' NOT NULL, "
+    "files INTEGER DEFAULT '0' NOT NULL, error TEXT, bytes_read INTEGER)",
+    # STRICT knows no BIGINT: neither the edit nor the rebuild can give it that type
+    "CREATE TABLE rivet_runs (run_id TEXT NOT NULL PRIMARY KEY, export_name TEXT NOT NULL, mode TEXT NOT NULL, "
+    "status TEXT NOT NULL, started_at TEXT NOT NULL, finished_at TEXT, rows INTEGER DEFAULT '0' NOT NULL, "
+    "files INTEGER DEFAULT '0' NOT NULL, error TEXT) STRICT",
+])
+def test_a_table_sqlite_refuses_to_migrate_is_refused_registered_and_the_state_is_kept(
+        tmp_path: Path, table: str) -> None:
+    """SQLite refusing a step of the upgrade on the migration's copy is the state's schema
+    differing from its revision (found by a fresh user: it was ``RIVET_INTERNAL``); the copy
+    goes, the state's bytes stay."""
+    config, state = _hand_made_legacy(tmp_path, table, "INSERT INTO rivet_runs (run_id, export_name, mode, status, "
+                                      "started_at) VALUES (?, 'orders', 'incremental', 'succeeded', "
+                                      "'2026-01-01T00:00:00Z')", 1)
+    before = state.read_bytes()
+    proc = run_cli("-c", str(config), "--json-errors", "migrate")
+    assert proc.returncode == 3, describe(proc)
+    error = error_object(proc)
+    assert error["code"] == "RIVET_STATE_SCHEMA_UNEXPECTED" and str(state) in error["message"], describe(proc)
+    assert state.read_bytes() == before
+    assert sorted(p.name for p in config.parent.iterdir()) == [".rivet_state.db", ".rivet_state.leases", "rivet.yaml"]

@@ -779,7 +779,7 @@ class CopyMigration:
     """
 
     def __init__(self, backend: SqliteBackend, label: str, progress: Progress, on_step: Step) -> None:
-        self.backend, self.on_step = backend, on_step
+        self.backend, self.on_step, self.label = backend, on_step, label
         self.real = backend.real
         backend._remove_stale_temps()
         self.backup: Path = backend._backup_name(label, self.real.parent)
@@ -860,7 +860,15 @@ class CopyMigration:
             engine.dispose()
             self.discard()
             if isinstance(raised, sa.exc.DBAPIError):
-                raise backend._body_error(raised, "RIVET_STATE_MIGRATION_LOCKED") from None
+                error = backend._body_error(raised, "RIVET_STATE_MIGRATION_LOCKED")
+                if error.code == "RIVET_INTERNAL" and isinstance(raised.orig, sqlite3.OperationalError):
+                    # SQLite refused a step's DDL on the copy: the tables are not what the
+                    # revision they are stamped with has (a table made or altered by hand)
+                    raise StateError("RIVET_STATE_SCHEMA_UNEXPECTED",
+                                     f"{self.real} cannot be migrated from revision {self.label}: SQLite refused "
+                                     f"a step on its tables ({raised.orig}), which differ from that revision's; "
+                                     "nothing was changed", {"path": str(self.real)}) from None
+                raise error from None
             if isinstance(raised, (OSError, sqlite3.Error)):
                 raise fault(self.real.parent, raised) or raised from None
             raise
