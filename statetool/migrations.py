@@ -36,7 +36,8 @@ class Revision:
     ``rebuilds``: tables the upgrade copies row by row. ``retypes``: table -> column -> new
     declared type, the only reason a table of ``rebuilds`` is rebuilt (a backend that can
     make them in place rebuilds nothing: :meth:`~statetool.backends.base.Backend.rebuilt_tables`).
-    ``loses``: table -> SQL predicate of rows whose data the downgrade drops (None: every row).
+    ``down_rebuilds``: tables the downgrade copies row by row. ``loses``: table -> SQL
+    predicate of rows whose data the downgrade drops (None: every row).
     """
 
     id: str
@@ -44,6 +45,7 @@ class Revision:
     down: str | None
     rebuilds: tuple[str, ...]
     retypes: dict[str, dict[str, str]]
+    down_rebuilds: tuple[str, ...]
     loses: dict[str, str | None]
 
     def as_dict(self) -> dict[str, object]:
@@ -52,7 +54,8 @@ class Revision:
 
 
 #: The module-level names a revision file declares its place and cost with.
-_DECLARED = ("revision", "down_revision", "UPGRADE_REBUILDS", "UPGRADE_RETYPES", "DOWNGRADE_LOSES")
+_DECLARED = ("revision", "down_revision", "UPGRADE_REBUILDS", "UPGRADE_RETYPES", "DOWNGRADE_REBUILDS",
+             "DOWNGRADE_LOSES")
 
 
 def _declared(path: Path) -> tuple[str, dict[str, Any]]:
@@ -79,7 +82,7 @@ def revisions() -> tuple[Revision, ...]:
     """Every revision, oldest first (a single line of history: no branches).
 
     Read from the revision files' own literal values (``revision``, ``down_revision``,
-    ``UPGRADE_REBUILDS``, ``UPGRADE_RETYPES``, ``DOWNGRADE_LOSES``, the first line of the docstring) without
+    ``UPGRADE_REBUILDS``, ``UPGRADE_RETYPES``, ``DOWNGRADE_REBUILDS``, ``DOWNGRADE_LOSES``, the first line of the docstring) without
     running them: ``check`` and ``info`` need the list, not the engine, and load neither
     alembic nor SQLAlchemy (docs/decisions.md, "Reading the revision graph").
     """
@@ -88,7 +91,7 @@ def revisions() -> tuple[Revision, ...]:
         doc, values = _declared(path)
         rev = Revision(values["revision"], doc.splitlines()[0] if doc else "", values.get("down_revision"),
                        tuple(values.get("UPGRADE_REBUILDS", ())), dict(values.get("UPGRADE_RETYPES", {})),
-                       dict(values.get("DOWNGRADE_LOSES", {})))
+                       tuple(values.get("DOWNGRADE_REBUILDS", ())), dict(values.get("DOWNGRADE_LOSES", {})))
         found[rev.id] = rev
     ordered: list[Revision] = []
     parent: str | None = None

@@ -421,6 +421,8 @@ def test_dry_run_of_a_lossy_downgrade_refuses_as_the_real_run_and_shows_the_plan
     doc = json.loads(proc.stdout)
     assert doc["dry_run"] is True and doc["applied"] is False, describe(proc)
     assert doc["steps"][0]["loses"]["rivet_load_ledger"] == 5, describe(proc)
+    # undoing 0002 narrows the counts and drops columns: every run is copied (found by a fresh user)
+    assert doc["steps"][0]["rebuilds"] == {"rivet_runs": len(before["data"]["rivet_runs"][1])}, describe(proc)
     assert "drops" in doc["message"], describe(proc)
     assert target.dump() == before
     assert state_files(target) == digest

@@ -24,6 +24,9 @@ UPGRADE_REBUILDS: tuple[str, ...] = ("rivet_runs",)
 #: Table -> column -> new declared type: the only reason a table above is rebuilt. A
 #: backend that makes these changes in place (SQLite, same affinity) rebuilds nothing.
 UPGRADE_RETYPES: dict[str, dict[str, str]] = {"rivet_runs": {"rows": "BIGINT", "files": "BIGINT"}}
+#: Tables the downgrade rebuilds: narrowing the counts and dropping columns copies every row
+#: (alembic batch mode on SQLite; PostgreSQL rewrites a table whose column type changes).
+DOWNGRADE_REBUILDS: tuple[str, ...] = ("rivet_runs",)
 #: Table -> SQL predicate of the rows whose data the downgrade drops (None: every row).
 DOWNGRADE_LOSES: dict[str, str | None] = {
     "rivet_run_aggregates": None,

@@ -95,6 +95,7 @@ def _plan(backend: Backend, conn: Reader, tables: set[str], direction: str,
         if direction == "up":
             plan.rebuilds = row_counts(conn, {t for t in backend.rebuilt_tables(conn, rev) if t in tables})
         else:
+            plan.rebuilds = row_counts(conn, {t for t in rev.down_rebuilds if t in tables})
             for table, predicate in rev.loses.items():
                 if table in tables:
                     where = f" WHERE {predicate}" if predicate else ""
