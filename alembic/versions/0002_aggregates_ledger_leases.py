@@ -41,7 +41,7 @@ def upgrade() -> None:
     # (statetool/migrations.py), and `check` and `info` must not load alembic.
     from alembic import op
 
-    from statetool.backends.sqlite_schema import retype_in_place
+    from statetool.backends.sqlite_schema import STATE_NAME, require_rebuildable, retype_in_place
 
     bind = op.get_bind()
     added = [sa.Column("bytes_read", sa.BigInteger, nullable=False, server_default="0"),
@@ -50,6 +50,9 @@ def upgrade() -> None:
         for column in added:
             op.add_column("rivet_runs", column)
     else:
+        if bind.dialect.name == "sqlite":
+            require_rebuildable(lambda sql: bind.exec_driver_sql(sql).fetchall(), "rivet_runs",
+                                bind.info.get(STATE_NAME, "the state"))
         with op.batch_alter_table("rivet_runs", recreate="auto") as batch:
             for name in UPGRADE_RETYPES["rivet_runs"]:
                 batch.alter_column(name, type_=sa.BigInteger, existing_nullable=False, existing_server_default="0")

@@ -354,15 +354,22 @@ class SqliteBackend:
 
     def rebuilt_tables(self, conn: Reader, revision: Revision) -> tuple[str, ...]:
         """Those of ``revision.rebuilds`` whose only change, ``revision.retypes``, cannot be
-        made in the table's declared text (:func:`~statetool.backends.sqlite_schema.retyped_sql`)."""
-        from statetool.backends.sqlite_schema import retyped_sql
+        made in the table's declared text (:func:`~statetool.backends.sqlite_schema.retyped_sql`).
+        Raises ``RIVET_STATE_SCHEMA_UNEXPECTED`` when the rebuild of one would lose part of it
+        (:func:`~statetool.backends.sqlite_schema.require_rebuildable`): the dry run refuses
+        as the real run does."""
+        from statetool.backends.sqlite_schema import require_rebuildable, retyped_sql
 
         def in_place(table: str) -> bool:
             create_sql = conn.scalar("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = :t", {"t": table})
             return table in revision.retypes and bool(create_sql) and \
                 retyped_sql(create_sql, revision.retypes[table]) is not None
 
-        return tuple(table for table in revision.rebuilds if not in_place(table))
+        rebuilt = tuple(table for table in revision.rebuilds if not in_place(table))
+        for table in rebuilt:
+            if conn.scalar("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = :t", {"t": table}):
+                require_rebuildable(conn.rows, table, str(self.path))
+        return rebuilt
 
     # -- writing ---------------------------------------------------------------------
 
@@ -830,6 +837,8 @@ class CopyMigration:
         faults (a full disk: ``RIVET_STATE_DISK_FULL``)."""
         import sqlalchemy as sa
 
+        from statetool.backends.sqlite_schema import STATE_NAME
+
         backend = self.backend
         engine = backend._engine(f"file:{backend._quoted(self.copy)}", timeout=backend.lock_wait)
 
@@ -847,6 +856,7 @@ class CopyMigration:
 
         try:
             with engine.connect() as conn, _written_behind(self.copy):
+                conn.info[STATE_NAME] = str(self.real)
                 with conn.begin():
                     yield conn
                 if self._wal:
