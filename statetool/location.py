@@ -152,7 +152,8 @@ def resolve_location(env_value: str | None, flag_value: str | None, config_path:
         return _postgres(raw, origin)
     raise StateError(
         "RIVET_STATE_URL_INVALID",
-        f"{ENV_VAR} value '{raw}' is not a state location; accepted forms: {ACCEPTED_FORMS}",
+        f"{'--state-url' if origin == 'flag' else ENV_VAR} value '{raw}' is not a state location; "
+        f"accepted forms: {ACCEPTED_FORMS}",
         {"value": raw},
     )
 

@@ -328,3 +328,16 @@ def test_info_names_the_origin_of_the_location(tmp_path: Path) -> None:
     location = json.loads(info.stdout)["location"]
     assert (location["origin"], location["scope"], location["path"]) == (
         "flag", "declared_dir", str(declared / ".rivet_state.db")), describe(info)
+
+
+@pytest.mark.parametrize(("env_value", "flag_value", "named"), [("mysql://x", None, "RIVET_STATE_URL value"),
+                                                              (None, "mysql://x", "--state-url value"),
+                                                              ("sqlite:/ok", "mysql://x", "--state-url value")])
+def test_an_unknown_scheme_is_told_where_it_came_from(tmp_path: Path, env_value: str | None, flag_value: str | None,
+                                                      named: str) -> None:
+    """The refusal names the variable or the flag that gave the value (found by a fresh
+    user: a bad --state-url was reported as RIVET_STATE_URL's)."""
+    with pytest.raises(StateError) as raised:
+        resolve_location(env_value, flag_value, tmp_path / "rivet.yaml")
+    assert raised.value.code == "RIVET_STATE_URL_INVALID"
+    assert raised.value.message.startswith(f"{named} 'mysql://x' is not a state location")
