@@ -525,8 +525,11 @@ def test_a_state_this_user_may_not_read_is_permission_denied_never_missing_nor_a
             assert error["code"] == "RIVET_STATE_PERMISSION_DENIED", f"{args} ({blocked})\n{describe(proc)}"
             assert "nobody" in error["message"] and "FIRST RUN" not in proc.stdout + proc.stderr, describe(proc)
         proc = as_nobody("-c", str(config), "--json", "check", env={"RIVET_STATE_URL": url})
-        rows = {r["id"]: r for r in json.loads(proc.stdout)["checks"]}
+        checks = json.loads(proc.stdout)["checks"]
+        rows = {r["id"]: r for r in checks}
         assert rows["state"]["code"] == "RIVET_STATE_PERMISSION_DENIED", describe(proc)
+        # one row per check: not "found" and then "fail" (found by a fresh user)
+        assert len(rows) == len(checks), describe(proc)
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 

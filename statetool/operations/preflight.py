@@ -86,6 +86,9 @@ class Preflight:
         return [StateWarning(c.code, c.message) for c in self.checks if c.status == "warn" and c.code]
 
     def fail(self, err: StateError, check_id: str) -> None:
+        """Add the ``fail`` row of ``err``, in place of an ``ok`` row of the same check that
+        a later finding overturned (the state found, then unreadable: one ``state`` row)."""
+        self.checks = [c for c in self.checks if not (c.id == check_id and c.status == "ok")]
         self.checks.append(Check(check_id, "fail", err.message, err.code, err))
 
 
