@@ -92,9 +92,15 @@ def like(fd: int, model: os.stat_result, *, owner: bool = True) -> None:
     :func:`statetool.access.refuse_unownable`)."""
     os.fchmod(fd, stat.S_IMODE(model.st_mode))
     if owner:
-        mine = os.fstat(fd)
-        if (mine.st_uid, mine.st_gid) != (model.st_uid, model.st_gid):
-            os.fchown(fd, model.st_uid, model.st_gid)
+        give_owner(fd, model)
+
+
+def give_owner(fd: int, model: os.stat_result) -> None:
+    """Give the file or directory open as ``fd`` the owner and group of ``model`` where
+    they differ (``fchown``). Raises ``PermissionError`` when this process may not."""
+    mine = os.fstat(fd)
+    if (mine.st_uid, mine.st_gid) != (model.st_uid, model.st_gid):
+        os.fchown(fd, model.st_uid, model.st_gid)
 
 
 def fsync_dir(directory: Path) -> None:

@@ -360,16 +360,15 @@ class SqliteBackend:
         as the real run does."""
         from statetool.backends.sqlite_schema import require_rebuildable, retyped_sql
 
-        def in_place(table: str) -> bool:
+        rebuilt = []
+        for table in revision.rebuilds:
             create_sql = conn.scalar("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = :t", {"t": table})
-            return table in revision.retypes and bool(create_sql) and \
-                retyped_sql(create_sql, revision.retypes[table]) is not None
-
-        rebuilt = tuple(table for table in revision.rebuilds if not in_place(table))
-        for table in rebuilt:
-            if conn.scalar("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = :t", {"t": table}):
+            if create_sql and table in revision.retypes and retyped_sql(create_sql, revision.retypes[table]):
+                continue
+            if create_sql:
                 require_rebuildable(conn.rows, table, str(self.path))
-        return rebuilt
+            rebuilt.append(table)
+        return tuple(rebuilt)
 
     # -- writing ---------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from statetool.backends.base import HeldLease, Holder, LeaseInfo
-from statetool.backends.durable import directory_mode, mode_of
+from statetool.backends.durable import directory_mode, give_owner, mode_of
 from statetool.backends.faults import fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders_of
 from statetool.backends.sqlite_file import foreign_companions, read_header, refuse_unsafe_companions
@@ -243,12 +243,9 @@ class FlockLeases:
         if os.geteuid() != 0:
             return
         try:
-            owner = os.stat(self.state_path)
+            give_owner(fd, os.stat(self.state_path))
         except FileNotFoundError:
             return
-        mine = os.fstat(fd)
-        if (mine.st_uid, mine.st_gid) != (owner.st_uid, owner.st_gid):
-            os.fchown(fd, owner.st_uid, owner.st_gid)
 
     def _open(self, dfd: int, name: str, flags: int) -> int:
         """Open the sidecar ``name`` in the folder ``dfd`` (never through a link); one that

@@ -180,9 +180,9 @@ def _check_leftovers(pf: Preflight, backend: Backend) -> None:
         return
     pf.add("leftovers", "warn",
            f"{len(found)} left by a killed migration or backup: {', '.join(map(str, found))}; the state itself is "
-           "whole. A re-run of statetool migrate (or of a write that takes a backup) removes them first and "
-           "converges; with no statetool write running they are safe to delete (none is the state's only copy, "
-           "nor a backup)", "RIVET_STATE_LEFTOVER_TEMP")
+           "whole. A migration that still has a revision to cross, and a write that takes a backup, remove them "
+           "first; with no statetool write running they are safe to delete (none is the state's only copy, nor "
+           "a backup)", "RIVET_STATE_LEFTOVER_TEMP")
 
 
 def _read_named(backend: Backend, progress: bool, integrity: bool) -> Snapshot:
