@@ -724,12 +724,6 @@ class SqliteBackend:
         return FlockLeases(self.path)
 
 
-#: Page cache of a migration's copy, in KiB (``PRAGMA cache_size`` takes a negative number
-#: as KiB): big enough that rebuilding a table of a million runs and its indexes rarely
-#: spills, small enough that migrate stays well under 150 MiB of memory (issue 13).
-_MIGRATION_CACHE_KIB = 32768
-
-
 #: Seconds between two flushes of a migration's copy while it is built (:func:`_written_behind`).
 _WRITE_BEHIND_EVERY = 0.25
 
@@ -847,7 +841,6 @@ class CopyMigration:
             if mode != "off":
                 raise sqlite3.OperationalError(f"journal_mode stayed {mode}")
             dbapi.execute("PRAGMA synchronous = OFF")
-            dbapi.execute(f"PRAGMA cache_size = -{_MIGRATION_CACHE_KIB}")
 
         @sa.event.listens_for(engine, "begin")
         def begin(conn: Connection) -> None:
