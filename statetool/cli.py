@@ -514,6 +514,13 @@ def leases_run(
     g = _g(ctx)
     context = g.context()
     context.lease_ttl = lease_ttl
+    # The wrapper lives as long as its command, and the process ends when it returns: what
+    # start-up built (typer's tree, the modules) is never garbage. Frozen, neither the
+    # collections while the command runs nor the full ones at interpreter exit traverse it
+    # again (docs/decisions.md, "leases run: what start-up does not pay for"). Only here:
+    # an in-process caller of main() would keep its garbage of the moment for good, and
+    # the tests run `leases run` as a process (tests/support/cli.py).
+    gc.freeze()
     raise typer.Exit(run_under_lease(context, export, command or []))
 
 

@@ -10,8 +10,8 @@ import os
 import re
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 
@@ -26,16 +26,14 @@ CDC_ENGINES = ("postgres", "mysql", "mongodb", "oracle")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-@dataclass(frozen=True)
-class CdcSpec:
+class CdcSpec(NamedTuple):
     """The ``cdc:`` block of a CDC export: ``engine`` and the configured ``checkpoint`` path."""
 
     engine: str
     checkpoint: str | None
 
 
-@dataclass(frozen=True)
-class Export:
+class Export(NamedTuple):
     """One export of the config: its ``name``, ``mode`` and, for ``mode: cdc``, its ``cdc`` block."""
 
     name: str
@@ -43,8 +41,7 @@ class Export:
     cdc: CdcSpec | None = None
 
 
-@dataclass(frozen=True)
-class PipelineConfig:
+class PipelineConfig(NamedTuple):
     """A parsed pipeline config: where it is, how to find the source URL, and its exports."""
 
     path: Path

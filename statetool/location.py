@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import statetool
@@ -59,8 +59,7 @@ _PG_SCHEMES = {"postgres", "postgresql", "postgresql+psycopg"}
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
 
 
-@dataclass(frozen=True)
-class Location:
+class Location(NamedTuple):
     """A resolved state location.
 
     ``backend`` is ``"sqlite"`` or ``"postgres"``; ``scope`` is ``"beside_config"``,
@@ -322,8 +321,7 @@ def _check_conninfo(raw: str, url: str) -> None:
                                 "and %00 is never allowed)") from None
 
 
-@dataclass(frozen=True)
-class CheckpointPlace:
+class CheckpointPlace(NamedTuple):
     """Where a CDC export's checkpoint file resolves (SPEC §6), and why.
 
     ``path`` is absolute (None when the engine keeps its position server-side and no file

@@ -24,6 +24,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,12 +38,13 @@ import pytest
 from support import (CliRun, Forked, declare_export, describe, error_object, fork_cli, fork_code, process_env, run_cli,
                      run_cli_forked, tree_digest, write_config)
 from statetool.backends.base import Holder, LeaseInfo
-from statetool.backends.processes import alive, process_started
+from statetool.backends.processes import alive, group_alive, host_name, process_started
 from statetool.backends.proclocks import lock_holders
 from statetool.errors import StateError
 from statetool.example import build_legacy_state
 from statetool.operations.context import Context
 from statetool.operations.inspect import info
+from statetool.operations.leases import _exit_watch
 from statetool.operations.leasing import acquire, list_leases, this_holder
 from statetool.operations.migrate import migrate
 from support.backends import StateBackend
@@ -858,6 +860,47 @@ def test_a_sigkilled_wrapper_takes_its_command_with_it_and_only_then_frees_the_l
     assert state.leases()[RUN_KEY]["state"] == "stale"
     proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
     assert proc.returncode == 0, describe(proc)
+
+
+def test_an_ended_group_is_judged_by_one_signal_probe_a_zombie_one_by_proc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What is left of a command's group once it ended (``group_alive``): a group with no
+    process at all (its leader reaped) is answered by killpg(2) alone, without reading every
+    process's ``stat``; a group whose process is a zombie still answers that probe, so it is
+    read from ``/proc``, where a zombie is dead; a live one is alive."""
+    listed: list[str] = []
+    listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path: listed.append(path) or listdir(path))
+    live = subprocess.Popen(["sleep", "60"], process_group=0)
+    try:
+        assert group_alive(live.pid)
+    finally:
+        live.kill()
+        live.wait()
+    ended = subprocess.Popen(["true"], process_group=0)
+    os.waitid(os.P_PID, ended.pid, os.WEXITED | os.WNOWAIT)  # ended, not reaped: a zombie
+    listed.clear()
+    assert not group_alive(ended.pid)
+    assert listed == ["/proc"]
+    ended.wait()
+    listed.clear()
+    assert not group_alive(ended.pid)
+    assert listed == []
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfd_open(2) is Linux's")
+def test_leases_run_sees_its_command_end_at_once_instead_of_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrapper waits on the command's pidfd: the end of a short command is seen when it
+    happens, not at the next of ``Popen.wait``'s growing pauses (1, 2, 4 ... ms)."""
+    command = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    polled = types.SimpleNamespace(sleep=lambda seconds: pytest.fail(f"Popen.wait slept {seconds} s: it polled"))
+    monkeypatch.setattr(subprocess, "time", polled)
+    with _exit_watch(command) as ended:
+        assert ended(60.0) == 3
+
+
+def test_the_host_a_holder_records_is_the_name_gethostname_gives() -> None:
+    """Records written with either name compare equal (a PostgreSQL lease on this host)."""
+    assert host_name() == socket.gethostname()
 
 
 def _insert_row(state: State, *, pid: int, started: int | None, child: int | None, child_started: int | None,

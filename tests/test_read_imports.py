@@ -85,6 +85,55 @@ def test_doctor_loads_no_rich_openssl_threads_tempfile_or_socket(tmp_path: Path,
     assert modules == [], f"statetool {' '.join(args)} imported {modules[:8]}"
 
 
+#: What ``leases run`` needs none of (bench_leases.py goal 1: at most 30 ms over ``--help``;
+#: docs/decisions.md, "leases run: what start-up does not pay for"): the write and migration
+#: engines, rich, ``dataclasses`` (a frozen dataclass costs about a millisecond to build),
+#: ``socket`` (the holder's host is uname's node name) and ``random`` (only a wait jitters).
+UNNEEDED_BY_LEASES_RUN = (*FORBIDDEN, "rich", "dataclasses", "socket", "random")
+
+#: Runs ``python -m statetool ARGS`` and prints on the last line of stderr how many objects
+#: the collector had frozen when the command under the lease started.
+_FROZEN_AT_START = """\
+import gc, json, runpy, subprocess, sys
+frozen = []
+start = subprocess.Popen._execute_child
+def counted(*args, **kwargs):
+    frozen.append(gc.get_freeze_count())
+    return start(*args, **kwargs)
+subprocess.Popen._execute_child = counted
+sys.argv = ["statetool", *sys.argv[1:]]
+try:
+    runpy.run_module("statetool", run_name="__main__", alter_sys=True)
+except SystemExit:
+    pass
+sys.stderr.write("\\nFROZEN " + json.dumps(frozen) + "\\n")
+"""
+
+
+def test_leases_run_loads_no_dataclasses_socket_random_or_engine(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    build_state(config, checkpoint_dir=config.parent)
+    code, modules, output = imports_of("-c", str(config), "leases", "run", "--export", "orders", "--", "true",
+                                       cwd=tmp_path, packages=UNNEEDED_BY_LEASES_RUN)
+    assert code == 0, output
+    assert modules == [], f"statetool leases run imported {modules[:8]}"
+
+
+def test_leases_run_freezes_what_start_up_built_before_its_command_starts(tmp_path: Path) -> None:
+    """The wrapper's start-up objects (typer's tree, the modules: about 18,000) live until
+    it exits; frozen before the command starts, neither the collections while it runs nor
+    the full ones at interpreter exit traverse them."""
+    config = write_config(tmp_path)
+    build_state(config, checkpoint_dir=config.parent)
+    proc = subprocess.run([sys.executable, "-c", _FROZEN_AT_START, "-c", str(config), "leases", "run", "--export",
+                           "orders", "--", "true"], cwd=tmp_path, env=process_env(), text=True, capture_output=True,
+                          timeout=120)
+    marker = proc.stderr.rsplit("\nFROZEN ", 1)
+    assert proc.returncode == 0 and len(marker) == 2, describe(proc)
+    frozen = json.loads(marker[1])
+    assert len(frozen) == 1 and frozen[0] > 5000, frozen
+
+
 def test_a_read_of_a_legacy_state_imports_no_sqlalchemy_either(tmp_path: Path) -> None:
     """A state waiting for its migration (no version table) is read the same way: ``check``
     reports the pending migration (exit 3) without loading the migration engine."""

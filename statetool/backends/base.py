@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from statetool.moments import moment
 
@@ -53,8 +52,7 @@ class Reader(Protocol):
         """The first value of the first row of ``sql``, or None."""
 
 
-@dataclass(frozen=True)
-class Holder:
+class Holder(NamedTuple):
     """Who holds (or held) a lease: pid, host, user, command, and times (ISO-8601 UTC).
 
     ``started`` is the holder's process start time (clock ticks since boot, Linux), so a
@@ -81,8 +79,7 @@ class Holder:
         return f"pid {self.pid}{child} on {self.host} as {self.user} since {moment(self.acquired_at)}: {self.command}"
 
 
-@dataclass(frozen=True)
-class PageCopy:
+class PageCopy(NamedTuple):
     """A move's copy of a state file (:meth:`FileMoves.copy_pages`): where it is, the page
     digest (sha256, hex) of the bytes it was given, which is the frozen source's digest, and
     the rows of each table of the source, counted under the same lock (``{table: rows}``)."""
@@ -92,8 +89,7 @@ class PageCopy:
     tables: dict[str, int]
 
 
-@dataclass(frozen=True)
-class LeaseInfo:
+class LeaseInfo(NamedTuple):
     """One lease as seen without taking it: ``state`` is ``live``, ``stale`` or ``free``.
 
     ``heartbeat_age`` and ``ttl_left`` are seconds by the database clock (PostgreSQL).

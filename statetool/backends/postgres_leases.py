@@ -29,7 +29,6 @@ pooled SQLAlchemy engine, made when the first lease is taken.
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
 import threading
 import time
@@ -41,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from statetool.backends.base import HeldLease, Holder, LeaseInfo, Reader
 from statetool.backends.postgres_faults import driver_error, rights_problem
-from statetool.backends.processes import alive
+from statetool.backends.processes import alive, host_name
 from statetool.backends.readers import CoreReader, pyformat
 from statetool.errors import StateError
 from statetool.tables import LEASE_TABLE
@@ -136,7 +135,7 @@ class RowLease:
         return {"key": self.key, "pid": self.holder.pid, "host": self.holder.host, "acquired": self.acquired}
 
     def set_child(self, pid: int, started: int | None) -> None:
-        self.holder = Holder(**{**self.holder.__dict__, "child_pid": pid, "child_started": started})
+        self.holder = self.holder._replace(child_pid=pid, child_started=started)
         if self.store.fenced_layout():
             with self.store.connect() as conn:
                 _run(conn, f"UPDATE rivet_leases SET child_pid = :c, child_started = :cs WHERE {_MINE}",
@@ -204,7 +203,7 @@ class RowLeases:
         self.ttl = ttl
         self.where = where
         self.schema = schema
-        self.here = socket.gethostname()
+        self.here = host_name()
         self._fenced: bool | None = None
         self._held: dict[str, RowLease] = {}
         self._mutex = threading.Lock()
@@ -354,9 +353,8 @@ class RowLeases:
                     if taken is None:
                         continue  # another taker won the row: look again
                 acquired, token = taken
-                lease = RowLease(key, Holder(**{**holder.__dict__, "acquired_at": _iso(acquired),
-                                                "heartbeat_at": _iso(acquired), "ttl_seconds": self.ttl,
-                                                "token": token}), self, acquired)
+                lease = RowLease(key, holder._replace(acquired_at=_iso(acquired), heartbeat_at=_iso(acquired),
+                                                      ttl_seconds=self.ttl, token=token), self, acquired)
                 self._hold(lease)
                 return lease
             row = self._first(conn, key)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from statetool.access import file_kind
 from statetool.backends.tombstone import MAGIC as TOMBSTONE_MAGIC
@@ -187,13 +187,12 @@ def foreign_companions(path: Path, header: bytes) -> list[str]:
     return [] if why is None else [f"{wal} ({why})"]
 
 
-@dataclass(frozen=True)
-class Orphans:
+class Orphans(NamedTuple):
     """``-wal``/``-shm`` files beside a state that it did not leave (``RIVET_STATE_ORPHAN_WAL``,
     a warning): the sentence that says which and why, and the files as evidence."""
 
     message: str
-    evidence: dict[str, str | None] = field(default_factory=dict)
+    evidence: dict[str, str | None]
 
 
 def orphan_companions(path: Path) -> Orphans | None:

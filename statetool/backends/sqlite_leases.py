@@ -34,7 +34,6 @@ import os
 import stat
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -106,14 +105,15 @@ def _write_doc(fd: int, doc: dict[str, Any]) -> None:
     os.ftruncate(fd, len(data))
 
 
-@dataclass
 class FlockLease:
-    """A held flock lease: the open sidecar file keeps the lock."""
+    """A held flock lease: the open sidecar file ``fd`` (-1 once released) at ``path``
+    keeps the lock."""
 
-    key: str
-    holder: Holder
-    fd: int
-    path: Path
+    def __init__(self, key: str, holder: Holder, fd: int, path: Path) -> None:
+        self.key = key
+        self.holder = holder
+        self.fd = fd
+        self.path = path
 
     @property
     def token(self) -> int | None:
@@ -140,7 +140,7 @@ class FlockLease:
                 "child_started": h.child_started}
 
     def set_child(self, pid: int, started: int | None) -> None:
-        self.holder = Holder(**{**self.holder.__dict__, "child_pid": pid, "child_started": started})
+        self.holder = self.holder._replace(child_pid=pid, child_started=started)
         _write_doc(self.fd, self._record())
 
     def fence(self, conn: object, *, final: bool = False) -> None:
@@ -161,12 +161,12 @@ class FlockLease:
         return (self.fd,) if self.fd >= 0 else ()
 
 
-@dataclass
 class FlockStaleClaim:
-    """A stale sidecar locked for its audited release."""
+    """A stale sidecar locked for its audited release: ``fd`` (-1 once let go) holds the lock."""
 
-    info: LeaseInfo
-    fd: int
+    def __init__(self, info: LeaseInfo, fd: int) -> None:
+        self.info = info
+        self.fd = fd
 
     def commit(self) -> None:
         doc = _read_doc(self.fd)
@@ -331,7 +331,7 @@ class FlockLeases:
                 # acquisition takes far more than a microsecond. Only a wall clock set back breaks this
                 # (docs/decisions.md, "Fencing").
                 token = previous + 1 if isinstance(previous, int) and previous > 0 else time.time_ns() // 1000
-                lease = FlockLease(key, Holder(**{**holder.__dict__, "token": token}), fd, self.directory / name)
+                lease = FlockLease(key, holder._replace(token=token), fd, self.directory / name)
                 _write_doc(fd, lease._record())  # noqa: SLF001 - the record is the lease's own
             except OSError:
                 # A full disk: a sidecar this call created holds no record; it is removed (still

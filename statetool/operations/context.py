@@ -7,12 +7,13 @@ import contextlib
 import getpass
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
+from statetool.backends.processes import host_name
 from statetool.errors import StateError
 from statetool.location import DEFAULT_CONFIG, ENV_VAR, Location, resolve_location
 
@@ -39,37 +40,51 @@ def no_progress(_description: str) -> Iterator[Callable[[int, int], None]]:
     yield lambda _done, _total: None
 
 
-@dataclass
-class Context:
+def _ignore(_text: str) -> None:
+    """The silent ``log`` and ``on_step``."""
+
+
+class Context(SimpleNamespace):
     """The inputs of one statetool invocation.
 
     ``config_path`` defaults to ``./rivet.yaml``; ``state_url`` is ``--state-url`` (None
-    when not given: ``RIVET_STATE_URL`` from ``env`` applies); ``lock_wait`` is in seconds,
-    0 to :data:`MAX_LOCK_WAIT` (else ``RIVET_CLI_USAGE``); ``config_given`` says that the
-    caller named the config (``--config/-c``), which then must exist (:meth:`config_or_none`).
+    when not given: ``RIVET_STATE_URL`` from ``env`` applies); ``env`` defaults to a copy of
+    ``os.environ``; ``lock_wait`` is in seconds, 0 to :data:`MAX_LOCK_WAIT` (else
+    ``RIVET_CLI_USAGE``); ``config_given`` says that the caller named the config
+    (``--config/-c``), which then must exist (:meth:`config_or_none`).
+
+    A namespace (equal by value, unhashable, as the dataclass it was): building a dataclass
+    costs about a millisecond at every start-up of ``leases run`` (docs/decisions.md,
+    "leases run: what start-up does not pay for").
     """
 
-    config_path: Path = field(default_factory=lambda: Path(DEFAULT_CONFIG))
-    state_url: str | None = None
-    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
-    lock_wait: float = 600.0
-    command: str = "statetool"
-    progress: ProgressFactory = no_progress
+    config_path: Path
+    state_url: str | None
+    env: Mapping[str, str]
+    lock_wait: float
+    command: str
+    progress: ProgressFactory
     #: Where progress messages go (waiting for a lease, ...): silent by default.
-    log: Callable[[str], None] = field(default=lambda _message: None)
+    log: Callable[[str], None]
     #: TTL of the PostgreSQL leases this invocation takes, in seconds (SPEC §5, ``--lease-ttl``).
-    lease_ttl: int = 30
+    lease_ttl: int
     #: Told the name of each step a move passes (``relocate.CRASH_POINTS``; a relocation's
     #: ``copy-page-<n>`` after n pages): a no-op but for the crash tests, whose driver
     #: (tests/support/crash_driver.py) SIGKILLs its own process at one of them.
-    on_step: Callable[[str], None] = field(default=lambda _step: None)
+    on_step: Callable[[str], None]
     #: Whether the caller named ``config_path`` (``--config/-c``) rather than taking the default.
-    config_given: bool = False
+    config_given: bool
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.lock_wait <= MAX_LOCK_WAIT:
-            raise StateError("RIVET_CLI_USAGE", f"--lock-wait {self.lock_wait:g} is outside 0 to {MAX_LOCK_WAIT:g} "
+    def __init__(self, config_path: Path = Path(DEFAULT_CONFIG), state_url: str | None = None,
+                 env: Mapping[str, str] | None = None, lock_wait: float = 600.0, command: str = "statetool",
+                 progress: ProgressFactory = no_progress, log: Callable[[str], None] = _ignore, lease_ttl: int = 30,
+                 on_step: Callable[[str], None] = _ignore, config_given: bool = False) -> None:
+        if not 0 <= lock_wait <= MAX_LOCK_WAIT:
+            raise StateError("RIVET_CLI_USAGE", f"--lock-wait {lock_wait:g} is outside 0 to {MAX_LOCK_WAIT:g} "
                              "seconds (7 days)")
+        super().__init__(config_path=config_path, state_url=state_url, env=dict(os.environ) if env is None else env,
+                         lock_wait=lock_wait, command=command, progress=progress, log=log, lease_ttl=lease_ttl,
+                         on_step=on_step, config_given=config_given)
 
     @cached_property
     def location(self) -> Location:
@@ -121,10 +136,8 @@ class Context:
     @property
     def actor(self) -> str:
         """``user@host`` of this process, for audit rows."""
-        import socket  # only a write's audit row asks: a read does not load it (issue 13)
-
         try:
             user = getpass.getuser()
         except (KeyError, OSError):
             user = str(os.getuid())
-        return f"{user}@{socket.gethostname()}"
+        return f"{user}@{host_name()}"

@@ -23,16 +23,13 @@ from __future__ import annotations
 import functools
 import getpass
 import os
-import random
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from statetool.backends.base import HeldLease, Holder, LeaseInfo, LeaseStore
-from statetool.backends.processes import process_started
+from statetool.backends.processes import host_name, process_started
 from statetool.errors import StateError
 from statetool.operations.context import Context, now_iso
 from statetool.redact import redact_text
@@ -77,7 +74,7 @@ def _this_process() -> tuple[int, str, str, int | None]:
     except (KeyError, OSError):
         user = str(os.getuid())
     pid = os.getpid()
-    return pid, socket.gethostname(), user, process_started(pid)
+    return pid, host_name(), user, process_started(pid)
 
 
 def this_holder(command: str) -> Holder:
@@ -139,6 +136,8 @@ def wait_for(ctx: Context, attempt: Callable[[], T | str], *, what: str, busy_co
         if last_log is None or now - last_log >= LOG_EVERY:
             ctx.log(f"waiting up to {deadline - now:.0f} s for {what}, held by {got}")
             last_log = now
+        import random  # only a wait pauses: an acquisition that gets its lease at once does not load it
+
         time.sleep(min(pause * random.uniform(0.75, 1.25), max(deadline - now, 0.0)))
         pause = min(pause * 1.5, LONGEST_PAUSE)
 
@@ -272,11 +271,10 @@ def lease_doc(info: LeaseInfo) -> dict[str, object]:
     }
 
 
-@dataclass
-class LeasesResult:
+class LeasesResult(NamedTuple):
     """Every lease of the state (``{"leases": [...]}``)."""
 
-    leases: list[dict[str, object]] = field(default_factory=list)
+    leases: list[dict[str, object]]
 
     @property
     def live(self) -> list[dict[str, object]]:
