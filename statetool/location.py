@@ -131,7 +131,8 @@ def resolve_location(env_value: str | None, flag_value: str | None, config_path:
     ``config_path`` is the pipeline config; the default state lives in its directory.
     Raises ``RIVET_STATE_URL_INVALID`` for an unknown form or ``sqlite:///x`` (with the
     right spelling as a hint) and ``RIVET_STATE_DIR_RELATIVE`` for ``sqlite:`` with a
-    relative directory. Touches no file; for SQLite it reads one link: a state file that
+    relative directory; every message starts with the setting refused (``--state-url`` or
+    ``RIVET_STATE_URL``). Touches no file; for SQLite it reads one link: a state file that
     is a symlink is resolved here, once, into :attr:`Location.real_path`.
     """
     if flag_value is not None:
@@ -145,14 +146,17 @@ def resolve_location(env_value: str | None, flag_value: str | None, config_path:
         return Location("sqlite", "beside_config", "default" if origin == "env" else origin,
                         directory=directory, path=directory / STATE_FILE, real_path=_real_file(directory / STATE_FILE))
     scheme = raw.split(":", 1)[0].lower() if ":" in raw else ""
-    if scheme == "sqlite":
-        return _sqlite_dir(raw, origin)
-    if scheme in _PG_SCHEMES and raw[len(scheme):].startswith("://"):
-        return _postgres(raw, origin)
+    source = "--state-url" if origin == "flag" else ENV_VAR
+    try:
+        if scheme == "sqlite":
+            return _sqlite_dir(raw, origin)
+        if scheme in _PG_SCHEMES and raw[len(scheme):].startswith("://"):
+            return _postgres(raw, origin)
+    except StateError as err:  # every refusal names the setting it refuses: flag or environment
+        raise StateError(err.code, f"{source}: {err.message}", err.details) from None
     raise StateError(
         "RIVET_STATE_URL_INVALID",
-        f"{'--state-url' if origin == 'flag' else ENV_VAR} value '{raw}' is not a state location; "
-        f"accepted forms: {ACCEPTED_FORMS}",
+        f"{source} value '{raw}' is not a state location; accepted forms: {ACCEPTED_FORMS}",
         {"value": raw},
     )
 
