@@ -341,3 +341,18 @@ def test_an_unknown_scheme_is_told_where_it_came_from(tmp_path: Path, env_value:
         resolve_location(env_value, flag_value, tmp_path / "rivet.yaml")
     assert raised.value.code == "RIVET_STATE_URL_INVALID"
     assert raised.value.message.startswith(f"{named} 'mysql://x' is not a state location")
+
+
+@pytest.mark.parametrize("value", ["sqlite:relative", "sqlite:///srv/x", "sqlite:", "postgresql://h/db?nosuch=1",
+                                   "postgresql://h:99999/db", "postgresql://h/db?schema=a&schema=b"])
+@pytest.mark.parametrize(("given_as", "named"), [("env", "RIVET_STATE_URL: "), ("flag", "--state-url: ")])
+def test_every_location_refusal_names_its_setting(tmp_path: Path, value: str, given_as: str, named: str) -> None:
+    """Every kind of bad location, not only an unknown scheme, says whether the flag or the
+    variable gave it (found by a fresh user: 'sqlite:relative' and 'sqlite:///x' did not);
+    the code and the rest of the sentence are those of the refusal itself."""
+    env_value, flag_value = (value, None) if given_as == "env" else ("sqlite:/ok", value)
+    with pytest.raises(StateError) as raised:
+        resolve_location(env_value, flag_value, tmp_path / "rivet.yaml")
+    assert raised.value.code in {"RIVET_STATE_URL_INVALID", "RIVET_STATE_DIR_RELATIVE"}
+    assert raised.value.message.startswith(named), raised.value.message
+    assert value.split("?")[0] in raised.value.message or "relative" in raised.value.message
