@@ -912,3 +912,44 @@ def test_a_table_is_loaded_in_order_and_what_it_gained_is_what_was_sent(pg_url: 
     assert pg_fetch(admin, "SELECT count(*) FROM pg_constraint c JOIN pg_class t ON t.oid = c.conrelid JOIN "
                            "pg_namespace n ON n.oid = t.relnamespace WHERE n.nspname = %s AND c.contype = 'p'",
                     (schema,)) == [(1,)]
+
+
+@pytest.mark.parametrize("length_limit", [None, 4000])
+def test_the_source_blocks_carry_every_row_once_as_copy_text_however_a_block_is_read(tmp_path: Path,
+                                                                                     length_limit: int | None) -> None:
+    """The source's blocks (SQLite joins the rows of a block with group_concat): every row
+    exactly once, as its COPY line, with the checksum of its text, whether the block was
+    joined by SQLite, held a value to escape (read again value by value), or was too long for
+    SQLite to join (a length limit of 4,000 bytes: every block of rows, ``SQLITE_TOOBIG``).
+    Rowids with gaps, NULLs, and the text COPY must escape; the lines are compared with ones
+    built here, value by value."""
+    import sqlalchemy as sa
+
+    from statetool.backends.copy_text import ESCAPES, row_checksum
+    from statetool.backends.sqlite_rows import BATCH_ROWS, copy_blocks
+
+    path = tmp_path / "rows.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE t (k TEXT NOT NULL, n INTEGER, note TEXT)")
+    rows = [(f"k{i:06d}", None if i % 11 == 0 else i * 7919, NASTY if i == 100 else None if i % 3 else f"n{i}")
+            for i in range(3 * BATCH_ROWS + 123)]
+    db.executemany("INSERT INTO t VALUES (?, ?, ?)", rows)
+    db.execute("DELETE FROM t WHERE rowid % 7 = 0")
+    db.commit()
+    kept = [r for i, r in enumerate(rows, start=1) if i % 7]
+    db.close()
+    expected = {"\t".join("\\N" if v is None else str(v).translate(ESCAPES) for v in r) for r in kept}
+    engine = sa.create_engine(f"sqlite:///{path}")
+    try:
+        with engine.connect() as conn:
+            if length_limit is not None:
+                conn.connection.driver_connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, length_limit)
+            blocks = list(copy_blocks(conn, "t", ["k", "n", "note"]))
+    finally:
+        engine.dispose()
+    lines = [line.decode() for b in blocks for line in b.data.split(b"\n")[:-1]]
+    assert all(b.data.endswith(b"\n") and b.rows == b.data.count(b"\n") for b in blocks)
+    assert len(lines) == len(kept) and set(lines) == expected
+    assert sum(b.rows for b in blocks) == len(kept)
+    assert sum(b.checksum for b in blocks) == sum(row_checksum(r) for r in kept)
+    assert len(blocks) == -(-len(kept) // BATCH_ROWS)
