@@ -383,6 +383,23 @@ def test_a_backup_is_no_more_readable_than_its_state(tmp_path: Path) -> None:
     assert backup.is_file() and oct(backup.stat().st_mode & 0o777) == "0o600", describe(proc)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root may give a file another user")
+def test_root_s_backup_of_another_user_s_state_is_that_user_s(tmp_path: Path) -> None:
+    """Root changing a cursor of nobody's state leaves a backup that nobody owns and may
+    read (found by a fresh user: the backup kept the state's mode, 0600, but was root's, so
+    the state's owner could not read the copy of their own state)."""
+    config = write_config(tmp_path / "pipeline", exports=EXPORTS)
+    assert run_cli("-c", str(config), "init").returncode == 0
+    state = config.parent / ".rivet_state.db"
+    state.chmod(0o600)
+    for path in (config.parent, state):
+        os.chown(path, 65534, 65534)
+    proc = run_cli("-c", str(config), "--json", "exports", "set-cursor", "orders", "2026-01-01")
+    assert proc.returncode == 0, describe(proc)
+    backup = Path(json.loads(proc.stdout)["backup"]).stat()
+    assert (backup.st_uid, backup.st_gid, oct(backup.st_mode & 0o777)) == (65534, 65534, "0o600"), describe(proc)
+
+
 @pytest.mark.parametrize(("mode", "folder_mode"), [(0o600, 0o700), (0o660, 0o770), (0o640, 0o750)])
 def test_lease_files_their_folder_and_a_tombstone_are_no_more_readable_than_the_state(
         tmp_path: Path, mode: int, folder_mode: int) -> None:

@@ -8,6 +8,7 @@ O_NOFOLLOW`` (:data:`CREATE_FLAGS`): never through a link.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -101,6 +102,20 @@ def give_owner(fd: int, model: os.stat_result) -> None:
     mine = os.fstat(fd)
     if (mine.st_uid, mine.st_gid) != (model.st_uid, model.st_gid):
         os.fchown(fd, model.st_uid, model.st_gid)
+
+
+def share_owner(fd: int, model: os.stat_result) -> None:
+    """Give the file open as ``fd`` the owner and group of ``model`` (the state's ``stat``)
+    as far as this process may: both (root, or the owner itself), else the group alone (a
+    member of the state's group), else neither. For a copy beside the state that its owner
+    must be able to read, a backup: root taking one for another user's state gives it that
+    user, and where the owner cannot be given the copy stays its maker's, still a good copy."""
+    try:
+        give_owner(fd, model)
+    except PermissionError:
+        if os.fstat(fd).st_gid != model.st_gid:
+            with contextlib.suppress(PermissionError):
+                os.fchown(fd, -1, model.st_gid)
 
 
 def fsync_dir(directory: Path) -> None:

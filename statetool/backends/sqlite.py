@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 from statetool.access import denied, refuse_unownable, unownable
 from statetool.backends.base import Progress, Step
 from statetool.backends.durable import (CREATE_FLAGS, copy_bytes, fitting_name, fsync_dir, fsync_file, like,
-                                        mode_of)
+                                        mode_of, share_owner)
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.readers import CoreReader, DriverReader
@@ -607,6 +607,11 @@ class SqliteBackend:
             tmp = private / "backup.db"
             self._copy(conn, tmp, progress)
             os.chmod(tmp, mode_of(self.real))  # no wider than the state (in our 0700 directory)
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                share_owner(fd, os.stat(self.real))  # root's backup of a user's state is that user's
+            finally:
+                os.close(fd)
             try:
                 os.link(tmp, final)  # never replaces, never follows what stands at that name
             except FileExistsError:
