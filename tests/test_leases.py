@@ -862,6 +862,43 @@ def test_a_sigkilled_wrapper_takes_its_command_with_it_and_only_then_frees_the_l
     assert proc.returncode == 0, describe(proc)
 
 
+@pytest.mark.parametrize("closes_fds", [False, True], ids=["keeps its descriptors", "closes them"])
+def test_what_the_command_started_keeps_the_lease_live_after_its_wrapper_and_command_are_killed(
+        state: State, tmp_path: Path, closes_fds: bool) -> None:
+    """A command that is a shell running a step (``sh -c 'python …; true'``): SIGKILL the
+    wrapper, PR_SET_PDEATHSIG ends the shell, and the step it started works on, adopted by
+    pid 1. The lease stays live while it does, so no second run of the export starts beside
+    it; once it ends, the lease is stale and the next run takes it. Found by a fresh user: on
+    PostgreSQL the lease read stale at once (holder and command dead) and a second run started
+    beside the first one's work. On SQLite a step that keeps its descriptors keeps the
+    inherited lock; one that closes them (as daemons do) must not free the lease either."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    hold = ("import os; os.closerange(3, 65536)\n" if closes_fds else "") + HOLD
+    wrapper = state.popen("leases", "run", "--export", "orders", "--", "sh", "-c", '"$0" -c "$1" "$2" "$3" 0; true',
+                          sys.executable, hold, str(ready), str(go))
+    step = 0
+    try:
+        wait_for(ready.exists, "the shell's step to start")
+        step = int(ready.read_text())
+        shell = state.leases()[RUN_KEY]["child_pid"]
+        assert shell not in (None, step), (shell, step, state.leases()[RUN_KEY])
+        os.kill(wrapper.pid, signal.SIGKILL)  # the wrapper alone
+        wrapper.wait(timeout=30)  # its output pipes stay open: the step holds them
+        wait_for(lambda: not alive(shell, None), f"the shell {shell} to die with its wrapper", timeout=10)
+        assert alive(step, None), "the step died too: this test shows nothing"
+        assert state.leases()[RUN_KEY]["state"] == "live"
+        proc = state.cli_process("--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders", "--",
+                                 "true")
+        assert proc.returncode == 2 and error_object(proc)["code"] == "RIVET_STATE_RUN_IN_PROGRESS", describe(proc)
+    finally:
+        go.touch()
+        if step:
+            wait_for(lambda: not alive(step, None), f"the step {step} to end", timeout=10)
+    assert state.leases()[RUN_KEY]["state"] in {"stale", "free"}
+    proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 0, describe(proc)
+
+
 def test_an_ended_group_is_judged_by_one_signal_probe_a_zombie_one_by_proc(monkeypatch: pytest.MonkeyPatch) -> None:
     """What is left of a command's group once it ended (``group_alive``): a group with no
     process at all (its leader reaped) is answered by killpg(2) alone, without reading every

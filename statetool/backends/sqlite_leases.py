@@ -42,6 +42,7 @@ from urllib.parse import unquote
 from statetool.backends.base import HeldLease, Holder, LeaseInfo
 from statetool.backends.durable import directory_mode, give_owner, mode_of
 from statetool.backends.faults import fault, refuse_unwritable
+from statetool.backends.processes import group_alive, host_name
 from statetool.backends.proclocks import lock_holders_of
 from statetool.backends.sqlite_file import foreign_companions, read_header, refuse_unsafe_companions
 from statetool.errors import StateError
@@ -81,6 +82,16 @@ def _read_doc(fd: int) -> dict[str, Any]:
     except ValueError:
         return {}
     return doc if isinstance(doc, dict) else {}
+
+
+def _work_goes_on(record: Holder | None) -> bool:
+    """Whether a process of the command a dead holder ran (its process group, which the
+    command leads: operations/leases.py) still lives on this host: what a shell's step that
+    outlived its wrapper and closed its inherited descriptors, and with them the lock, is
+    doing is that run's work, and the lease stays its (SPEC §5). A group id is not reused
+    while a process of the group lives."""
+    return (record is not None and record.child_pid is not None and record.host == host_name()
+            and group_alive(record.child_pid))
 
 
 def _holder(doc: dict[str, Any]) -> Holder | None:
@@ -293,7 +304,7 @@ class FlockLeases:
             if record is None:
                 return LeaseInfo(key, "free", None)
             if not self._live(fd) and _holder(_read_doc(fd)) == record:
-                return LeaseInfo(key, "stale", record)
+                return LeaseInfo(key, "live" if _work_goes_on(record) else "stale", record)
         return LeaseInfo(key, "live", _holder(_read_doc(fd)))  # taken and released without pause: in use
 
     def try_acquire(self, key: str, holder: Holder) -> HeldLease | LeaseInfo:
@@ -325,7 +336,12 @@ class FlockLeases:
                 os.close(fd)
                 return info
             try:
-                previous = _read_doc(fd).get("fencing_token")
+                before = _read_doc(fd)
+                if _work_goes_on(_holder(before)):  # its holder died, the work of its run did not
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    os.close(fd)
+                    return LeaseInfo(key, "live", _holder(before))
+                previous = before.get("fencing_token")
                 # The last token plus one; a new sidecar starts at the clock in microseconds, so one
                 # that was removed (and its count with it) never hands out a token used before: every
                 # acquisition takes far more than a microsecond. Only a wall clock set back breaks this
