@@ -74,12 +74,18 @@ def may_give_owner(st: os.stat_result) -> bool:
 def unownable(path: Path, st: os.stat_result, doing: str) -> StateError:
     """``RIVET_STATE_PERMISSION_DENIED``: ``doing`` (e.g. ``a migration``) puts a new file
     where ``path`` is (or at its new place), which must keep ``path``'s owner and group
-    (``st``), and this user cannot give them (:func:`may_give_owner`). The path is shown
-    as it is."""
+    (``st``), and this user cannot give them (:func:`may_give_owner`): it is another user,
+    or the owner outside the file's group (then the sentence names the group, not the
+    owner, as what stands in the way). The path is shown as it is."""
+    if st.st_uid == os.geteuid():  # the owner, but not a member of the file's group
+        why = (f"and this user, {_user()}, is its owner but not in its group, so the new file cannot keep that "
+               "group; run it as a member of that group, give the state one of its owner's groups (chgrp), "
+               "or run it as root")
+    else:
+        why = f"which this user, {_user()}, cannot give to that owner; run it as the state's owner (or as root)"
     return StateError("RIVET_STATE_PERMISSION_DENIED",
                       f"{path} belongs to {_name_of(st.st_uid, st.st_gid)}: {doing} replaces it by a new file, "
-                      f"which this user, {_user()}, cannot give to that owner; run it as the state's owner "
-                      "(or as root); nothing was changed", {"path": str(path), "uid": st.st_uid, "gid": st.st_gid})
+                      f"{why}; nothing was changed", {"path": str(path), "uid": st.st_uid, "gid": st.st_gid})
 
 
 def refuse_unownable(path: Path, doing: str) -> None:

@@ -657,6 +657,27 @@ def test_a_migration_by_another_user_is_refused_before_any_lease_and_the_owner_m
         assert state.stat().st_uid == 1 and stat.S_IMODE(state.stat().st_mode) == 0o666, describe(proc)
 
 
+def test_the_owner_outside_the_state_s_group_is_told_the_group_is_in_the_way(as_nobody: Runner) -> None:
+    """``chown -R nobody dir`` keeps root's group: nobody owns the state but cannot give a new
+    file that group. The refusal names the group as the obstacle and a fix that works
+    (chgrp), not "run it as the state's owner", which this user already is (found by a
+    fresh user); after the chgrp the same user migrates."""
+    with _owned_by_daemon("0002") as config:
+        subprocess.run(["chown", "-R", "nobody:root", str(config.parent)], check=True)
+        state = config.parent / STATE_FILE
+        before = _listing(config.parent)
+        proc = as_nobody("-c", str(config), "--json-errors", "--lock-wait", "0", "migrate")
+        error = error_object(proc)
+        assert error["code"] == "RIVET_STATE_PERMISSION_DENIED", describe(proc)
+        assert "not in its group" in error["message"] and "chgrp" in error["message"], describe(proc)
+        assert "run it as the state's owner" not in error["message"], describe(proc)
+        assert _listing(config.parent) == before, describe(proc)
+        subprocess.run(["chgrp", "-R", "nogroup", str(config.parent)], check=True)
+        proc = as_nobody("-c", str(config), "--json", "--lock-wait", "0", "migrate")
+        assert proc.returncode == 0 and json.loads(proc.stdout)["applied"] is True, describe(proc)
+        assert (state.stat().st_uid, state.stat().st_gid) == (65534, 65534), describe(proc)
+
+
 def test_root_migrating_another_users_state_leaves_its_lease_sidecars_to_that_user(as_daemon: Runner) -> None:
     """Root may give files away, so its migration of ``daemon``'s state succeeds; the lease
     folder and files it creates on the way must then be ``daemon``'s too, or the owner's
