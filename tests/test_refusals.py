@@ -97,6 +97,24 @@ def newer_revision(state_dir: Path) -> None:
     assert not Path(f"{path}-wal").exists()
 
 
+def hand_edited_versions(rows: list[str]) -> Callable[[Path], None]:
+    """A state whose version table was edited by hand to hold ``rows`` (none, or several)."""
+    def build(state_dir: Path) -> None:
+        path = real_state(state_dir, "postgresql://reader@db.internal:5432/sales")
+        conn = sqlite3.connect(path)
+        with conn:
+            conn.execute("DELETE FROM rivet_state_version")
+            conn.executemany("INSERT INTO rivet_state_version VALUES (?)", [(r,) for r in rows])
+        conn.close()
+    return build
+
+
+def expect_hand_edit(message: str, state_dir: Path) -> None:
+    """Found by a fresh user: an empty table read "at revision None ... written by a newer release"."""
+    assert "rivet_state_version" in message and "by hand" in message and "None" not in message
+    assert "newer" not in message
+
+
 def expect_foreign(message: str, state_dir: Path) -> None:
     assert str(state_dir) in message and OTHER_KEY in message
 
@@ -118,6 +136,9 @@ CASES: dict[str, tuple[Callable[[Path], None], str, int, Callable[[str, Path], N
     "truncated": (truncated, "RIVET_STATE_CORRUPT", 4, expect_path),
     "overwritten-page": (overwritten_page, "RIVET_STATE_CORRUPT", 4, expect_path),
     "unknown-revision": (newer_revision, "RIVET_STATE_SCHEMA_NEWER", 3, expect_revisions),
+    "empty-version-table": (hand_edited_versions([]), "RIVET_STATE_SCHEMA_UNEXPECTED", 3, expect_hand_edit),
+    "two-version-rows": (hand_edited_versions(["0003", "0002"]), "RIVET_STATE_SCHEMA_UNEXPECTED", 3,
+                         expect_hand_edit),
 }
 
 
@@ -166,6 +187,9 @@ def test_unusable_state_is_refused_byte_identical_by_every_command(tmp_path: Pat
         assert info.returncode == 0, describe(info)
         revision = json.loads(info.stdout)["revision"]
         assert (revision["current"], revision["status"]) == (UNKNOWN_REVISION, "unknown"), describe(info)
+    elif code == "RIVET_STATE_SCHEMA_UNEXPECTED":
+        assert info.returncode == 0, describe(info)
+        assert json.loads(info.stdout)["revision"]["status"] == "unknown", describe(info)
     else:
         says(assert_error_object(info, code, exit_code)["message"], state_dir)
     unchanged(info)

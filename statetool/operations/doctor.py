@@ -324,9 +324,9 @@ def _snapshot_reasons(ctx: Context, read: _Read, state: dict[str, Any]) -> list[
                               f"the state was written by an older release (pending: {', '.join(snap.pending)})",
                               {"state": location.display, "revision": snap.revision or "legacy",
                                "pending": snap.pending}))
-    if not snap.known:
-        reasons.append(Reason("RIVET_STATE_SCHEMA_NEWER", f"revision {snap.revision} is unknown here",
-                              {"revision": snap.revision}))
+    unknown = snap.unknown_revision()
+    if unknown is not None:
+        reasons.append(Reason(unknown.code, unknown.message, {"revision": snap.revision}))
     verdict = identity_verdict(snap.recorded_key, ctx.computed_key, location.scope,
                                any(p.has_progress for p in read.progress.values()))
     state["identity"] = {"recorded": snap.recorded_key, "computed": ctx.computed_key, "verdict": verdict.action}

@@ -223,11 +223,9 @@ def _check_leases(pf: Preflight, ctx: Context, for_write: bool) -> None:
 def _check_revision(pf: Preflight, snap: Snapshot) -> None:
     from statetool import migrations
 
-    if not snap.known:
-        pf.fail(StateError("RIVET_STATE_SCHEMA_NEWER",
-                           f"the state is at revision {snap.revision}, unknown to this release "
-                           f"(its newest is {migrations.head()}): written by a newer or another release"),
-                "revision")
+    unknown = snap.unknown_revision()
+    if unknown is not None:
+        pf.fail(unknown, "revision")
     elif snap.pending:
         at = "legacy (0001 shape)" if snap.legacy else snap.revision
         pf.fail(StateError("RIVET_STATE_MIGRATION_PENDING",
@@ -261,7 +259,7 @@ def _check_identity(pf: Preflight, ctx: Context, snap: Snapshot, for_write: bool
 
 #: Failures a read command reports instead of refusing: the state can still be described.
 DESCRIBABLE = frozenset({"RIVET_STATE_MISSING", "RIVET_STATE_MIGRATION_PENDING", "RIVET_STATE_SCHEMA_NEWER",
-                         "RIVET_STATE_FOREIGN"})
+                         "RIVET_STATE_SCHEMA_UNEXPECTED", "RIVET_STATE_FOREIGN"})
 
 
 def raise_failures(pf: Preflight, *, allow: frozenset[str] = frozenset()) -> None:

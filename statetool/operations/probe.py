@@ -90,6 +90,24 @@ class Snapshot:
             return []
         return [r.id for r in migrations.steps(self.effective_revision, migrations.head())[1]]
 
+    def unknown_revision(self) -> StateError | None:
+        """Why this release cannot use the state's revision, or None when it knows it (SPEC
+        §7, schema_drift): ``RIVET_STATE_SCHEMA_UNEXPECTED`` for a version table edited by
+        hand (empty, or several rows: no release writes either), ``RIVET_STATE_SCHEMA_NEWER``
+        for a revision of another or newer release."""
+        if self.known:
+            return None
+        if self.revision is None or "," in self.revision:
+            found = "no revision" if self.revision is None else \
+                f"several revisions ({self.revision.replace(',', ', ')})"
+            return StateError("RIVET_STATE_SCHEMA_UNEXPECTED",
+                              f"the state's version table ({VERSION_TABLE}) holds {found}, where every release "
+                              "keeps exactly one: it was edited by hand, and which revision its tables have is not "
+                              "known")
+        return StateError("RIVET_STATE_SCHEMA_NEWER",
+                          f"the state is at revision {self.revision}, unknown to this release (its newest is "
+                          f"{migrations.head()}): written by a newer or another release")
+
     @property
     def has_progress(self) -> bool:
         """True when any export has progress (SPEC §3)."""
