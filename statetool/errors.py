@@ -235,6 +235,11 @@ REGISTRY: dict[str, Entry] = {
     "RIVET_STATE_RELOCATED": _e(
         "refusal", "refusal", "set RIVET_STATE_URL to the new place named in the message",
     ),
+    "RIVET_STATE_VALUE_UNTRANSFERABLE": _e(
+        "refusal", "refusal",
+        "correct the value the message names in the source state (a hand edit left a value its column cannot "
+        "hold in PostgreSQL), then run the transfer again; nothing was written at the destination",
+    ),
     "RIVET_STATE_MOVE_IN_FLIGHT": _e(
         "refusal", "refusal",
         "a relocate or transfer into this place has not finished; the old place is still the live state: "

@@ -953,3 +953,34 @@ def test_the_source_blocks_carry_every_row_once_as_copy_text_however_a_block_is_
     assert sum(b.rows for b in blocks) == len(kept)
     assert sum(b.checksum for b in blocks) == sum(row_checksum(r) for r in kept)
     assert len(blocks) == -(-len(kept) // BATCH_ROWS)
+
+
+@pytest.mark.parametrize(("column", "value", "says"), [
+    ("error", b"\x00\x01binary\xff", "is not UTF-8"),
+    ("error", "before\x00after", "NUL"),
+    ("rows", "abc", "invalid input syntax for type bigint"),
+], ids=["blob", "nul-in-text", "text-in-bigint"])
+def test_a_value_postgresql_cannot_hold_is_refused_by_name_and_nothing_changes(
+        cfg: Path, admin: str, pg_url: str, column: str, value: object, says: str) -> None:
+    """A hand edit left a value in the source that no PostgreSQL column of its type can hold:
+    the transfer is refused ``RIVET_STATE_VALUE_UNTRANSFERABLE`` (exit 5), naming the table,
+    and what is wrong; the source is byte-identical and no schema is left at the
+    destination (found by a fresh user: each was ``RIVET_INTERNAL``, "a bug in statetool").
+    The lease records the transfer took and released change, as any run's do."""
+    db = sqlite3.connect(cfg.parent / ".rivet_state.db")
+    with db:
+        rowid = db.execute("SELECT max(rowid) FROM rivet_runs").fetchone()[0] // 2
+        db.execute(f"UPDATE rivet_runs SET {column} = ? WHERE rowid = ?", (value, rowid))
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+    def files() -> dict[str, str]:
+        return {k: v for k, v in tree_digest(cfg.parent).items() if not k.startswith(".rivet_state.leases")}
+
+    before = files()
+    proc = run_cli("-c", str(cfg), "--json-errors", "transfer", "--to", pg_url)
+    error = error_object(proc)
+    assert proc.returncode == 5 and error["code"] == "RIVET_STATE_VALUE_UNTRANSFERABLE", describe(proc)
+    assert "rivet_runs" in error["message"] and says in error["message"], describe(proc)
+    assert files() == before, describe(proc)
+    assert pg_fetch(admin, "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                           "WHERE n.nspname = %s", (split_url(pg_url)[1],)) == [(0,)], describe(proc)

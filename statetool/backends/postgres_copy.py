@@ -24,6 +24,7 @@ from sqlalchemy.engine import Connection
 
 from statetool.backends.copy_text import NULL, Block, Loaded
 from statetool.backends.postgres_faults import ident
+from statetool.errors import StateError
 
 #: From this many rows on, an empty table's indexes are built after its COPY, not during it.
 DEFER_INDEXES_ROWS = 10_000
@@ -76,8 +77,10 @@ def copy_into(conn: Connection, table: str, columns: list[str], blocks: Iterable
     and what the table gained; the caller compares them. Driver errors propagate (the
     session that yielded ``conn`` translates them: those of the COPY, met on the driver's
     own cursor, are handed on as SQLAlchemy's, so a full disk during the COPY is
-    ``RIVET_STATE_DISK_FULL`` as anywhere else); an error of the source's blocks is raised
-    as the source raised it."""
+    ``RIVET_STATE_DISK_FULL`` as anywhere else), but a value the server refuses (SQLSTATE
+    class 22, not 22P04, a malformed line of ours: not a number in a ``bigint``, say) is
+    ``RIVET_STATE_VALUE_UNTRANSFERABLE``, naming the table and the server's line and
+    column; an error of the source's blocks is raised as the source raised it."""
     before_rows, before_sum = table_checksum(conn, table, columns)
     rebuild = defer_indexes(conn, table) if before_rows == 0 and rows >= DEFER_INDEXES_ROWS else []
     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
@@ -91,6 +94,13 @@ def copy_into(conn: Connection, table: str, columns: list[str], blocks: Iterable
                 sent_sum += block.checksum
                 progress(block.rows)
     except psycopg.Error as err:
+        # SQLSTATE class 22 is a value the column cannot hold, but 22P04 a malformed COPY
+        # line: that one is statetool's own text, a bug (RIVET_INTERNAL)
+        if isinstance(err, psycopg.DataError) and not isinstance(err, psycopg.errors.BadCopyFileFormat):
+            where = f" ({err.diag.context.strip()})" if err.diag.context else ""
+            raise StateError("RIVET_STATE_VALUE_UNTRANSFERABLE",
+                             f"{table}: PostgreSQL refused a value of the source: {err.diag.message_primary}{where}; "
+                             "nothing was written at the destination", {"table": table}) from None
         raise sa.exc.DBAPIError(copy_sql, None, err) from err
     for statement in rebuild:
         conn.exec_driver_sql(statement)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from statetool.backends.copy_text import ESCAPES, NULL, Block, row_checksum, sum60
+from statetool.errors import StateError
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -34,9 +35,12 @@ def copy_blocks(conn: Connection, table: str, columns: list[str]) -> Iterator[Bl
     transfer"). A block with no backslash, no CR, and exactly the tabs and newlines the joins
     put there holds no value COPY would escape: each row's text is then its COPY line and its
     checksum text at once (NUL spelled ``\\N``), and the block goes out as it is, without a
-    Python step per value. Any other block, and one SQLite cannot join (longer than its
-    string limit, ``SQLITE_TOOBIG``), is read again and escaped value by value. Raises what
-    the driver raises (``sqlite3.Error``); the session that yielded ``conn`` translates it.
+    Python step per value (the NULs counted against the block's NULLs: a NUL inside a value
+    is not a mark). Any other block, and one SQLite cannot join (longer than its string
+    limit, ``SQLITE_TOOBIG``, or a text that is not UTF-8), is read again and escaped value
+    by value. Raises ``RIVET_STATE_VALUE_UNTRANSFERABLE`` for a value no PostgreSQL text can
+    hold (not UTF-8, or holding a NUL), and what the driver raises (``sqlite3.Error``),
+    which the session that yielded ``conn`` translates.
     """
     raw: sqlite3.Connection = conn.connection.driver_connection  # type: ignore[assignment]
     quoted = ", ".join(f'"{c}"' for c in columns)
@@ -45,21 +49,27 @@ def copy_blocks(conn: Connection, table: str, columns: list[str]) -> Iterator[Bl
     # The rows after rowid :after, in rowid order: how many, the last rowid, and their texts
     # joined (group_concat's order does not matter: COPY takes rows in any order, and the
     # checksum is a sum).
-    block_sql = (f'SELECT count(*), max(st_rowid), group_concat(st_line, :newline) FROM '
-                 f'(SELECT rowid AS st_rowid, {joined} AS st_line FROM "{table}" WHERE rowid > :after '
-                 f'ORDER BY rowid LIMIT :rows)')
+    nulls = " + ".join(f'("{c}" IS NULL)' for c in columns)
+    block_sql = (f'SELECT count(*), max(st_rowid), group_concat(st_line, :newline), sum(st_nulls) FROM '
+                 f'(SELECT rowid AS st_rowid, {joined} AS st_line, {nulls} AS st_nulls FROM "{table}" '
+                 f'WHERE rowid > :after ORDER BY rowid LIMIT :rows)')
     size_sql = f'SELECT count(*), max(st_rowid) FROM (SELECT rowid AS st_rowid FROM "{table}" WHERE rowid > :after ' \
                f'ORDER BY rowid LIMIT :rows)'
     params = {"tab": "\t", "null": "\0", "newline": "\n", "rows": BATCH_ROWS, "after": _BEFORE_ROWIDS}
     while True:
         try:
-            n, last, text = raw.execute(block_sql, params).fetchone()
-        except sqlite3.DataError:  # too long to join: this block goes value by value
+            n, last, text, marks = raw.execute(block_sql, params).fetchone()
+        except (sqlite3.DataError, sqlite3.OperationalError) as err:
+            # too long to join, or a text that is not UTF-8 (a BLOB, a hand edit): this block
+            # goes value by value, which names a value PostgreSQL cannot take
+            if isinstance(err, sqlite3.OperationalError) and "decode" not in str(err):
+                raise
             n, last = raw.execute(size_sql, params).fetchone()
-            text = None
+            text, marks = None, 0
         if not n:
             return
-        if text is None or "\\" in text or "\r" in text or text.count("\n") != n - 1 or text.count("\t") != n * tabs:
+        if (text is None or "\\" in text or "\r" in text or text.count("\n") != n - 1 or text.count("\t") != n * tabs
+                or text.count("\0") != marks):
             data, checksum = _escaped_block(raw, table, quoted, params["after"], last)
         else:
             data = text.replace("\0", NULL).encode()
@@ -71,9 +81,33 @@ def copy_blocks(conn: Connection, table: str, columns: list[str]) -> Iterator[Bl
 def _escaped_block(raw: sqlite3.Connection, table: str, quoted: str, after: int, last: int) -> tuple[bytes, int]:
     """The rows after rowid ``after`` up to ``last`` as COPY text, each value escaped, and their checksum."""
     lines, checksum = [], 0
-    for row in raw.execute(f'SELECT {quoted} FROM "{table}" WHERE rowid > ? AND rowid <= ? ORDER BY rowid',
-                           (after, last)):
-        texts = [None if v is None else v.decode() if isinstance(v, bytes) else str(v) for v in row]
+    raw.text_factory = bytes  # a text that is not UTF-8 is named below, not a decode error of the driver
+    try:
+        rows = raw.execute(f'SELECT rowid, {quoted} FROM "{table}" WHERE rowid > ? AND rowid <= ? ORDER BY rowid',
+                           (after, last)).fetchall()
+    finally:
+        raw.text_factory = str
+    columns = [c.strip('"') for c in quoted.split(", ")]
+    for rowid, *row in rows:
+        texts = [None if v is None else _text(v, table, columns[i], rowid) if isinstance(v, bytes) else str(v)
+                 for i, v in enumerate(row)]
         checksum += row_checksum(texts)
         lines.append("\t".join(NULL if t is None else t.translate(ESCAPES) for t in texts))
     return "\n".join(lines).encode(), checksum
+
+
+def _text(value: bytes, table: str, column: str, rowid: int) -> str:
+    """``value`` (a TEXT or BLOB of the source) as the text PostgreSQL will hold.
+    ``RIVET_STATE_VALUE_UNTRANSFERABLE`` when it is not UTF-8 or holds a NUL, which no
+    PostgreSQL text can: refused before the COPY sends it, naming where it is."""
+    try:
+        text = value.decode()
+    except UnicodeDecodeError:
+        why = "is not UTF-8 text (a BLOB, or bytes written by hand)"
+    else:
+        if "\0" not in text:
+            return text
+        why = "holds a NUL character, which no PostgreSQL text can"
+    raise StateError("RIVET_STATE_VALUE_UNTRANSFERABLE",
+                     f"{table}.{column} of the row with rowid {rowid} {why}; nothing was written at the destination",
+                     {"table": table, "column": column, "rowid": rowid})
