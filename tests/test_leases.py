@@ -1055,3 +1055,17 @@ def test_info_and_check_show_the_live_holder(state: State, spawn: Callable[..., 
     (leases_check,) = [c for c in json.loads(proc.stdout)["checks"] if c["id"] == "leases"]
     assert f"pid {holder.pid}" in leases_check["message"], leases_check
     assert holder.finish().returncode == 0
+
+
+def test_a_process_that_is_exiting_is_not_working_a_running_one_is() -> None:
+    """``/proc/PID/stat``'s flags (field 9) with PF_EXITING: a SIGKILLed command that has
+    closed its files but is not a zombie yet does no more work, so a lease its group kept
+    reads stale at once (found in CI: a next taker read "live" right after the kill). This
+    process itself is running."""
+    from statetool.backends.processes import _stat_fields, _working
+
+    mine = _stat_fields(os.getpid())
+    assert mine is not None and _working(mine)
+    exiting = [*mine[:6], str(int(mine[6]) | 0x4).encode(), *mine[7:]]
+    assert not _working(exiting)
+    assert not _working([b"Z", *mine[1:]])

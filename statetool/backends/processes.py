@@ -30,6 +30,24 @@ def _stat_fields(pid: int) -> list[bytes] | None:
     return stat[stat.rfind(b")") + 2:].split()
 
 
+#: The kernel's PF_EXITING task flag (field 9 of ``/proc/PID/stat``): set when a process
+#: starts to exit, before it closes its files and long before it is a zombie.
+_PF_EXITING = 0x4
+
+
+def _working(fields: list[bytes]) -> bool:
+    """Whether the process whose ``stat`` fields (from field 3) are ``fields`` can still
+    work: not a zombie (``Z``/``X``) and not exiting. An exiting process has dropped, or is
+    dropping, its files and locks: counting it alive kept a lease live for the instants a
+    SIGKILLed command took to exit (a next taker read "live" under load)."""
+    if not fields or fields[0] in (b"Z", b"X"):
+        return False
+    try:
+        return not int(fields[6]) & _PF_EXITING
+    except (IndexError, ValueError):
+        return True
+
+
 def process_started(pid: int) -> int | None:
     """The start time of process ``pid`` in clock ticks since boot, or None when it does
     not exist or ``/proc`` cannot be read."""
@@ -56,13 +74,14 @@ def pid_alive(pid: int) -> bool:
 def alive(pid: int | None, started: int | None) -> bool:
     """True when process ``pid`` runs on this host and, when ``started`` is known, is the
     very process that started then (not a later one that reuses its pid). A zombie (dead,
-    not yet reaped: state ``Z``/``X``) is dead: it does no more work."""
+    not yet reaped: state ``Z``/``X``) and a process that is exiting are dead: they do no
+    more work (:func:`_working`)."""
     if pid is None or not pid_alive(pid):
         return False
     fields = _stat_fields(pid)
     if fields is None:
         return True  # no /proc: the pid alone
-    if not fields or fields[0] in (b"Z", b"X"):
+    if not _working(fields):
         return False
     try:
         return started is None or int(fields[19]) == started
@@ -71,7 +90,7 @@ def alive(pid: int | None, started: int | None) -> bool:
 
 
 def group_alive(group: int) -> bool:
-    """True when a live process (not a zombie) of process group ``group`` runs on this host.
+    """True when a live process (not a zombie, not exiting) of process group ``group`` runs on this host.
 
     A killpg(2) probe first: a group it finds no process of (not even a zombie) has none
     alive, which is the common answer once a command has ended, and costs one system call
@@ -91,6 +110,6 @@ def group_alive(group: int) -> bool:
         return True
     for name in pids:
         fields = _stat_fields(int(name))
-        if fields and len(fields) > 2 and fields[2] == str(group).encode() and fields[0] not in (b"Z", b"X"):
+        if fields and len(fields) > 2 and fields[2] == str(group).encode() and _working(fields):
             return True
     return False
