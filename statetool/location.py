@@ -111,6 +111,15 @@ class Location(NamedTuple):
             url += f"{'&' if '?' in url else '?'}schema={self.schema}"
         return redact_url(url)
 
+    def directory_missing(self, hint: str = "") -> StateError:
+        """``RIVET_STATE_DIR_MISSING`` for this declared directory, which does not exist,
+        naming the setting that declared it (``--state-url`` or ``RIVET_STATE_URL``), as every
+        refusal of a location does; ``hint`` ends the sentence (a likely misspelling)."""
+        setting = "--state-url" if self.origin == "flag" else ENV_VAR
+        return StateError("RIVET_STATE_DIR_MISSING",
+                          f"{setting}: the declared state directory {self.directory} does not exist (a volume that "
+                          f"did not mount?){hint}", {"path": str(self.directory)})
+
     def as_dict(self) -> dict[str, object]:
         """JSON shape: ``{backend, scope, origin, path, directory, url, schema, display}``."""
         return {

@@ -356,3 +356,23 @@ def test_every_location_refusal_names_its_setting(tmp_path: Path, value: str, gi
     assert raised.value.code in {"RIVET_STATE_URL_INVALID", "RIVET_STATE_DIR_RELATIVE"}
     assert raised.value.message.startswith(named), raised.value.message
     assert value.split("?")[0] in raised.value.message or "relative" in raised.value.message
+
+
+@pytest.mark.parametrize("command", [("info",), ("init",), ("leases", "run", "--export", "orders", "--", "true")])
+@pytest.mark.parametrize("given_as", ["env", "flag"])
+def test_a_declared_directory_that_does_not_exist_is_named_with_its_setting(tmp_path: Path, command: tuple[str, ...],
+                                                                            given_as: str) -> None:
+    """The refusal of a missing declared directory names the setting that declared it, as
+    every refusal of a location does (found by a fresh user: it did not), the same sentence
+    from a read, from init and from the lease path; nothing is created."""
+    config = write_config(tmp_path / "pipeline")
+    missing = tmp_path / "not-mounted"
+    url = f"sqlite:{missing}"
+    args, env = (("--state-url", url), {}) if given_as == "flag" else ((), {"RIVET_STATE_URL": url})
+    proc = run_cli("-c", str(config), "--json-errors", *args, *command, env=env)
+    error = error_object(proc)
+    assert proc.returncode == 1 and error["code"] == "RIVET_STATE_DIR_MISSING", describe(proc)
+    named = "--state-url" if given_as == "flag" else "RIVET_STATE_URL"
+    assert error["message"].startswith(f"{named}: the declared state directory {missing} does not exist"), \
+        describe(proc)
+    assert not missing.exists(), describe(proc)

@@ -129,9 +129,7 @@ class SqliteBackend:
         except NotADirectoryError:
             raise self._not_a_directory() from None
         if self.location.scope == "declared_dir" and not os.path.lexists(self.path.parent):
-            raise StateError("RIVET_STATE_DIR_MISSING",
-                             f"the declared state directory {self.path.parent} does not exist (a volume that did "
-                             f"not mount?){self._spelling_hint()}", {"path": str(self.path.parent)})
+            raise self.location.directory_missing(self._spelling_hint())
         return False
 
     def check_writable(self, *, copies: int, replaced_by: str | None = None) -> None:

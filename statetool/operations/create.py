@@ -36,7 +36,7 @@ def init(ctx: Context) -> InitResult:
     location = ctx.location
     key = ctx.computed_key
     if location.directory is not None and not location.directory.is_dir():
-        raise StateError("RIVET_STATE_DIR_MISSING", f"state directory {location.directory} does not exist")
+        raise location.directory_missing()
     backend = ctx.backend()
     if backend.present():
         raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",

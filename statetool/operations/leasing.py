@@ -99,8 +99,7 @@ def lease_store(ctx: Context) -> LeaseStore:
     ctx.config_or_none()
     location = ctx.location
     if location.directory is not None and not location.directory.is_dir():
-        raise StateError("RIVET_STATE_DIR_MISSING", f"state directory {location.directory} does not exist "
-                         "(is the volume mounted?)")
+        raise location.directory_missing()
     return ctx.lease_store
 
 
