@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from statetool.backends.base import HeldLease, Holder, LeaseInfo, Reader
 from statetool.backends.postgres_faults import driver_error, rights_problem
-from statetool.backends.processes import alive, group_alive, host_name
+from statetool.backends.processes import alive, command_alive, host_name
 from statetool.backends.readers import CoreReader, pyformat
 from statetool.errors import StateError
 from statetool.tables import LEASE_TABLE
@@ -77,13 +77,7 @@ def _info(row: Mapping[str, Any], here: str) -> LeaseInfo:
     age = float(row["age"])
     stale = age > row["ttl_seconds"]
     if row["holder_host"] == here and not alive(holder.pid, holder.started):
-        # The command leads a process group of its own (operations/leases.py): PR_SET_PDEATHSIG
-        # ends the command with its wrapper, not what the command started (a shell's next step),
-        # which works on in that group. While any of it lives the run goes on, and so does its
-        # lease (SPEC §5: no second run of the export beside it). A group id is not reused while
-        # a process of the group lives.
-        stale = not (alive(holder.child_pid, holder.child_started)
-                     or (holder.child_pid is not None and group_alive(holder.child_pid)))
+        stale = not command_alive(holder.child_pid, holder.child_started)  # the run's work goes on
     return LeaseInfo(row["key"], "stale" if stale else "live", holder, age, max(0.0, row["ttl_seconds"] - age))
 
 

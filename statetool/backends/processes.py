@@ -89,6 +89,14 @@ def alive(pid: int | None, started: int | None) -> bool:
         return True
 
 
+def command_alive(pid: int | None, started: int | None) -> bool:
+    """Whether the command a ``leases run`` wrapper started (``pid``, its start time
+    ``started``) still works on this host: itself, or any live process of the process group
+    it leads (what it started: a shell's next step outlives the command when the wrapper is
+    SIGKILLed, SPEC §5). A group id is not reused while a process of the group lives."""
+    return alive(pid, started) or (pid is not None and group_alive(pid))
+
+
 def group_alive(group: int) -> bool:
     """True when a live process (not a zombie, not exiting) of process group ``group`` runs on this host.
 

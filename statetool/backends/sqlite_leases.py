@@ -42,7 +42,7 @@ from urllib.parse import unquote
 from statetool.backends.base import HeldLease, Holder, LeaseInfo
 from statetool.backends.durable import directory_mode, give_owner, mode_of
 from statetool.backends.faults import fault, refuse_unwritable
-from statetool.backends.processes import group_alive, host_name
+from statetool.backends.processes import command_alive, host_name
 from statetool.backends.proclocks import lock_holders_of
 from statetool.backends.sqlite_file import foreign_companions, read_header, refuse_unsafe_companions
 from statetool.errors import StateError
@@ -85,13 +85,12 @@ def _read_doc(fd: int) -> dict[str, Any]:
 
 
 def _work_goes_on(record: Holder | None) -> bool:
-    """Whether a process of the command a dead holder ran (its process group, which the
-    command leads: operations/leases.py) still lives on this host: what a shell's step that
-    outlived its wrapper and closed its inherited descriptors, and with them the lock, is
-    doing is that run's work, and the lease stays its (SPEC §5). A group id is not reused
-    while a process of the group lives."""
+    """Whether the command a dead holder recorded still works on this host
+    (:func:`~statetool.backends.processes.command_alive`): a shell's step that outlived its
+    wrapper and closed its inherited descriptors, and with them the lock, does that run's
+    work, and the lease stays its (SPEC §5)."""
     return (record is not None and record.child_pid is not None and record.host == host_name()
-            and group_alive(record.child_pid))
+            and command_alive(record.child_pid, record.child_started))
 
 
 def _holder(doc: dict[str, Any]) -> Holder | None:

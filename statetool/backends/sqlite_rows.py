@@ -37,57 +37,66 @@ def copy_blocks(conn: Connection, table: str, columns: list[str]) -> Iterator[Bl
     checksum text at once (NUL spelled ``\\N``), and the block goes out as it is, without a
     Python step per value (the NULs counted against the block's NULLs: a NUL inside a value
     is not a mark). Any other block, and one SQLite cannot join (longer than its string
-    limit, ``SQLITE_TOOBIG``, or a text that is not UTF-8), is read again and escaped value
+    limit, ``SQLITE_TOOBIG``), or that is not UTF-8, is read again and escaped value
     by value. Raises ``RIVET_STATE_VALUE_UNTRANSFERABLE`` for a value no PostgreSQL text can
     hold (not UTF-8, or holding a NUL), and what the driver raises (``sqlite3.Error``),
     which the session that yielded ``conn`` translates.
     """
     raw: sqlite3.Connection = conn.connection.driver_connection  # type: ignore[assignment]
-    quoted = ", ".join(f'"{c}"' for c in columns)
     joined = " || :tab || ".join(f'ifnull("{c}", :null)' for c in columns)
     tabs = len(columns) - 1
     # The rows after rowid :after, in rowid order: how many, the last rowid, and their texts
     # joined (group_concat's order does not matter: COPY takes rows in any order, and the
     # checksum is a sum).
     nulls = " + ".join(f'("{c}" IS NULL)' for c in columns)
-    block_sql = (f'SELECT count(*), max(st_rowid), group_concat(st_line, :newline), sum(st_nulls) FROM '
-                 f'(SELECT rowid AS st_rowid, {joined} AS st_line, {nulls} AS st_nulls FROM "{table}" '
+    # As bytes (CAST AS BLOB): a text that is not UTF-8 is found below, where it sends the
+    # block value by value, and never fails the driver's decoding.
+    block_sql = (f'SELECT count(*), max(st_rowid), CAST(group_concat(st_line, :newline) AS BLOB), sum(st_nulls) '
+                 f'FROM (SELECT rowid AS st_rowid, {joined} AS st_line, {nulls} AS st_nulls FROM "{table}" '
                  f'WHERE rowid > :after ORDER BY rowid LIMIT :rows)')
     size_sql = f'SELECT count(*), max(st_rowid) FROM (SELECT rowid AS st_rowid FROM "{table}" WHERE rowid > :after ' \
                f'ORDER BY rowid LIMIT :rows)'
     params = {"tab": "\t", "null": "\0", "newline": "\n", "rows": BATCH_ROWS, "after": _BEFORE_ROWIDS}
     while True:
         try:
-            n, last, text, marks = raw.execute(block_sql, params).fetchone()
-        except (sqlite3.DataError, sqlite3.OperationalError) as err:
-            # too long to join, or a text that is not UTF-8 (a BLOB, a hand edit): this block
-            # goes value by value, which names a value PostgreSQL cannot take
-            if isinstance(err, sqlite3.OperationalError) and "decode" not in str(err):
-                raise
+            n, last, joined_rows, marks = raw.execute(block_sql, params).fetchone()
+        except sqlite3.DataError:  # too long to join: this block goes value by value
             n, last = raw.execute(size_sql, params).fetchone()
-            text, marks = None, 0
+            joined_rows = None
         if not n:
             return
-        if (text is None or "\\" in text or "\r" in text or text.count("\n") != n - 1 or text.count("\t") != n * tabs
-                or text.count("\0") != marks):
-            data, checksum = _escaped_block(raw, table, quoted, params["after"], last)
+        if joined_rows is None or not _plain(joined_rows, n, tabs, marks):
+            data, checksum = _escaped_block(raw, table, columns, params["after"], last)
         else:
-            data = text.replace("\0", NULL).encode()
+            data = joined_rows.replace(b"\0", NULL.encode())
             checksum = sum60(data.split(b"\n"))
         yield Block(data + b"\n", n, checksum)
         params["after"] = last
 
 
-def _escaped_block(raw: sqlite3.Connection, table: str, quoted: str, after: int, last: int) -> tuple[bytes, int]:
+def _plain(joined_rows: bytes, rows: int, tabs: int, marks: int) -> bool:
+    """Whether the ``rows`` rows joined in ``joined_rows`` (``tabs`` tabs a row, ``marks``
+    NULs marking NULLs) are their own COPY lines: UTF-8, no backslash or CR, no tab, newline
+    or NUL inside a value."""
+    try:
+        joined_rows.decode()
+    except UnicodeDecodeError:
+        return False
+    return (b"\\" not in joined_rows and b"\r" not in joined_rows and joined_rows.count(b"\n") == rows - 1
+            and joined_rows.count(b"\t") == rows * tabs and joined_rows.count(b"\0") == marks)
+
+
+def _escaped_block(raw: sqlite3.Connection, table: str, columns: list[str], after: int, last: int
+                   ) -> tuple[bytes, int]:
     """The rows after rowid ``after`` up to ``last`` as COPY text, each value escaped, and their checksum."""
     lines, checksum = [], 0
+    quoted = ", ".join(f'"{c}"' for c in columns)
     raw.text_factory = bytes  # a text that is not UTF-8 is named below, not a decode error of the driver
     try:
         rows = raw.execute(f'SELECT rowid, {quoted} FROM "{table}" WHERE rowid > ? AND rowid <= ? ORDER BY rowid',
                            (after, last)).fetchall()
     finally:
         raw.text_factory = str
-    columns = [c.strip('"') for c in quoted.split(", ")]
     for rowid, *row in rows:
         texts = [None if v is None else _text(v, table, columns[i], rowid) if isinstance(v, bytes) else str(v)
                  for i, v in enumerate(row)]
