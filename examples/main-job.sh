@@ -41,9 +41,9 @@ show "statetool leases run --export orders -- sleep 30 &"
 statetool leases run --export orders -- sleep 30 &
 holder=$!
 show statetool leases
-for _ in $(seq 150); do  # until the run has taken its lease (a second or so)
+for _ in $(seq 150); do  # until the run has taken its lease and written who holds it (a second or so)
   leases=$(statetool leases)
-  if grep -w live <<<"$leases" >/dev/null; then break; fi
+  if grep -E '\blive +[0-9]+ ' <<<"$leases" >/dev/null; then break; fi
   sleep 0.2
 done
 echo "$leases"

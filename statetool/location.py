@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -90,9 +91,10 @@ class Location(NamedTuple):
 
     @property
     def lease_dir(self) -> Path | None:
-        """The folder of SQLite lease sidecars beside the state file (:data:`LEASE_DIR`);
-        None for PostgreSQL, whose leases are rows."""
-        return self.path.parent / LEASE_DIR if self.path is not None else None
+        """The folder of SQLite lease sidecars beside the real state file (:data:`LEASE_DIR`):
+        a symlinked state and the directory its file really is in share one lease of each
+        key (SPEC §5); None for PostgreSQL, whose leases are rows."""
+        return (self.real_path or self.path).parent / LEASE_DIR if self.path is not None else None
 
     def companion(self, suffix: str) -> Path | None:
         """The file SQLite keeps beside the state file, named by ``suffix`` (``-journal``,
@@ -115,10 +117,47 @@ class Location(NamedTuple):
         """``RIVET_STATE_DIR_MISSING`` for this declared directory, which does not exist,
         naming the setting that declared it (``--state-url`` or ``RIVET_STATE_URL``), as every
         refusal of a location does; ``hint`` ends the sentence (a likely misspelling)."""
-        setting = "--state-url" if self.origin == "flag" else ENV_VAR
         return StateError("RIVET_STATE_DIR_MISSING",
-                          f"{setting}: the declared state directory {self.directory} does not exist (a volume that "
-                          f"did not mount?){hint}", {"path": str(self.directory)})
+                          f"{self._setting}: the declared state directory {self.directory} does not exist (a volume "
+                          f"that did not mount?){hint or self._spelling_hint()}", {"path": str(self.directory)})
+
+    def directory_problem(self) -> StateError | None:
+        """What is wrong with the directory the SQLite state file belongs in, the one check
+        every command makes before it opens, lists or creates anything there: None when it is
+        a directory (or for PostgreSQL); else ``RIVET_STATE_DIR_MISSING`` when a declared
+        directory does not exist (:meth:`directory_missing`), or when the directory, declared or
+        beside the config, is a file (a ``sqlite:`` location that names the state file itself
+        gets the spelling that names its directory). Reads one ``stat``."""
+        if self.directory is None:
+            return None
+        try:
+            if stat.S_ISDIR(os.stat(self.directory).st_mode):
+                return None
+        except FileNotFoundError:
+            return self.directory_missing() if self.scope == "declared_dir" else None
+        except NotADirectoryError:
+            pass
+        except OSError:
+            return None  # a directory this user may not look at: the open says so, by its own code
+        return self.not_a_directory()
+
+    def not_a_directory(self) -> StateError:
+        """``RIVET_STATE_DIR_MISSING`` for a state directory that is a file, or has a file
+        where a directory of its path belongs (ENOTDIR)."""
+        hint = self._spelling_hint() or f"; a sqlite: location names the directory that holds {STATE_FILE}"
+        origin = f"{self._setting}: " if self.scope == "declared_dir" else ""
+        return StateError("RIVET_STATE_DIR_MISSING", f"{origin}{self.directory} is a file, not a directory{hint}",
+                          {"path": str(self.directory)})
+
+    @property
+    def _setting(self) -> str:
+        return "--state-url" if self.origin == "flag" else ENV_VAR
+
+    def _spelling_hint(self) -> str:
+        directory = self.directory
+        if directory is None or not (directory.name == STATE_FILE or directory.suffix == ".db"):
+            return ""
+        return f"; a sqlite: location names the directory that holds {STATE_FILE}: sqlite:{directory.parent}"
 
     def as_dict(self) -> dict[str, object]:
         """JSON shape: ``{backend, scope, origin, path, directory, url, schema, display}``."""
@@ -187,7 +226,7 @@ def _sqlite_dir(raw: str, origin: str) -> Location:
         raise StateError(
             "RIVET_STATE_DIR_RELATIVE",
             f"state directory '{rest}' is relative; every task of every scheduler must see the same "
-            f"absolute path (for example sqlite:{os.path.join('/srv/rivet', rest.lstrip('~/'))})",
+            f"absolute path (for example sqlite:{os.path.normpath(os.path.join('/srv/rivet', rest.lstrip('~/')))})",
             {"value": raw},
         )
     directory = Path(os.path.normpath(rest))

@@ -69,9 +69,11 @@ def doctor(config: Path, *args: str, env: dict[str, str] | None = None,
     before = tree(*roots)
     proc = run_cli("-c", str(config), "--json", "doctor", *args, env=env)
     assert tree(*roots) == before, f"doctor changed files:\n{describe(proc)}"
-    assert proc.returncode in (0, 5), describe(proc)
+    assert proc.returncode in (0, 1, 5), describe(proc)
     doc = json.loads(proc.stdout)
-    assert proc.returncode == (5 if any(e["verdict"] == "first_run" for e in doc["exports"]) else 0), describe(proc)
+    first_run = any(e["verdict"] == "first_run" for e in doc["exports"])
+    unmounted = any(r["code"] == "RIVET_STATE_DIR_MISSING" for r in doc["state"]["reasons"])
+    assert proc.returncode == ((1 if unmounted else 5) if first_run else 0), describe(proc)
     return proc, doc
 
 
@@ -239,10 +241,11 @@ def test_declared_directory_that_does_not_exist(config: Path, tmp_path: Path) ->
     build_state(config, checkpoint_dir=config.parent)
     missing = tmp_path / "not-mounted" / "state"
     proc, doc = doctor(config, env={"RIVET_STATE_URL": f"sqlite:{missing}"})
-    assert proc.returncode == 5
+    assert proc.returncode == 1, "exits as every command refuses a missing declared directory (fresh user's finding)"
     for export in doc["exports"]:
         assert export["verdict"] == "first_run"
         assert reason(export["reasons"], "RIVET_STATE_DIR_MISSING")["evidence"]["directory"] == str(missing)
+        assert "RIVET_STATE_MISSING" not in {r["code"] for r in export["reasons"]}, "init is no fix for a mount"
     assert not missing.exists() and not missing.parent.exists()
     assert [c["path"] for c in doc["state"]["candidates"]] == [str(config.parent / STATE_FILE)]
 

@@ -1069,3 +1069,30 @@ def test_a_process_that_is_exiting_is_not_working_a_running_one_is() -> None:
     exiting = [*mine[:6], str(int(mine[6]) | 0x4).encode(), *mine[7:]]
     assert not _working(exiting)
     assert not _working([b"Z", *mine[1:]])
+
+
+def test_a_symlinked_state_and_its_real_directory_share_one_lease(
+        tmp_path: Path, spawn: Callable[..., LeaseRun]) -> None:
+    """A fresh user's finding: the lease folder was made beside the symlink, so a run through
+    the link and a run through the real directory both held "the" run lease of one state, and
+    a cursor was changed under a live run. The folder belongs beside the real file."""
+    (tmp_path / "real").mkdir()
+    real = _make_state(StateBackend.sqlite(tmp_path, declared=tmp_path / "real"))
+    assert real.state_dir is not None
+    linked_dir = tmp_path / "linked"
+    linked_dir.mkdir()
+    (linked_dir / ".rivet_state.db").symlink_to(real.state_dir / ".rivet_state.db")
+    linked = State("sqlite", real.config, {"RIVET_STATE_URL": f"sqlite:{linked_dir}"}, None, linked_dir)
+    for holding, other in ((linked, real), (real, linked)):
+        holder = spawn(holding)
+        holder.wait_ready()
+        proc = other.cli("--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+        assert proc.returncode == 2, describe(proc)
+        assert error_object(proc)["code"] == "RIVET_STATE_RUN_IN_PROGRESS", describe(proc)
+        proc = other.cli("--json-errors", "--lock-wait", "0", "exports", "set-cursor", "orders", "9")
+        assert proc.returncode == 2, describe(proc)
+        assert f"pid {holder.pid}" in error_object(proc)["message"], describe(proc)
+        assert other.leases()[RUN_KEY]["state"] == "live"
+        assert holder.finish().returncode == 0
+    assert sorted(p.name for p in linked_dir.iterdir()) == [".rivet_state.db"]
+    assert (real.state_dir / ".rivet_state.leases").is_dir()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from support import describe, error_object, run_cli, tree_digest, write_config
 from statetool.errors import StateError
-from statetool.location import resolve_location
+from statetool.location import STATE_FILE, resolve_location
 
 ACCEPTED_FORM_MARKERS = ("unset or empty", "sqlite:/", "postgresql://")
 
@@ -100,6 +101,8 @@ def test_sqlite_relative_directory_is_refused(tmp_path: Path, raw: str) -> None:
     assert err.exit_code == 1
     assert raw.split(":", 1)[1] in err.message
     assert "absolute" in err.message
+    example = err.message.rsplit("sqlite:", 1)[1].rstrip(")")
+    assert example == os.path.normpath(example) and os.path.isabs(example), err.message
 
 
 @pytest.mark.parametrize("raw, hint", [
@@ -358,7 +361,11 @@ def test_every_location_refusal_names_its_setting(tmp_path: Path, value: str, gi
     assert value.split("?")[0] in raised.value.message or "relative" in raised.value.message
 
 
-@pytest.mark.parametrize("command", [("info",), ("init",), ("leases", "run", "--export", "orders", "--", "true")])
+COMMANDS_AT_A_DIRECTORY = [("info",), ("init",), ("leases", "run", "--export", "orders", "--", "true"), ("leases",),
+                           ("doctor",), ("check",), ("exports", "list")]
+
+
+@pytest.mark.parametrize("command", COMMANDS_AT_A_DIRECTORY)
 @pytest.mark.parametrize("given_as", ["env", "flag"])
 def test_a_declared_directory_that_does_not_exist_is_named_with_its_setting(tmp_path: Path, command: tuple[str, ...],
                                                                             given_as: str) -> None:
@@ -376,3 +383,23 @@ def test_a_declared_directory_that_does_not_exist_is_named_with_its_setting(tmp_
     assert error["message"].startswith(f"{named}: the declared state directory {missing} does not exist"), \
         describe(proc)
     assert not missing.exists(), describe(proc)
+
+
+@pytest.mark.parametrize("command", COMMANDS_AT_A_DIRECTORY)
+def test_a_location_naming_the_state_file_is_refused_alike_with_the_directory_to_name(tmp_path: Path,
+                                                                                      command: tuple[str, ...]) -> None:
+    """``sqlite:/dir/.rivet_state.db`` names the file, not its directory. A fresh user found
+    the lease commands calling it a directory that does not exist and doctor looking for
+    ``.rivet_state.db/.rivet_state.db`` (exit 5): every command now gives one sentence, exit 1,
+    with the spelling that names the directory, and changes no byte."""
+    config = write_config(tmp_path / "pipeline")
+    directory = tmp_path / "state"
+    directory.mkdir()
+    assert run_cli("--state-url", f"sqlite:{directory}", "-c", str(config), "init").returncode == 0
+    before = tree_digest(tmp_path)
+    proc = run_cli("-c", str(config), "--json-errors", "--state-url", f"sqlite:{directory / STATE_FILE}", *command)
+    error = error_object(proc)
+    assert proc.returncode == 1 and error["code"] == "RIVET_STATE_DIR_MISSING", describe(proc)
+    assert error["message"] == (f"--state-url: {directory / STATE_FILE} is a file, not a directory; a sqlite: location "
+                                f"names the directory that holds {STATE_FILE}: sqlite:{directory}"), describe(proc)
+    assert tree_digest(tmp_path) == before

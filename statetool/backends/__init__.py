@@ -33,7 +33,7 @@ def open_leases(location: Location, lock_wait: float = 600.0, ttl: int = 30) -> 
         from statetool.backends.sqlite_leases import FlockLeases
 
         assert location.path is not None
-        return FlockLeases(location.path)
+        return FlockLeases(location.real_path or location.path)
     from statetool.backends.postgres import PostgresBackend
 
     return PostgresBackend(location, lock_wait).leases(ttl)

@@ -127,9 +127,9 @@ class SqliteBackend:
         except PermissionError:
             raise denied(self.path, "look at") from None
         except NotADirectoryError:
-            raise self._not_a_directory() from None
+            raise self.location.not_a_directory() from None
         if self.location.scope == "declared_dir" and not os.path.lexists(self.path.parent):
-            raise self.location.directory_missing(self._spelling_hint())
+            raise self.location.directory_missing()
         return False
 
     def check_writable(self, *, copies: int, replaced_by: str | None = None) -> None:
@@ -150,24 +150,12 @@ class SqliteBackend:
         size = self.path.stat().st_size if os.path.isfile(self.path) else 0
         reclaimed = sum(_bytes_under(path) for path in self._stale_temps()) if copies else 0
         # the real file's directory first: a migration's copy and backup are made there
-        directories = dict.fromkeys((self.real.parent, self.path.parent, self.path.parent / LEASE_DIR))
+        directories = dict.fromkeys((self.real.parent, self.path.parent, self.real.parent / LEASE_DIR))
         refuse_unwritable(self.path, directories=tuple(directories),
                           need=max(copies * size - reclaimed, 0) + WRITE_MARGIN,
                           room_for=f"{copies} copies as large as the state (a migration's copy, rebuilt tables, "
                           "a backup) and the change" if copies else "the change")
 
-    def _spelling_hint(self) -> str:
-        directory = self.path.parent
-        if directory.name == self.path.name or directory.suffix == ".db":
-            return (f"; a sqlite: location names the directory that holds {self.path.name}: "
-                    f"sqlite:{directory.parent}")
-        return ""
-
-    def _not_a_directory(self) -> StateError:
-        directory = self.path.parent
-        hint = self._spelling_hint() or f"; a sqlite: location names the directory that holds {self.path.name}"
-        return StateError("RIVET_STATE_DIR_MISSING", f"{directory} is a file, not a directory{hint}",
-                          {"path": str(directory)})
 
     def _header(self) -> bytes:
         return read_header(self.path)
@@ -717,14 +705,15 @@ class SqliteBackend:
         found = [f"{p} (a journal file of a state)" for p in self._companions()]
         found += [str(p) for p in sorted(directory.glob(f"{self.path.name}.relocated-*"))]
         found += [str(p) for p in sorted(directory.glob(f"{self.path.name}.backup-*")) if not p.name.endswith(".tmp")]
-        if self.leases().list():
-            found.append(f"lease records in {directory / LEASE_DIR}")
+        leases = self.leases()
+        if leases.list():
+            found.append(f"lease records in {leases.directory}")
         return found
 
     def leases(self, ttl: int = 30) -> FlockLeases:
         from statetool.backends.sqlite_leases import FlockLeases
 
-        return FlockLeases(self.path)
+        return FlockLeases(self.real)
 
 
 #: Seconds between two flushes of a migration's copy while it is built (:func:`_written_behind`).

@@ -191,7 +191,8 @@ class FlockStaleClaim:
 
 
 class FlockLeases:
-    """The lease store of a SQLite state directory."""
+    """The lease store of a SQLite state: the lease folder beside ``state_path``, the real
+    state file (a symlinked state's target, so that every path to one state shares its leases)."""
 
     def __init__(self, state_path: Path) -> None:
         self.state_path = state_path

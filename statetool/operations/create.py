@@ -35,8 +35,9 @@ def init(ctx: Context) -> InitResult:
     """
     location = ctx.location
     key = ctx.computed_key
-    if location.directory is not None and not location.directory.is_dir():
-        raise location.directory_missing()
+    problem = location.directory_problem()
+    if problem is not None:
+        raise problem
     backend = ctx.backend()
     if backend.present():
         raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",

@@ -43,7 +43,7 @@ FIRST_RUN_CLASS = "refusal"
 #: Codes whose presence makes an export's next run a first run.
 FIRST_RUN_CODES = frozenset({"RIVET_STATE_MISSING", "RIVET_EXPORT_NO_PROGRESS", "RIVET_STATE_CHECKPOINT_MISSING",
                              "RIVET_STATE_CHECKPOINT_UNREADABLE", "RIVET_STATE_FOREIGN", "RIVET_STATE_RELOCATED",
-                             "RIVET_STATE_NOT_A_STATE", "RIVET_STATE_CORRUPT"})
+                             "RIVET_STATE_NOT_A_STATE", "RIVET_STATE_CORRUPT", "RIVET_STATE_DIR_MISSING"})
 
 
 @dataclass
@@ -100,8 +100,15 @@ class DoctorResult:
     @property
     def exit_code(self) -> int:
         """0 when every export resumes; the exit code of class refusal (5, SPEC §7) when any
-        would first-run: a first run is refused until someone decides it on purpose."""
-        return EXIT_CODES[FIRST_RUN_CLASS] if any(e.verdict == "first_run" for e in self.exports) else 0
+        would first-run: a first run is refused until someone decides it on purpose. A
+        declared directory that is missing or a file exits as every other command refuses it
+        (``RIVET_STATE_DIR_MISSING``, usage: 1): the fix is the mount or the setting, never
+        ``init`` (docs/decisions.md, "doctor and a missing declared directory")."""
+        if not any(e.verdict == "first_run" for e in self.exports):
+            return 0
+        if any(r["code"] == "RIVET_STATE_DIR_MISSING" for r in self.state.get("reasons", ())):
+            return REGISTRY["RIVET_STATE_DIR_MISSING"].exit_code
+        return EXIT_CODES[FIRST_RUN_CLASS]
 
     @property
     def worst(self) -> Reason | None:
@@ -151,9 +158,9 @@ def _directory_reasons(location: Location) -> list[Reason]:
         return []
     directory = location.directory
     assert directory is not None
-    if not directory.is_dir():
-        return [Reason("RIVET_STATE_DIR_MISSING", f"the declared state directory {directory} does not exist: "
-                       "the volume is probably not mounted in this task", {"directory": str(directory)})]
+    problem = location.directory_problem()
+    if problem is not None:
+        return [Reason(problem.code, problem.message, {"directory": str(directory)})]
     reasons = []
     # A lease folder whose sidecars name no holder is what a refused or finished command may
     # leave: it does not make a new volume a used one.
@@ -305,7 +312,7 @@ def _read_state(ctx: Context, names: list[str], state_reasons: list[Reason]) -> 
         else:
             state_reasons.append(Reason(err.code, err.message, err.details))
             present = True
-    if not present and not any(r.code == "RIVET_STATE_MISSING" for r in state_reasons):
+    if not present and not any(r.code in {"RIVET_STATE_MISSING", "RIVET_STATE_DIR_MISSING"} for r in state_reasons):
         state_reasons.append(Reason("RIVET_STATE_MISSING", f"no state at {location.display}: every export starts "
                                     "from nothing", {"path": str(location.path) if location.path else None,
                                                      "state": location.display}))

@@ -98,8 +98,9 @@ def lease_store(ctx: Context) -> LeaseStore:
     exist."""
     ctx.config_or_none()
     location = ctx.location
-    if location.directory is not None and not location.directory.is_dir():
-        raise location.directory_missing()
+    problem = location.directory_problem()
+    if problem is not None:
+        raise problem
     return ctx.lease_store
 
 
