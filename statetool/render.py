@@ -514,8 +514,10 @@ def info(doc: dict[str, Any]) -> None:
     page.pairs("Revision", [("current", current), ("head", rev["head"]),
                             ("pending", ", ".join(rev["pending"]) or "none"), ("status", rev["status"])])
     page.line()
+    lineage = doc.get("lineage") or {}
     page.pairs("Identity", [("recorded", ident["recorded"]), ("computed", ident["computed"] or "(unknown)"),
-                            ("verdict", ident["verdict"]), ("", ident["message"])])
+                            ("verdict", ident["verdict"]), ("", ident["message"]),
+                            ("lineage", lineage.get("id") or "none recorded"), ("serial", lineage.get("serial"))])
     page.line()
     _exports(page, doc["exports"], _now())
     if doc.get("leases"):

@@ -12,11 +12,11 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from statetool.tables import (AUDIT, CHUNKS, EXPORTS, IDENTITY, IN_FLIGHT_REVISION, LEASE_TABLE, LEASE_TABLES,
-                              LEASE_TOKENS_TABLE, LEGACY_TABLES, LOAD_LEDGER, RUN_AGGREGATES, RUNS, STATE_TABLES,
+                              LEASE_TOKENS_TABLE, LEGACY_TABLES, LINEAGE, LOAD_LEDGER, RUN_AGGREGATES, RUNS, STATE_TABLES,
                               VERSION_TABLE)
 
 __all__ = ["IN_FLIGHT_REVISION", "LEASE_TABLE", "LEASE_TABLES", "LEASE_TOKENS_TABLE", "LEGACY_TABLES",
-           "STATE_TABLES", "VERSION_TABLE", "audit", "chunks", "exports", "identity", "load_ledger", "metadata",
+           "STATE_TABLES", "VERSION_TABLE", "audit", "chunks", "exports", "identity", "lineage", "load_ledger", "metadata",
            "run_aggregates", "runs"]
 
 metadata = sa.MetaData()
@@ -94,4 +94,12 @@ audit = sa.Table(
     sa.Column("command", sa.Text, nullable=False),
     sa.Column("action", sa.Text, nullable=False),
     sa.Column("detail", sa.Text, nullable=False),
+)
+
+lineage = sa.Table(
+    LINEAGE, metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("lineage", sa.Text, nullable=False),
+    sa.Column("serial", sa.BigInteger, nullable=False),
+    sa.Column("updated_at", sa.Text, nullable=False),
 )

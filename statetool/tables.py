@@ -27,10 +27,12 @@ RUN_AGGREGATES = "rivet_run_aggregates"
 LOAD_LEDGER = "rivet_load_ledger"
 IDENTITY = "rivet_identity"
 AUDIT = "rivet_audit"
+#: The one row of the state's lineage id and serial (revision 0005, SPEC §9).
+LINEAGE = "rivet_lineage"
 
 #: The tables of the early state (revision 0001): their presence without a version
 #: table is what makes a *legacy* state (SPEC §4).
 LEGACY_TABLES = frozenset({EXPORTS, RUNS, CHUNKS})
 #: Every table name the state schema has ever had, for "a database of another application".
-STATE_TABLES = frozenset({EXPORTS, RUNS, CHUNKS, RUN_AGGREGATES, LOAD_LEDGER, IDENTITY, AUDIT}) | LEASE_TABLES | {
+STATE_TABLES = frozenset({EXPORTS, RUNS, CHUNKS, RUN_AGGREGATES, LOAD_LEDGER, IDENTITY, AUDIT, LINEAGE}) | LEASE_TABLES | {
     VERSION_TABLE}

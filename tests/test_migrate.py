@@ -33,7 +33,7 @@ from statetool.operations.context import Context
 from statetool.operations.migrate import migrate
 from support.backends import StateBackend
 
-HEAD = "0004"
+HEAD = "0005"
 SOURCE_KEY = "postgresql://db.internal:5432/sales"
 VERSION_TABLE = "rivet_state_version"
 BACKUP_NAME = re.compile(r"^\.rivet_state\.db\.backup-(?P<label>.+)-(?P<stamp>\d{8}T\d{6}Z)$")
@@ -437,7 +437,7 @@ def test_downgrade_with_allow_data_loss_then_upgrade_round_trips(target: Target)
     assert down.returncode == 0, describe(down)
     doc = json.loads(down.stdout)
     assert (doc["from_revision"], doc["to_revision"], doc["direction"]) == (HEAD, "0001", "down")
-    assert [s["id"] for s in doc["steps"]] == ["0004", "0003", "0002"]
+    assert [s["id"] for s in doc["steps"]] == ["0005", "0004", "0003", "0002"]
     lost = {table: rows for step in doc["steps"] for table, rows in step["loses"].items()}
     assert lost["rivet_load_ledger"] == 5 and lost["rivet_run_aggregates"] == 3
     assert lost["rivet_runs"] == 16  # the runs whose bytes_read/duration/error_code go
@@ -492,7 +492,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(target: Target) -> None:
     proc = cli(target, "migrate", "--dry-run")
     assert proc.returncode == 0, describe(proc)
     out = " ".join(proc.stdout.split())
-    assert "from legacy to 0004" in out, describe(proc)
+    assert "from legacy to 0005" in out, describe(proc)
     for rev in migrations.revisions()[1:]:
         assert rev.id in out and rev.description.split(";")[0] in out, describe(proc)
     # PostgreSQL rewrites rivet_runs to widen its counts; SQLite changes only their declared type
@@ -502,7 +502,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(target: Target) -> None:
 
     doc = migrate(target.context(), dry_run=True).as_dict()  # the --json document
     assert (doc["from_revision"], doc["to_revision"], doc["dry_run"], doc["applied"]) == ("legacy", HEAD, True, False)
-    assert [(s["id"], s["rebuilds"]) for s in doc["steps"]] == [("0002", rebuilt), ("0003", {}), ("0004", {})]
+    assert [(s["id"], s["rebuilds"]) for s in doc["steps"]] == [("0002", rebuilt), ("0003", {}), ("0004", {}), ("0005", {})]
     assert doc["backup"] is None
 
     assert target.dump() == before
@@ -619,18 +619,18 @@ def test_migrate_at_head_does_nothing_and_takes_no_backup(target: Target) -> Non
 # 3. A migration that fails half way leaves the state exactly as it was
 # --------------------------------------------------------------------------------------
 
-FAILING_0005 = '''\
+FAILING_0006 = '''\
 """a revision that does real work and then fails
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005"
-down_revision = "0004"
+revision = "0006"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 
@@ -643,7 +643,7 @@ def upgrade() -> None:
     op.execute("UPDATE rivet_exports SET cursor_value = 'clobbered'")
     op.execute("DELETE FROM rivet_chunks")
     op.execute("UPDATE rivet_identity SET state_key = 'clobbered'")
-    raise RuntimeError("revision 0005 failed half way")
+    raise RuntimeError("revision 0006 failed half way")
 
 
 def downgrade() -> None:
@@ -653,17 +653,17 @@ def downgrade() -> None:
 
 @pytest.fixture
 def add_failing_revision(tmp_path: Path) -> Any:
-    """A function that points statetool at a copy of its alembic scripts with a 0005 that
+    """A function that points statetool at a copy of its alembic scripts with a 0006 that
     fails half way (undone after the test)."""
-    copy = tmp_path / "alembic-with-0005"
+    copy = tmp_path / "alembic-with-0006"
     shutil.copytree(migrations.script_location(), copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "versions" / "0005_fails_half_way.py").write_text(FAILING_0005)
+    (copy / "versions" / "0006_fails_half_way.py").write_text(FAILING_0006)
     original = migrations.script_location
 
     def activate() -> None:
         migrations.script_location = lambda: copy  # type: ignore[assignment]
         migrations.revisions.cache_clear()
-        assert migrations.head() == "0005"
+        assert migrations.head() == "0006"
 
     try:
         yield activate
@@ -694,7 +694,7 @@ def test_migration_failing_half_way_leaves_the_state_exactly_as_before(
         bytes_before = target.path.read_bytes()
     add_failing_revision()
 
-    with pytest.raises(RuntimeError, match="revision 0005 failed half way"):
+    with pytest.raises(RuntimeError, match="revision 0006 failed half way"):
         migrate(target.context())
 
     assert without_lease_tokens(target.dump()) == before

@@ -69,8 +69,11 @@ def test_set_cursor_changes_only_that_cursor_audits_and_backs_up_first(target: T
     assert "2026-04-15T00:00:00Z" in doc["next_run"] and "resume" in doc["next_run"], describe(proc)
 
     after = target.dump()
-    for table in set(before["data"]) - {"rivet_exports", "rivet_audit", "rivet_lease_tokens"}:
+    for table in set(before["data"]) - {"rivet_exports", "rivet_audit", "rivet_lease_tokens", "rivet_lineage"}:
         assert after["data"][table] == before["data"][table], table
+    (lineage_before,), (lineage_after,) = (_rows_by(d, "rivet_lineage", "id").values() for d in (before, after))
+    assert lineage_after["lineage"] == lineage_before["lineage"], "a write keeps the state's lineage"
+    assert lineage_after["serial"] == lineage_before["serial"] + 1, "and advances its serial by one (SPEC §9)"
     rows_before = _rows_by(before, "rivet_exports", "export_name")
     rows_after = _rows_by(after, "rivet_exports", "export_name")
     assert {k: v for k, v in rows_after.items() if k != "orders"} == \

@@ -24,12 +24,15 @@ class InfoResult:
     exports: list[dict[str, object]]
     warnings: list[dict[str, str]]
     leases: list[dict[str, object]]
+    #: ``{"id": lineage UUID, "serial": int}`` (SPEC §9; both null before revision 0005 or
+    #: without a state).
+    lineage: dict[str, object] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
-        """``{location, revision, identity, exports, warnings, leases}`` (the first five
-        never change; later keys are only ever added)."""
+        """``{location, revision, identity, exports, warnings, leases, lineage}`` (the first
+        five never change; later keys are only ever added)."""
         return {"location": self.location, "revision": self.revision, "identity": self.identity,
-                "exports": self.exports, "warnings": self.warnings, "leases": self.leases}
+                "exports": self.exports, "warnings": self.warnings, "leases": self.leases, "lineage": self.lineage}
 
 
 def _revision_doc(snap: Snapshot | None) -> dict[str, object]:
@@ -83,7 +86,7 @@ def info(ctx: Context) -> InfoResult:
     # A symlinked state file: the configured path and the file it resolves to, both shown.
     where = {**location.as_dict(), "real_path": str(location.real_path) if location.real_path else None}
     return InfoResult(where, _revision_doc(snap), identity, _export_rows(ctx, snap), warnings,
-                      leases)
+                      leases, {"id": snap.lineage if snap else None, "serial": snap.serial if snap else None})
 
 
 def _companion_warnings(ctx: Context, given: list[StateWarning]) -> list[StateWarning]:

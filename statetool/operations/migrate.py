@@ -23,7 +23,7 @@ from statetool.errors import StateError, StateWarning
 from statetool.operations.context import Context
 from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import row_counts
-from statetool.tables import AUDIT, IDENTITY, LEASE_TABLES, VERSION_TABLE
+from statetool.tables import AUDIT, IDENTITY, LEASE_TABLES, LINEAGE, VERSION_TABLE
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -49,7 +49,7 @@ CRASH_POINTS = ("locked", "copied", "migrated", "verified", "built", "closed", "
 #: Tables left out of the before/after row-count comparison: those a migration writes to
 #: itself, and the lease tables, which runs and heartbeats change while it runs (their own
 #: guard is the fence of the migration's leases, checked before the commit).
-_WRITTEN_BY_MIGRATE = {IDENTITY, AUDIT, VERSION_TABLE, *LEASE_TABLES}
+_WRITTEN_BY_MIGRATE = {IDENTITY, AUDIT, LINEAGE, VERSION_TABLE, *LEASE_TABLES}
 
 
 @dataclass
@@ -178,7 +178,7 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
     backend = ctx.backend()
     target = result.to_revision
     with guarded_write(ctx, WHOLE_STATE, preflight=pf, allow=frozenset({"RIVET_STATE_MIGRATION_PENDING"}),
-                       claim=False, at_head=False, busy_code="RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN",
+                       claim=False, advance=False, at_head=False, busy_code="RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN",
                        lock_code="RIVET_STATE_MIGRATION_LOCKED", copies=MIGRATION_COPIES, replaced_by=_REPLACED_BY,
                        prepare=backend.hold_off_writers) as session:
         backend.require_frozen()
@@ -206,6 +206,8 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
             after_tables = backend.table_names(new_reader)
             if IDENTITY in after_tables:
                 result.warnings = session.claim(into=new)
+            if LINEAGE in after_tables:
+                session.advance(into=new)
             if AUDIT in after_tables:
                 session.audit("migrate", {"from": result.from_revision, "to": target, "backup": result.backup},
                               into=new)

@@ -23,8 +23,8 @@ from typing import Any
 from statetool import migrations
 from statetool.backends.base import Backend, Reader
 from statetool.errors import StateError
-from statetool.tables import (AUDIT, IDENTITY, IN_FLIGHT_REVISION, LEGACY_TABLES, LOAD_LEDGER, STATE_TABLES,
-                              VERSION_TABLE)
+from statetool.tables import (AUDIT, IDENTITY, IN_FLIGHT_REVISION, LEGACY_TABLES, LINEAGE, LOAD_LEDGER,
+                              STATE_TABLES, VERSION_TABLE)
 
 
 def has_progress(cursor: str | None, succeeded_runs: int, chunks: int, ledger_rows: int) -> bool:
@@ -77,6 +77,10 @@ class Snapshot:
     #: Set when the state was read as it was before a write that was killed mid-transaction
     #: (a SQLite hot journal rolled back in a private copy): the sentence that says so.
     interrupted_write: str | None = None
+    #: The state's lineage id and serial (SPEC §9, revision 0005); None before that
+    #: revision, or for a state whose lineage row was removed by hand.
+    lineage: str | None = None
+    serial: int | None = None
 
     @property
     def effective_revision(self) -> str | None:
@@ -182,6 +186,8 @@ def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, pro
             snap.any_progress = _any_progress(conn, tables)
         if IDENTITY in tables:
             snap.recorded_key = recorded_key(conn)
+        if LINEAGE in tables:
+            snap.lineage, snap.serial = lineage_of(conn)
     return snap
 
 
@@ -324,6 +330,14 @@ def activity(conn: Reader) -> tuple[str | None, int]:
 def recorded_key(conn: Reader) -> str | None:
     """The ``state_key`` the state records (SPEC §3), None when it records none."""
     return conn.scalar("SELECT state_key FROM rivet_identity") or None
+
+
+def lineage_of(conn: Reader) -> tuple[str | None, int | None]:
+    """``(lineage id, serial)`` of the state on ``conn`` (SPEC §9, revision 0005), ``(None,
+    None)`` when its one row is missing (removed by hand; the next write gives it a new
+    lineage)."""
+    row = conn.one(f"SELECT lineage, serial FROM {LINEAGE} WHERE id = 1")
+    return (None, None) if row is None else (str(row[0]), int(row[1]))
 
 
 def export_names(conn: Reader) -> set[str]:

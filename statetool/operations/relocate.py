@@ -339,7 +339,7 @@ def _hold_off_writers(ctx: Context, stack: contextlib.ExitStack, move: FileMoves
         ctx.on_step("checkpointed")
 
     session = stack.enter_context(guarded_write(ctx, WHOLE_STATE, preflight=pf, exports=exports, claim=False,
-                                                prepare=prepare, lock_code="RIVET_STATE_RUN_IN_PROGRESS",
+                                                advance=False, prepare=prepare, lock_code="RIVET_STATE_RUN_IN_PROGRESS",
                                                 replaced_by=REPLACED_BY))
     move.require_frozen()
     ctx.on_step("locked")

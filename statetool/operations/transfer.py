@@ -65,7 +65,10 @@ if TYPE_CHECKING:
 #: Tables copied, parents first; ``id`` columns of the append-only tables are not copied
 #: (the destination assigns its own, so a shared schema's rows never collide).
 COPIED = (schema.exports, schema.runs, schema.chunks, schema.run_aggregates, schema.load_ledger, schema.identity,
-          schema.audit)
+          schema.audit, schema.lineage)
+#: Tables whose one row the destination's own creation (or its ``init``) wrote, replaced by
+#: the source's: the transferred state keeps its lineage and serial (SPEC §9).
+_REPLACED = {schema.lineage.name}
 _FRESH_IDS = {schema.load_ledger.name, schema.audit.name}
 #: Every export the state knows (their run leases are taken), from covering indexes.
 _EXPORT_NAMES = ("SELECT export_name FROM rivet_exports UNION SELECT export_name FROM rivet_runs "
@@ -179,7 +182,7 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     # step 2: writers held off the source
     with contextlib.ExitStack() as stack:
         session = stack.enter_context(guarded_write(ctx, WHOLE_STATE, preflight=pf, exports=exports, claim=False,
-                                                    prepare=move.hold_off_writers,
+                                                    advance=False, prepare=move.hold_off_writers,
                                                     lock_code="RIVET_STATE_RUN_IN_PROGRESS",
                                                     replaced_by=_REPLACED_BY))
         move.require_frozen()
@@ -355,6 +358,8 @@ def _copy(ctx: Context, source: TransferSource, source_conn: Connection, dest: T
             if table is schema.identity and has_identity:
                 copy.verified = True  # the destination already records this very identity
                 continue
+            if table.name in _REPLACED:
+                conn.execute(sa.delete(table))
             columns = _columns(table)
             loaded = dest.copy_into(conn, table.name, columns, source.copy_blocks(source_conn, table.name, columns),
                                     copy.rows, advance)

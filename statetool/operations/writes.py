@@ -9,9 +9,10 @@ Every write of statetool and of the runtime API passes through :func:`guarded_wr
    one export holds that export's run lease, waited on up to ``--lock-wait``;
 3. one writing transaction, in which every held lease is fenced (its token still current)
    first and again right before the commit;
-4. a verified backup first (SQLite, when the write names one), the identity claim, and
-   the audit row, all in that same transaction: this module is the only writer of
-   ``rivet_audit`` and ``rivet_identity``;
+4. a verified backup first (SQLite, when the write names one), the identity claim, the
+   serial's increment (SPEC §9: the backup keeps the serial before it) and the audit row,
+   all in that same transaction: this module is the only writer of ``rivet_audit``,
+   ``rivet_identity`` and ``rivet_lineage``;
 5. the commit, then the leases are released.
 
 ``init`` creates a state instead of changing one: :func:`create_state` builds it with
@@ -38,6 +39,7 @@ from statetool.operations.leasing import acquire, hold_whole_state, run_lease_ke
 from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import Snapshot
 from statetool.redact import redact_text, redact_values
+from statetool.tables import LINEAGE
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,21 @@ def _write_audit(into: Connection, ctx: Context, action: str, detail: dict[str, 
     into.execute(sa.insert(schema.audit).values(**_audit_values(ctx, action, detail)))
 
 
+def advance_serial(conn: Connection) -> tuple[str, int]:
+    """Increment the state's serial in the writing transaction ``conn`` and return
+    ``(lineage id, new serial)`` (SPEC §9, revision 0005). A state whose lineage row is gone
+    (removed by hand) gets a new lineage at serial 1: it can no longer be told from another
+    state, and copies taken before read as of another lineage."""
+    import uuid
+
+    at = now_iso()
+    if conn.execute(sa.update(schema.lineage).where(schema.lineage.c.id == 1)
+                    .values(serial=schema.lineage.c.serial + 1, updated_at=at)).rowcount == 0:
+        conn.execute(sa.insert(schema.lineage).values(id=1, lineage=str(uuid.uuid4()), serial=1, updated_at=at))
+    row = conn.execute(sa.select(schema.lineage.c.lineage, schema.lineage.c.serial)).one()
+    return str(row[0]), int(row[1])
+
+
 def _write_identity(conn: Connection, ctx: Context, key: str, action: str, old: str | None, reason: str) -> None:
     conn.execute(sa.delete(schema.identity))
     conn.execute(sa.insert(schema.identity).values(id=1, state_key=key, recorded_at=now_iso(), recorded_by=ctx.actor))
@@ -86,6 +103,9 @@ class WriteSession:
     leases: list[HeldLease]
     backup: Path | None = None
     warnings: list[StateWarning] = field(default_factory=list)
+    #: ``(lineage id, serial)`` after this write's increment; None for a state below revision
+    #: 0005 (a migration's own write: the revision gives the state its lineage).
+    lineage: tuple[str, int] | None = None
     _after_commit: list[Callable[[], None]] = field(default_factory=list)
     _on_abort: list[Callable[[], None]] = field(default_factory=list)
 
@@ -125,6 +145,12 @@ class WriteSession:
         warning = identity_warning(verdict, str(self.ctx.location.directory or self.ctx.location.display),
                                    for_write=True)
         return [] if warning is None else [warning]
+
+    def advance(self, into: Connection | None = None) -> None:
+        """Increment the state's serial (:func:`advance_serial`) in this transaction, or in
+        ``into`` (a migration's copy, which becomes the state), and keep the result in
+        :attr:`lineage`."""
+        self.lineage = advance_serial(self.conn if into is None else into)
 
     def fence(self, *, final: bool = False) -> None:
         """Raise ``RIVET_STATE_LEASE_LOST`` unless every lease of this write is still held."""
@@ -191,7 +217,7 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
                   prepare: Callable[[], None] | None = None, held: list[HeldLease] | None = None,
                   busy_code: str = "RIVET_STATE_RUN_IN_PROGRESS",
                   lock_code: str = "RIVET_STATE_LOCK_TIMEOUT", copies: int | None = None,
-                  replaced_by: str | None = None) -> Iterator[WriteSession]:
+                  replaced_by: str | None = None, advance: bool = True) -> Iterator[WriteSession]:
     """Pre-flight, leases, one fenced writing transaction with its audit row, release.
 
     ``scope`` says which leases are held (:class:`Scope`); a whole-state write also holds
@@ -209,7 +235,10 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
     With ``at_head`` the revision is read again in the transaction
     (``RIVET_STATE_MIGRATION_PENDING`` when it moved). With ``backup_label`` a SQLite
     state is backed up (verified) in the transaction before the change; with ``claim``
-    the identity verdict is applied. The transaction waits ``--lock-wait`` for the
+    the identity verdict is applied. With ``advance`` the state's serial is incremented in
+    the transaction (SPEC §9), where the state has a lineage: a write that builds the
+    state elsewhere (a migration's copy, a move's target) passes False, and a migration
+    advances its copy itself (:meth:`WriteSession.advance`). The transaction waits ``--lock-wait`` for the
     backend's write lock, then raises ``lock_code``. Every held lease is fenced at the
     start and right before the commit (``RIVET_STATE_LEASE_LOST``). Before anything is
     opened for writing, the backend refuses a write it cannot complete there
@@ -254,6 +283,8 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
                         session.backup = ctx.backend().backup(conn, backup_label, update)
                 if claim:
                     session.warnings = session.claim()
+                if advance and LINEAGE in snap.tables:
+                    session.advance()
                 yield session
                 session.fence(final=True)
         except BaseException:
