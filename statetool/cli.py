@@ -234,6 +234,39 @@ def checkpoints(ctx: typer.Context) -> None:
     _emit(g, op(g.context()).as_dict(), render.checkpoints)
 
 
+@app.command(epilog="""
+    The whole state's progress, to a file (never overwritten without --force):
+      statetool export -o state.json
+    One export, with its run history, on stdout:
+      statetool export --export orders --with-history
+    """)
+def export(
+    ctx: typer.Context,
+    name: Annotated[str | None, typer.Option("--export", metavar="NAME", help="Only this export.")] = None,
+    with_history: Annotated[bool, typer.Option("--with-history",
+                                               help="Add the run history (rivet_runs, rivet_run_aggregates).")
+                            ] = False,
+    output: Annotated[Path | None, typer.Option("--output", "-o", metavar="FILE", show_default=False,
+                                                help="Write to FILE (atomically) instead of stdout.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing regular FILE.")] = False,
+) -> None:
+    """Write the state as one rivet-state/1 JSON document.
+
+    Identity, lineage, serial, revision and each export's progress; read-only.
+    """
+    from statetool import render
+    from statetool.operations.portable import export_state
+
+    g = _g(ctx)
+    result = export_state(g.context(), export=name, with_history=with_history, output=output, force=force)
+    if output is None:
+        import json
+
+        sys.stdout.write(json.dumps(result.as_dict(), indent=2, default=str) + "\n")
+        return
+    _emit(g, result.summary(), render.export_written)
+
+
 @app.command()
 def init(ctx: typer.Context) -> None:
     """Create a new empty state, stamped with its identity.

@@ -731,6 +731,18 @@ def _backup(page: Page, backup: str | None) -> None:
         page.line(backup)
 
 
+def export_written(doc: dict[str, Any]) -> None:
+    """``statetool export -o FILE`` for people: the file, and what it holds."""
+    state = doc["state"]
+    page = Page()
+    page.para(f"Wrote the {doc['format']} export of {_plural(len(doc['exports']), 'export')} to:")
+    page.line(doc["output"])
+    serial = "not recorded" if state["serial"] is None else state["serial"]
+    page.para(f"State {state['state_key'] or '(no identity recorded)'}, revision {state['revision']}, lineage "
+              f"{state['lineage'] or 'not recorded'}, serial {serial}.")
+    page.show()
+
+
 def export_change(doc: dict[str, Any]) -> None:
     """``statetool exports set-cursor`` / ``reset`` for people: the change, the next run,
     the backup."""

@@ -27,6 +27,9 @@ RUN_AGGREGATES = "rivet_run_aggregates"
 LOAD_LEDGER = "rivet_load_ledger"
 IDENTITY = "rivet_identity"
 AUDIT = "rivet_audit"
+#: The state's lineage id and write serial (revision 0005: one row, ``id`` 1, ``lineage`` a
+#: UUID, ``serial`` raised by every write); read where it exists, null where it does not.
+LINEAGE = "rivet_lineage"
 
 #: The tables of the early state (revision 0001): their presence without a version
 #: table is what makes a *legacy* state (SPEC §4).
