@@ -267,6 +267,33 @@ def export(
     _emit(g, result.summary(), render.export_written)
 
 
+@app.command(epilog="""
+    What a reset changed, against the backup it left:
+      statetool diff .rivet_state.db.backup-reset-orders-* rivet.yaml
+    An export against the live state, for a script:
+      statetool --json diff state.json sqlite:/srv/rivet/state
+    """)
+def diff(
+    ctx: typer.Context,
+    a: Annotated[str, typer.Argument(metavar="A", show_default=False,
+                                     help="A state (sqlite:/dir, URL, config), state file or export.")],
+    b: Annotated[str, typer.Argument(metavar="B", show_default=False, help="The other side, as A.")],
+) -> None:
+    """Compare two states, state files or exports, field by field.
+
+    Identity, lineage, serial, revision and each export's progress; read-only. Exits 0
+    when they are equal, 1 when they differ.
+    """
+    from statetool import render
+    from statetool.operations.diff import diff as op
+
+    g = _g(ctx)
+    result = op(g.context(), a, b)
+    _emit(g, result.as_dict(), render.diff)
+    if not result.equal:
+        raise typer.Exit(1)
+
+
 @app.command()
 def init(ctx: typer.Context) -> None:
     """Create a new empty state, stamped with its identity.

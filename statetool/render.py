@@ -743,6 +743,33 @@ def export_written(doc: dict[str, Any]) -> None:
     page.show()
 
 
+def _difference(d: dict[str, Any]) -> str:
+    """One line of ``statetool diff``: where, what, A's value -> B's."""
+    where = "state" if d["scope"] == "state" else f"export {d['export']}"
+    if "changed" in d:
+        parts = [f"{label}: {', '.join(d[key])}" for key, label in
+                 (("only_a", "only in A"), ("only_b", "only in B"), ("changed", "changed")) if d[key]]
+        return f"{where}: {d['field']}: {d['a']} -> {d['b']} rows ({'; '.join(parts)})"
+    if d["field"] == "present":
+        return f"{where}: only in {'A' if d['a'] else 'B'}"
+    return f"{where}: {d['field']}: {json.dumps(d['a'])} -> {json.dumps(d['b'])}"
+
+
+def diff(doc: dict[str, Any]) -> None:
+    """``statetool diff`` for people: the two sides, then each difference on a line."""
+    page = Page()
+    for side in ("a", "b"):
+        one = doc[side]
+        page.line(f"{side.upper()}: {one['location']} ({one['kind'].replace('_', ' ')})")
+    if doc["equal"]:
+        page.para("No difference: the identity, lineage, serial, revision and every export's progress are equal.")
+    else:
+        page.para(f"{_plural(len(doc['differences']), 'difference')} (A -> B):")
+        for d in doc["differences"]:
+            page.line(f"  {_difference(d)}")
+    page.show()
+
+
 def export_change(doc: dict[str, Any]) -> None:
     """``statetool exports set-cursor`` / ``reset`` for people: the change, the next run,
     the backup."""

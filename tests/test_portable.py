@@ -151,3 +151,82 @@ def test_export_of_an_unknown_export_or_a_missing_state_is_refused(tmp_path: Pat
     build_state(config)
     proc = cli(sb, config, "export", "--export", "nope")
     assert proc.returncode == 1 and "RIVET_EXPORT_UNKNOWN" in proc.stderr, describe(proc)
+
+
+# -- diff -------------------------------------------------------------------------------
+
+
+def test_diff_of_a_state_and_its_export_is_equal_then_names_each_change(state_backend: StateBackend,
+                                                                        tmp_path: Path) -> None:
+    config = built(state_backend)
+    out = tmp_path / "state.json"
+    assert cli(state_backend, config, "export", "-o", str(out)).returncode == 0
+    location = state_backend.url or str(config)
+    proc = cli(state_backend, config, "diff", str(out), location)
+    assert proc.returncode == 0, describe(proc)
+    assert "No difference" in proc.stdout
+    assert cli(state_backend, config, "exports", "reset", "order_lines").returncode == 0
+    assert cli(state_backend, config, "exports", "set-cursor", "orders", "2027-01-01T00:00:00Z").returncode == 0
+    proc = cli(state_backend, config, "--json", "diff", str(out), location)
+    assert proc.returncode == 1, describe(proc)
+    doc = json.loads(proc.stdout)
+    assert doc["equal"] is False and doc["a"]["kind"] == "export_file" and doc["b"]["kind"] == "state"
+    found = {(d["export"], d["field"]): d for d in doc["differences"]}
+    assert found[("orders", "cursor.value")]["a"] == CURSOR
+    assert found[("orders", "cursor.value")]["b"] == "2027-01-01T00:00:00Z"
+    chunks = found[("order_lines", "chunks")]
+    assert (chunks["a"], chunks["b"], chunks["only_b"]) == (2, 0, [])
+    assert len(chunks["only_a"]) == 2
+    human = cli(state_backend, config, "diff", str(out), location)
+    assert human.returncode == 1 and "export orders: cursor.value:" in human.stdout, describe(human)
+
+
+def test_diff_of_a_backup_file_names_the_change_and_leaves_every_byte(tmp_path: Path) -> None:
+    sb = StateBackend.sqlite(tmp_path)
+    config = built(sb)
+    assert cli(sb, config, "exports", "set-cursor", "orders", "2027-01-01T00:00:00Z").returncode == 0
+    backup = next(sb.pipeline.glob(".rivet_state.db.backup-set-cursor-orders-*"))
+    before = tree_digest(sb.pipeline)
+    proc = cli(sb, config, "--json", "diff", str(backup), f"sqlite:{sb.pipeline}")
+    assert proc.returncode == 1, describe(proc)
+    doc = json.loads(proc.stdout)
+    assert doc["a"]["kind"] == "state_file"
+    assert [(d["export"], d["field"]) for d in doc["differences"]] == [("orders", "cursor.value"),
+                                                                       ("orders", "cursor.updated_at")]
+    assert tree_digest(sb.pipeline) == before
+    assert sorted(p.name for p in sb.pipeline.iterdir()) == sorted(
+        [".rivet_state.db", ".rivet_state.leases", backup.name, "rivet.yaml"])
+    same = cli(sb, config, "diff", str(backup), str(backup))
+    assert same.returncode == 0, describe(same)
+    assert tree_digest(sb.pipeline) == before
+
+
+def test_diff_counts_identity_and_lineage_as_differences(tmp_path: Path) -> None:
+    sb = StateBackend.sqlite(tmp_path)
+    config = built(sb)
+    out = tmp_path / "state.json"
+    assert cli(sb, config, "export", "-o", str(out)).returncode == 0
+    doc = json.loads(out.read_text())
+    doc["state"].update(state_key="postgresql://elsewhere:5432/sales", lineage="0a1b", serial=3)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(doc))
+    proc = cli(sb, config, "--json", "diff", str(other), str(out))
+    assert proc.returncode == 1, describe(proc)
+    assert [(d["scope"], d["field"], d["b"]) for d in json.loads(proc.stdout)["differences"]] == [
+        ("state", "state_key", KEY), ("state", "lineage", None), ("state", "serial", None)]
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ('{"format": "rivet-state/2", "state": {}, "exports": {}}', "'rivet-state/2'"),
+    ("{not json", "is not JSON"),
+    ('{"format": "rivet-state/1", "state": {"state_key": null}, "exports": {}}', "lacks"),
+])
+def test_diff_refuses_a_file_that_is_not_a_rivet_state_1_document(tmp_path: Path, body: str, says: str) -> None:
+    sb = StateBackend.sqlite(tmp_path)
+    config = built(sb)
+    bad = tmp_path / "bad.json"
+    bad.write_text(body)
+    proc = cli(sb, config, "--json-errors", "diff", str(bad), str(config))
+    assert proc.returncode == 3, describe(proc)
+    err = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert err["code"] == "RIVET_STATE_EXPORT_FORMAT" and says in err["message"]
