@@ -294,6 +294,32 @@ def diff(
         raise typer.Exit(1)
 
 
+@app.command("import", epilog="""
+    See what it would do; nothing changes:
+      statetool import state.json --dry-run
+    Put one export's progress back into the live state:
+      statetool import state.json --export orders
+    """)
+def import_(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(metavar="FILE", show_default=False,
+                                         help="A rivet-state/1 file that statetool export wrote.")],
+    name: Annotated[str | None, typer.Option("--export", metavar="NAME",
+                                             help="Only this export (into a live state: required).")] = None,
+    dry_run: DryRun = False,
+) -> None:
+    """Make a state from its export, or put one export back.
+
+    Where no state is: the same state (identity, lineage, serial). Into a live state: one
+    export (--export), under its run lease, backed up and audited.
+    """
+    from statetool import render
+    from statetool.operations.importing import import_state
+
+    g = _g(ctx)
+    _emit(g, import_state(g.context(), file, export=name, dry_run=dry_run).as_dict(), render.imported)
+
+
 @app.command()
 def init(ctx: typer.Context) -> None:
     """Create a new empty state, stamped with its identity.

@@ -770,6 +770,31 @@ def diff(doc: dict[str, Any]) -> None:
     page.show()
 
 
+def imported(doc: dict[str, Any]) -> None:
+    """``statetool import`` for people: what was (or would be) written, before -> after."""
+    page = Page()
+    create = doc["action"] == "create"
+    if doc["dry_run"]:
+        what = "Would create the state" if create else "Would replace one export's progress"
+    else:
+        what = "Created the state" if create else "Replaced one export's progress"
+    page.para(f"{what} at {doc['location']}:")
+    for change in doc["changes"]:
+        page.line(f"  {change['export']}: {_progress_text(change['before'])} -> {_progress_text(change['after'])}")
+    if doc["dry_run"]:
+        page.para("Nothing was written (--dry-run).")
+    _backup(page, doc["backup"])
+    page.show()
+    print_warnings(doc.get("warnings", []))
+
+
+def _progress_text(progress: dict[str, Any] | None) -> str:
+    if progress is None:
+        return "(none)"
+    cursor = "no cursor" if progress["cursor"] is None else f"cursor {progress['cursor']!r}"
+    return f"{cursor}, {_plural(progress['chunks'], 'chunk')}, {_plural(progress['ledger'], 'ledger row')}"
+
+
 def export_change(doc: dict[str, Any]) -> None:
     """``statetool exports set-cursor`` / ``reset`` for people: the change, the next run,
     the backup."""

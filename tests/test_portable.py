@@ -230,3 +230,107 @@ def test_diff_refuses_a_file_that_is_not_a_rivet_state_1_document(tmp_path: Path
     assert proc.returncode == 3, describe(proc)
     err = json.loads(proc.stderr.strip().splitlines()[-1])
     assert err["code"] == "RIVET_STATE_EXPORT_FORMAT" and says in err["message"]
+
+
+# -- import -----------------------------------------------------------------------------
+
+
+def _second_place(sb: StateBackend, tmp_path: Path) -> StateBackend:
+    """Another, empty place of the same backend: a declared directory, or a fresh schema."""
+    if sb.kind == "sqlite":
+        (tmp_path / "elsewhere").mkdir()
+        return StateBackend("sqlite", sb.pipeline, f"sqlite:{tmp_path / 'elsewhere'}")
+    assert sb.url is not None
+    return StateBackend("postgres", sb.pipeline, sb.url.replace("schema=t_", "schema=u_"))
+
+
+def _drop_schema(sb: StateBackend) -> None:
+    if sb.kind == "postgres":
+        schema = sb.url.rsplit("schema=", 1)[1]  # type: ignore[union-attr]
+        raw_sql(StateBackend("postgres", sb.pipeline, sb.url), f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def _same_document(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for doc in (a, b):
+        doc.pop("exported_at")
+        doc.pop("exported_from")
+    assert a == b
+
+
+def test_export_then_import_where_no_state_is_makes_the_same_state(state_backend: StateBackend,
+                                                                   tmp_path: Path) -> None:
+    config = built(state_backend)
+    out = tmp_path / "state.json"
+    assert cli(state_backend, config, "export", "--with-history", "-o", str(out)).returncode == 0
+    target = _second_place(state_backend, tmp_path)
+    try:
+        plan = run_cli("-c", str(config), "--state-url", target.url, "import", str(out), "--dry-run")
+        assert plan.returncode == 0 and "Would create the state" in plan.stdout, describe(plan)
+        if target.state_dir is not None:
+            assert os.listdir(target.state_dir) == []
+        done = run_cli("-c", str(config), "--state-url", target.url, "--json", "import", str(out))
+        assert done.returncode == 0, describe(done)
+        assert json.loads(done.stdout)["action"] == "create"
+        same = run_cli("-c", str(config), "diff", str(out), target.url)
+        assert same.returncode == 0, describe(same)
+        both = run_cli("-c", str(config), "diff", state_backend.url or str(config), target.url)
+        assert both.returncode == 0, describe(both)
+        again = run_cli("-c", str(config), "--state-url", target.url, "export", "--with-history")
+        _same_document(json.loads(out.read_text()), json.loads(again.stdout))
+        audit = raw_sql(target, "SELECT action FROM rivet_audit")
+        assert audit == [("identity.stamp",), ("import",)]
+    finally:
+        _drop_schema(target)
+
+
+def test_import_into_a_live_state_puts_one_exports_progress_back(state_backend: StateBackend,
+                                                                 tmp_path: Path) -> None:
+    config = built(state_backend)
+    out = tmp_path / "state.json"
+    assert cli(state_backend, config, "export", "-o", str(out)).returncode == 0
+    assert cli(state_backend, config, "exports", "reset", "order_lines").returncode == 0
+    assert cli(state_backend, config, "exports", "set-cursor", "orders", "2027-01-01T00:00:00Z").returncode == 0
+    before = state_bytes(state_backend)
+    plan = cli(state_backend, config, "import", str(out), "--export", "order_lines", "--dry-run")
+    assert plan.returncode == 0 and "0 chunks" in plan.stdout and "-> no cursor, 2 chunks" in plan.stdout, \
+        describe(plan)
+    assert state_bytes(state_backend) == before
+    refused = cli(state_backend, config, "import", str(out))
+    assert refused.returncode == 5 and "RIVET_STATE_TARGET_NOT_EMPTY" in refused.stderr, describe(refused)
+    done = cli(state_backend, config, "import", str(out), "--export", "order_lines")
+    assert done.returncode == 0, describe(done)
+    proc = cli(state_backend, config, "--json", "diff", str(out), state_backend.url or str(config))
+    assert proc.returncode == 1, describe(proc)
+    assert {d["export"] for d in json.loads(proc.stdout)["differences"]} == {"orders"}  # order_lines is back
+    assert raw_sql(state_backend, "SELECT action FROM rivet_audit ORDER BY id DESC LIMIT 1") == [("import",)]
+
+
+def test_import_refuses_a_file_of_another_identity_or_lineage_or_format(tmp_path: Path) -> None:
+    sb = StateBackend.sqlite(tmp_path)
+    config = built(sb)
+    out = tmp_path / "state.json"
+    assert cli(sb, config, "export", "--with-history", "-o", str(out)).returncode == 0
+    doc = json.loads(out.read_text())
+    doc["state"]["state_key"] = "postgresql://elsewhere:5432/sales"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(doc))
+    before = tree_digest(sb.pipeline)
+    proc = cli(sb, config, "import", str(other), "--export", "orders")
+    assert proc.returncode == 5 and "RIVET_STATE_FOREIGN" in proc.stderr, describe(proc)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run_cli("-c", str(config), "--state-url", f"sqlite:{empty}", "import", str(other))
+    assert proc.returncode == 5 and "RIVET_STATE_FOREIGN" in proc.stderr, describe(proc)
+    assert os.listdir(empty) == []
+    raw_sql(sb, "CREATE TABLE rivet_lineage (id INTEGER PRIMARY KEY, lineage TEXT NOT NULL, serial BIGINT NOT NULL)")
+    raw_sql(sb, "INSERT INTO rivet_lineage VALUES (1, 'live-lineage', 4)")
+    before = tree_digest(sb.pipeline)
+    doc["state"].update(state_key=KEY, lineage="another-lineage")
+    other.write_text(json.dumps(doc))
+    proc = cli(sb, config, "import", str(other), "--export", "orders")
+    assert proc.returncode == 5 and "another-lineage" in proc.stderr, describe(proc)
+    doc["format"] = "rivet-state/2"
+    other.write_text(json.dumps(doc))
+    proc = cli(sb, config, "import", str(other), "--export", "orders")
+    assert proc.returncode == 3 and "RIVET_STATE_EXPORT_FORMAT" in proc.stderr, describe(proc)
+    assert tree_digest(sb.pipeline) == before
