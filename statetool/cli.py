@@ -234,6 +234,92 @@ def checkpoints(ctx: typer.Context) -> None:
     _emit(g, op(g.context()).as_dict(), render.checkpoints)
 
 
+@app.command(epilog="""
+    The whole state's progress, to a file (never overwritten without --force):
+      statetool export -o state.json
+    One export, with its run history, on stdout:
+      statetool export --export orders --with-history
+    """)
+def export(
+    ctx: typer.Context,
+    name: Annotated[str | None, typer.Option("--export", metavar="NAME", help="Only this export.")] = None,
+    with_history: Annotated[bool, typer.Option("--with-history",
+                                               help="Add the run history (rivet_runs, rivet_run_aggregates).")
+                            ] = False,
+    output: Annotated[Path | None, typer.Option("--output", "-o", metavar="FILE", show_default=False,
+                                                help="Write to FILE (atomically) instead of stdout.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing regular FILE.")] = False,
+) -> None:
+    """Write the state as one rivet-state/1 JSON document.
+
+    Identity, lineage, serial, revision and each export's progress; read-only.
+    """
+    from statetool import render
+    from statetool.operations.portable import export_state
+
+    g = _g(ctx)
+    result = export_state(g.context(), export=name, with_history=with_history, output=output, force=force)
+    if output is None:
+        import json
+
+        sys.stdout.write(json.dumps(result.as_dict(), indent=2, default=str) + "\n")
+        return
+    _emit(g, result.summary(), render.export_written)
+
+
+@app.command(epilog="""
+    What a reset changed, against the backup it left:
+      statetool diff .rivet_state.db.backup-reset-orders-* rivet.yaml
+    An export against the live state, for a script:
+      statetool --json diff state.json sqlite:/srv/rivet/state
+    """)
+def diff(
+    ctx: typer.Context,
+    a: Annotated[str, typer.Argument(metavar="A", show_default=False,
+                                     help="A state (sqlite:/dir, URL, config), state file or export.")],
+    b: Annotated[str, typer.Argument(metavar="B", show_default=False, help="The other side, as A.")],
+) -> None:
+    """Compare two states, state files or exports, field by field.
+
+    Identity, lineage, serial, revision and each export's progress; read-only. Exits 0
+    when they are equal, 1 when they differ.
+    """
+    from statetool import render
+    from statetool.operations.diff import diff as op
+
+    g = _g(ctx)
+    result = op(g.context(), a, b)
+    _emit(g, result.as_dict(), render.diff)
+    if not result.equal:
+        raise typer.Exit(1)
+
+
+@app.command("import", epilog="""
+    See what it would do; nothing changes:
+      statetool import state.json --dry-run
+    Put one export's progress back into the live state:
+      statetool import state.json --export orders
+    """)
+def import_(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(metavar="FILE", show_default=False,
+                                         help="A rivet-state/1 file that statetool export wrote.")],
+    name: Annotated[str | None, typer.Option("--export", metavar="NAME",
+                                             help="Only this export (into a live state: required).")] = None,
+    dry_run: DryRun = False,
+) -> None:
+    """Make a state from its export, or put one export back.
+
+    Where no state is: the same state (identity, lineage, serial). Into a live state: one
+    export (--export), under its run lease, backed up and audited.
+    """
+    from statetool import render
+    from statetool.operations.importing import import_state
+
+    g = _g(ctx)
+    _emit(g, import_state(g.context(), file, export=name, dry_run=dry_run).as_dict(), render.imported)
+
+
 @app.command()
 def init(ctx: typer.Context) -> None:
     """Create a new empty state, stamped with its identity.

@@ -201,6 +201,11 @@ REGISTRY: dict[str, Entry] = {
     "RIVET_STATE_MIGRATION_PENDING": _e(
         "schema", "schema_drift", "run statetool migrate (statetool migrate --dry-run shows the plan)",
     ),
+    "RIVET_STATE_EXPORT_FORMAT": _e(
+        "schema", "schema_drift",
+        "give a file that statetool export wrote (format rivet-state/1); a file of a newer format is read by "
+        "the release that wrote it",
+    ),
     # data_integrity (4): the state is damaged
     "RIVET_STATE_CORRUPT": _e(
         "integrity", "data_integrity",

@@ -234,6 +234,16 @@ def _sqlite_dir(raw: str, origin: str) -> Location:
                     real_path=_real_file(directory / STATE_FILE))
 
 
+def file_location(path: str | os.PathLike[str]) -> Location:
+    """The location of a SQLite state file named by its own path, whatever its name (a
+    backup ``.rivet_state.db.backup-<label>-<time>`` a write left, a copy), for reading it
+    (``statetool diff``): scope ``declared_dir``, origin ``flag``, ``path`` absolute. Pure:
+    it touches no file but the one link :func:`resolve_location` reads too."""
+    absolute = Path(os.path.abspath(os.fspath(path)))
+    return Location("sqlite", "declared_dir", "flag", directory=absolute.parent, path=absolute,
+                    real_path=_real_file(absolute))
+
+
 def _real_file(path: Path) -> Path:
     """``path`` itself, or, when it is a symlink, the file it finally points at (absolute,
     every link of the chain followed; the file need not exist)."""

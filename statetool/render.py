@@ -733,6 +733,70 @@ def _backup(page: Page, backup: str | None) -> None:
         page.line(backup)
 
 
+def export_written(doc: dict[str, Any]) -> None:
+    """``statetool export -o FILE`` for people: the file, and what it holds."""
+    state = doc["state"]
+    page = Page()
+    page.para(f"Wrote the {doc['format']} export of {_plural(len(doc['exports']), 'export')} to:")
+    page.line(doc["output"])
+    serial = "not recorded" if state["serial"] is None else state["serial"]
+    page.para(f"State {state['state_key'] or '(no identity recorded)'}, revision {state['revision']}, lineage "
+              f"{state['lineage'] or 'not recorded'}, serial {serial}.")
+    page.show()
+
+
+def _difference(d: dict[str, Any]) -> str:
+    """One line of ``statetool diff``: where, what, A's value -> B's."""
+    where = "state" if d["scope"] == "state" else f"export {d['export']}"
+    if "changed" in d:
+        parts = [f"{label}: {', '.join(d[key])}" for key, label in
+                 (("only_a", "only in A"), ("only_b", "only in B"), ("changed", "changed")) if d[key]]
+        return f"{where}: {d['field']}: {d['a']} -> {d['b']} rows ({'; '.join(parts)})"
+    if d["field"] == "present":
+        return f"{where}: only in {'A' if d['a'] else 'B'}"
+    return f"{where}: {d['field']}: {json.dumps(d['a'])} -> {json.dumps(d['b'])}"
+
+
+def diff(doc: dict[str, Any]) -> None:
+    """``statetool diff`` for people: the two sides, then each difference on a line."""
+    page = Page()
+    for side in ("a", "b"):
+        one = doc[side]
+        page.line(f"{side.upper()}: {one['location']} ({one['kind'].replace('_', ' ')})")
+    if doc["equal"]:
+        page.para("No difference: the identity, lineage, serial, revision and every export's progress are equal.")
+    else:
+        page.para(f"{_plural(len(doc['differences']), 'difference')} (A -> B):")
+        for d in doc["differences"]:
+            page.line(f"  {_difference(d)}")
+    page.show()
+
+
+def imported(doc: dict[str, Any]) -> None:
+    """``statetool import`` for people: what was (or would be) written, before -> after."""
+    page = Page()
+    create = doc["action"] == "create"
+    if doc["dry_run"]:
+        what = "Would create the state" if create else "Would replace one export's progress"
+    else:
+        what = "Created the state" if create else "Replaced one export's progress"
+    page.para(f"{what} at {doc['location']}:")
+    for change in doc["changes"]:
+        page.line(f"  {change['export']}: {_progress_text(change['before'])} -> {_progress_text(change['after'])}")
+    if doc["dry_run"]:
+        page.para("Nothing was written (--dry-run).")
+    _backup(page, doc["backup"])
+    page.show()
+    print_warnings(doc.get("warnings", []))
+
+
+def _progress_text(progress: dict[str, Any] | None) -> str:
+    if progress is None:
+        return "(none)"
+    cursor = "no cursor" if progress["cursor"] is None else f"cursor {progress['cursor']!r}"
+    return f"{cursor}, {_plural(progress['chunks'], 'chunk')}, {_plural(progress['ledger'], 'ledger row')}"
+
+
 def export_change(doc: dict[str, Any]) -> None:
     """``statetool exports set-cursor`` / ``reset`` for people: the change, the next run,
     the backup."""

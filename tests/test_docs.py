@@ -160,6 +160,7 @@ def test_every_json_top_level_key_is_documented(tmp_path: Path) -> None:
         (("leases", "list"), ["leases", "list"], 0),
         (("leases", "release"), ["leases", "release", "chunk-run:orders"], 0),
         (("relocate",), ["relocate", "--dry-run", "--to", str(target)], 0),
+        (("export",), ["export", "-o", str(tmp_path / "export.json")], 0),
     ]
     for path, args, expected in runs:
         proc = run_cli("-c", str(config), "--json", *args)

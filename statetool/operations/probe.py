@@ -23,8 +23,8 @@ from typing import Any
 from statetool import migrations
 from statetool.backends.base import Backend, Reader
 from statetool.errors import StateError
-from statetool.tables import (AUDIT, IDENTITY, IN_FLIGHT_REVISION, LEGACY_TABLES, LINEAGE, LOAD_LEDGER,
-                              STATE_TABLES, VERSION_TABLE)
+from statetool.tables import (AUDIT, CHUNKS, IDENTITY, IN_FLIGHT_REVISION, LEGACY_TABLES, LINEAGE, LOAD_LEDGER,
+                              RUN_AGGREGATES, RUNS, STATE_TABLES, VERSION_TABLE)
 
 
 def has_progress(cursor: str | None, succeeded_runs: int, chunks: int, ledger_rows: int) -> bool:
@@ -186,8 +186,7 @@ def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, pro
             snap.any_progress = _any_progress(conn, tables)
         if IDENTITY in tables:
             snap.recorded_key = recorded_key(conn)
-        if LINEAGE in tables:
-            snap.lineage, snap.serial = lineage_of(conn)
+        snap.lineage, snap.serial = lineage(conn, tables)
     return snap
 
 
@@ -332,14 +331,6 @@ def recorded_key(conn: Reader) -> str | None:
     return conn.scalar("SELECT state_key FROM rivet_identity") or None
 
 
-def lineage_of(conn: Reader) -> tuple[str | None, int | None]:
-    """``(lineage id, serial)`` of the state on ``conn`` (SPEC §9, revision 0005), ``(None,
-    None)`` when its one row is missing (removed by hand; the next write gives it a new
-    lineage)."""
-    row = conn.one(f"SELECT lineage, serial FROM {LINEAGE} WHERE id = 1")
-    return (None, None) if row is None else (str(row[0]), int(row[1]))
-
-
 def export_names(conn: Reader) -> set[str]:
     """Every export name the state knows (exports, runs, chunks), without reading progress."""
     return {row[0] for row in conn.rows("SELECT export_name FROM rivet_exports UNION SELECT export_name "
@@ -355,3 +346,73 @@ def recent_runs(conn: Reader, name: str, limit: int) -> list[dict[str, object]]:
 def row_counts(conn: Reader, tables: set[str] | frozenset[str]) -> dict[str, int]:
     """``{table: rows}`` for the given tables, counted on ``conn``."""
     return {t: int(conn.scalar(f'SELECT count(*) FROM "{t}"') or 0) for t in sorted(tables)}
+
+
+#: The columns of each table a ``rivet-state/1`` document carries (docs/commands.md,
+#: "statetool export"), in this order; those a revision lacks read as null.
+CHUNK_COLUMNS = ("run_id", "chunk_index", "lower_bound", "upper_bound", "status", "rows", "updated_at")
+LEDGER_COLUMNS = ("id", "table_name", "part", "rows", "loaded_at")
+HISTORY_RUN_COLUMNS = (*RUN_COLUMNS, "bytes_read", "duration_ms", "error_code")
+AGGREGATE_COLUMNS = ("run_id", "config_path", "started_at", "finished_at", "status", "details_json")
+#: The run columns revision 0002 added (with the ledger and the aggregates): absent before it.
+_RUN_COLUMNS_0002 = ("bytes_read", "duration_ms", "error_code")
+
+
+def lineage(conn: Reader, tables: frozenset[str]) -> tuple[str | None, int | None]:
+    """``(lineage id, serial)`` of the state's ``rivet_lineage`` row (revision 0005), or
+    ``(None, None)`` where the state has no such table or row (SPEC §9; a row removed by
+    hand: the next write gives the state a new lineage)."""
+    if LINEAGE not in tables:
+        return None, None
+    row = conn.one(f"SELECT lineage, serial FROM {LINEAGE} WHERE id = 1")
+    return (None, None) if row is None else (row[0], None if row[1] is None else int(row[1]))
+
+
+def _by_export(conn: Reader, table: str, columns: tuple[str, ...], order: str,
+               absent: tuple[str, ...] = ()) -> dict[str, list[dict[str, Any]]]:
+    """``{export: [row as {column: value}]}`` of ``table`` in ``order``; ``absent`` columns
+    (not in this revision) read as null."""
+    select = ", ".join("NULL" if c in absent else c for c in columns)
+    out: dict[str, list[dict[str, Any]]] = {}
+    for row in conn.rows(f"SELECT export_name, {select} FROM {table} ORDER BY export_name, {order}"):
+        out.setdefault(row[0], []).append(dict(zip(columns, row[1:], strict=True)))
+    return out
+
+
+def chunk_rows(conn: Reader) -> dict[str, list[dict[str, Any]]]:
+    """Every chunk checkpoint, per export, by run and chunk index (:data:`CHUNK_COLUMNS`)."""
+    return _by_export(conn, CHUNKS, CHUNK_COLUMNS, "run_id, chunk_index")
+
+
+def ledger_rows(conn: Reader, tables: frozenset[str]) -> dict[str, list[dict[str, Any]]]:
+    """Every load-ledger row, per export, by id (:data:`LEDGER_COLUMNS`); ``{}`` before revision 0002."""
+    return _by_export(conn, LOAD_LEDGER, LEDGER_COLUMNS, "id") if LOAD_LEDGER in tables else {}
+
+
+def run_rows(conn: Reader, tables: frozenset[str]) -> dict[str, list[dict[str, Any]]]:
+    """Every run, per export, oldest first (:data:`HISTORY_RUN_COLUMNS`; the columns of
+    revision 0002 null before it)."""
+    absent = () if LOAD_LEDGER in tables else _RUN_COLUMNS_0002
+    return _by_export(conn, RUNS, HISTORY_RUN_COLUMNS, "started_at, run_id", absent)
+
+
+def aggregate_rows(conn: Reader, tables: frozenset[str]) -> list[dict[str, Any]]:
+    """Every ``rivet_run_aggregates`` row by start and run id (:data:`AGGREGATE_COLUMNS`); ``[]`` before 0002."""
+    if RUN_AGGREGATES not in tables:
+        return []
+    rows = conn.rows(f"SELECT {', '.join(AGGREGATE_COLUMNS)} FROM {RUN_AGGREGATES} ORDER BY started_at, run_id")
+    return [dict(zip(AGGREGATE_COLUMNS, row, strict=True)) for row in rows]
+
+
+def export_rows(conn: Reader) -> dict[str, tuple[str, str | None, str | None, str]]:
+    """``{export: (mode, cursor_value, cursor_updated_at, updated_at)}``: the ``rivet_exports`` rows."""
+    return {row[0]: row[1:] for row in conn.rows(  # type: ignore[misc]
+        "SELECT export_name, mode, cursor_value, cursor_updated_at, updated_at FROM rivet_exports")}
+
+
+def last_successes(conn: Reader) -> dict[str, str | None]:
+    """``{export: finished_at of its latest succeeded run}`` (by ``started_at``)."""
+    rows = conn.rows("SELECT r.export_name, r.finished_at FROM rivet_runs AS r WHERE r.status = 'succeeded' AND "
+                     "r.started_at = (SELECT max(s.started_at) FROM rivet_runs AS s WHERE s.export_name = "
+                     "r.export_name AND s.status = 'succeeded') ORDER BY r.run_id")
+    return {name: finished for name, finished in rows}

@@ -295,16 +295,18 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
             action()
 
 
-def create_state(ctx: Context, build: Callable[[Connection], None], key: str) -> None:
+def create_state(ctx: Context, build: Callable[[Connection], None], key: str, *, action: str = "init",
+                 detail: dict[str, object] | None = None) -> None:
     """Create a new state at head through the backend's atomic create: ``build`` (the
-    schema) runs first, then the identity ``key`` is recorded (when set) and the ``init``
-    audit row written, all in one transaction. Refuses nothing itself (``init`` does)."""
+    schema, and for ``import`` the rows) runs first, then the identity ``key`` is recorded
+    (when set) and the ``action`` audit row written (``init``; ``import`` with its
+    ``detail``), all in one transaction. Refuses nothing itself (``init`` and ``import`` do)."""
 
     def whole(conn: Connection) -> None:
         build(conn)
         if key:
             _write_identity(conn, ctx, key, "stamp", None, "")
-        _write_audit(conn, ctx, "init", {"revision": migrations.head(), "state_key": key or None})
+        _write_audit(conn, ctx, action, {"revision": migrations.head(), "state_key": key or None, **(detail or {})})
 
     backend = ctx.backend()
     require_writable(ctx)

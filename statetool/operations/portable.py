@@ -1,0 +1,236 @@
+"""``statetool export``: a state as one versioned JSON document, ``rivet-state/1``, and the
+reading of such a document back (``diff``, ``import``). Read-only on the state.
+
+The document (every field: docs/commands.md, "statetool export"; its JSON Schema:
+docs/schemas/rivet-state-1.schema.json) carries the state's identity, lineage id and serial
+(SPEC §9: every copy of a state carries them), its revision, and per export the progress
+a next run resumes from (SPEC §3, §5a): cursor, chunk checkpoints, load-ledger rows, and
+the run counts; run history only when asked. It is read in ONE read-only session of the
+backend (:meth:`~statetool.backends.base.Backend.reading`): every value comes from one
+snapshot of the state, on SQLite and PostgreSQL alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from statetool import __version__
+from statetool.backends.base import Backend, Reader
+from statetool.backends.durable import CREATE_FLAGS, fsync_dir
+from statetool.backends.faults import fault, os_fault
+from statetool.errors import StateError
+from statetool.operations.context import Context, now_iso
+from statetool.operations.probe import (ExportProgress, Snapshot, aggregate_rows, chunk_rows, export_rows,
+                                        last_successes, ledger_rows, lineage, read_snapshot, run_rows)
+
+#: The ``format`` of every document this release writes and reads (docs/commands.md).
+FORMAT = "rivet-state/1"
+#: The largest document read back (bytes): far above any state's progress, below a memory fault.
+MAX_DOCUMENT = 1 << 30
+
+
+@contextlib.contextmanager
+def read_state(backend: Backend) -> Iterator[tuple[Reader, Snapshot]]:
+    """One read-only session on ``backend`` and the snapshot read in it, for a state this
+    release can read: raises ``RIVET_STATE_MISSING`` (nothing there), the read's codes
+    (``RIVET_STATE_NOT_A_STATE``, ``RIVET_STATE_CORRUPT``, ``RIVET_STATE_RELOCATED``,
+    ``RIVET_STATE_MOVE_IN_FLIGHT``, ``RIVET_STATE_UNREACHABLE``, ...) and
+    ``RIVET_STATE_SCHEMA_NEWER`` / ``RIVET_STATE_SCHEMA_UNEXPECTED`` for a revision this
+    release does not know. A state at an older revision is read as it is (SPEC §4)."""
+    where = backend.location.display
+    if not backend.present():
+        raise StateError("RIVET_STATE_MISSING", f"no state at {where}: nothing to read", {"path": where})
+    try:
+        with backend.reading() as conn:
+            snap = read_snapshot(backend, conn)
+            unknown = snap.unknown_revision()
+            if unknown is not None:
+                raise unknown
+            yield conn, snap
+    except OSError as exc:
+        raise os_fault(exc) or exc from None
+
+
+def _export_doc(name: str, progress: ExportProgress, row: tuple[Any, ...] | None,
+                found: dict[str, Any]) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "mode": progress.mode,
+        "registered": row is not None,
+        "updated_at": row[3] if row is not None else None,
+        "cursor": {"value": progress.cursor, "updated_at": progress.cursor_updated_at},
+        "chunks": found["chunks"].get(name, []),
+        "ledger": found["ledger"].get(name, []),
+        "cdc_position": None,
+        "runs_summary": {"total": progress.runs_total, "succeeded": progress.runs_succeeded,
+                         "failed": progress.runs_failed, "last_success": found["successes"].get(name)},
+    }
+    if found["runs"] is not None:
+        doc["runs"] = found["runs"].get(name, [])
+    return doc
+
+
+def state_document(backend: Backend, conn: Reader, snap: Snapshot, *, export: str | None = None,
+                   with_history: bool = False) -> dict[str, Any]:
+    """The ``rivet-state/1`` document of the state read on ``conn`` (``snap`` its snapshot):
+    ``{format, exported_at, statetool, with_history, exported_from, state, exports}`` and,
+    with ``with_history``, each export's ``runs`` and the top-level ``run_aggregates``.
+    ``export`` limits ``exports`` to that one (``RIVET_EXPORT_UNKNOWN`` when the state does
+    not know it). Times are the state's ISO-8601 UTC text; ``cdc_position`` is null: no
+    revision of the state holds a CDC position (SPEC §6: a checkpoint file or a server slot)."""
+    tables = snap.tables
+    rows = export_rows(conn)
+    names = sorted(set(snap.exports) | set(rows))
+    if export is not None:
+        if export not in names:
+            raise StateError("RIVET_EXPORT_UNKNOWN", f"export '{export}' is not in the state at "
+                             f"{backend.location.display}", {"export": export})
+        names = [export]
+    lineage_id, serial = lineage(conn, tables)
+    found = {"chunks": chunk_rows(conn), "ledger": ledger_rows(conn, tables), "successes": last_successes(conn),
+             "runs": run_rows(conn, tables) if with_history else None}
+    doc: dict[str, Any] = {
+        "format": FORMAT,
+        "exported_at": now_iso(),
+        "statetool": __version__,
+        "with_history": with_history,
+        "exported_from": {"backend": backend.location.backend, "location": backend.location.display},
+        "state": {"state_key": snap.recorded_key, "lineage": lineage_id, "serial": serial,
+                  "revision": snap.effective_revision, "legacy": snap.legacy},
+        "exports": {name: _export_doc(name, snap.exports.get(name) or ExportProgress(name), rows.get(name), found)
+                    for name in names},
+    }
+    if with_history:
+        doc["run_aggregates"] = aggregate_rows(conn, tables)
+    return doc
+
+
+@dataclass
+class ExportResult:
+    """What ``statetool export`` wrote: the document, and the file (None: stdout)."""
+
+    document: dict[str, Any]
+    output: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The document itself (what stdout gets without ``-o``)."""
+        return self.document
+
+    def summary(self) -> dict[str, Any]:
+        """What a written export reports (``-o FILE``): ``{output, format, state, exports}``,
+        ``exports`` the names it holds."""
+        return {"output": self.output, "format": self.document["format"], "state": self.document["state"],
+                "exports": sorted(self.document["exports"])}
+
+
+def write_document(path: Path, doc: dict[str, Any], *, force: bool) -> None:
+    """Write ``doc`` to ``path`` atomically: a temporary file beside it created exclusively,
+    never through a link (``O_EXCL | O_NOFOLLOW``, mode 0600), fsynced, then linked into
+    place (a new file) or, with ``force``, renamed over the regular file there; the
+    directory fsynced. Raises ``RIVET_STATE_TARGET_NOT_EMPTY`` for an existing ``path``
+    without ``force``, ``RIVET_STATE_UNSAFE_FILE`` for a symlink or a non-regular file
+    there (even with ``force``), and the filesystem's faults (``RIVET_STATE_READ_ONLY``,
+    ``RIVET_STATE_PERMISSION_DENIED``, ``RIVET_STATE_DISK_FULL``); no temporary file is
+    left behind (SPEC §8a)."""
+    path = Path(os.path.abspath(path))
+    try:
+        there = os.lstat(path)
+    except FileNotFoundError:
+        there = None
+    except OSError as err:
+        raise fault(path, err) or os_fault(err) or err from None
+    if there is not None:
+        if not stat.S_ISREG(there.st_mode):
+            raise StateError("RIVET_STATE_UNSAFE_FILE", f"{path} is a symlink or not a regular file; an export is "
+                             "never written through one, --force or not", {"path": str(path)})
+        if not force:
+            raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{path} exists; export never overwrites a file "
+                             "unless --force is given", {"path": str(path)})
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.export-tmp")
+    body = (json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n").encode()
+    try:
+        fd = os.open(tmp, CREATE_FLAGS, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(body)
+                fh.flush()
+                os.fsync(fh.fileno())
+            if force:
+                os.replace(tmp, path)
+            else:
+                os.link(tmp, path)  # never replaces a file that appeared meanwhile
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        fsync_dir(path.parent)
+    except FileExistsError:
+        raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{path} appeared while the export was written; nothing "
+                         "was replaced", {"path": str(path)}) from None
+    except OSError as err:
+        raise fault(path, err) or os_fault(err) or err from None
+
+
+def export_state(ctx: Context, *, export: str | None = None, with_history: bool = False,
+                 output: Path | None = None, force: bool = False) -> ExportResult:
+    """``statetool export``: the ``rivet-state/1`` document of the resolved state
+    (:func:`state_document`), read in one read-only session, written to ``output``
+    (:func:`write_document`) or returned for stdout. Reads no pipeline config where the
+    state is named by ``RIVET_STATE_URL``/``--state-url``. Raises :func:`read_state`'s
+    codes, ``RIVET_EXPORT_UNKNOWN``, and :func:`write_document`'s; nothing is written then."""
+    backend = ctx.backend()
+    with read_state(backend) as (conn, snap):
+        doc = state_document(backend, conn, snap, export=export, with_history=with_history)
+    if output is not None:
+        write_document(output, doc, force=force)
+    return ExportResult(doc, str(output) if output is not None else None)
+
+
+def _problem(doc: Any) -> str | None:
+    """What makes ``doc`` no ``rivet-state/1`` document this release reads, or None."""
+    if not isinstance(doc, dict):
+        return "it is not a JSON object"
+    if doc.get("format") != FORMAT:
+        return f"its format is {doc.get('format')!r}, not {FORMAT!r}"
+    state, exports = doc.get("state"), doc.get("exports")
+    if not isinstance(state, dict) or not {"state_key", "lineage", "serial", "revision"} <= set(state):
+        return "its 'state' object lacks state_key, lineage, serial or revision"
+    if not isinstance(exports, dict):
+        return "its 'exports' is not an object"
+    needed = {"mode", "registered", "updated_at", "cursor", "chunks", "ledger", "runs_summary"}
+    for name, one in exports.items():
+        if not isinstance(one, dict) or not needed <= set(one) or not isinstance(one["cursor"], dict):
+            return f"export {name!r} lacks one of {', '.join(sorted(needed))}"
+        if not isinstance(one["chunks"], list) or not isinstance(one["ledger"], list):
+            return f"export {name!r}: chunks and ledger must be lists"
+    return None
+
+
+def load_document(path: Path) -> dict[str, Any]:
+    """Read the ``rivet-state/1`` document at ``path`` (``diff``, ``import``). Raises
+    ``RIVET_STATE_EXPORT_FORMAT`` for a file that is not JSON, or not a document of this
+    format (another ``format``, a missing field), and the file's faults
+    (``RIVET_STATE_PERMISSION_DENIED``, ...)."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_DOCUMENT + 1)
+    except OSError as err:
+        raise os_fault(err) or err from None
+    if len(raw) > MAX_DOCUMENT:
+        raise StateError("RIVET_STATE_EXPORT_FORMAT", f"{path} is larger than {MAX_DOCUMENT} bytes: not a "
+                         f"{FORMAT} document statetool wrote", {"path": str(path)})
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise StateError("RIVET_STATE_EXPORT_FORMAT", f"{path} is not JSON ({err}): not a {FORMAT} document",
+                         {"path": str(path)}) from None
+    problem = _problem(doc)
+    if problem is not None:
+        raise StateError("RIVET_STATE_EXPORT_FORMAT", f"{path} is not a {FORMAT} document: {problem}",
+                         {"path": str(path)})
+    return doc  # type: ignore[no-any-return]

@@ -1,0 +1,336 @@
+"""``statetool export`` (rivet-state/1), ``diff`` and ``import``, on real states of both
+backends, through the CLI: every value a state holds is in its export, the export validates
+against docs/schemas/rivet-state-1.schema.json, reading changes no byte, and a round trip
+export -> import -> diff finds nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import jsonschema
+import pytest
+
+from support import describe, run_cli
+from support.backends import StateBackend
+from support.files import tree_digest, write_config
+from support.states import CURSOR, build_state
+
+SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "schemas" / "rivet-state-1.schema.json").read_text())
+KEY = "postgresql://db.internal:5432/sales"
+
+
+def raw_sql(sb: StateBackend, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Run ``sql`` (``?`` placeholders) on the state of ``sb`` with its own driver, committed:
+    what a pipeline (or a hand edit) writes that statetool's API does not."""
+    if sb.kind == "sqlite":
+        assert sb.state_dir is not None
+        conn = sqlite3.connect(sb.state_dir / ".rivet_state.db")
+        try:
+            rows = conn.execute(sql, params).fetchall()
+            conn.commit()
+            return rows
+        finally:
+            conn.close()
+    import psycopg
+
+    assert sb.url is not None
+    parts = urlsplit(sb.url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    schema = next(v for k, v in query if k == "schema")
+    url = urlunsplit(("postgresql", parts.netloc, parts.path, urlencode([(k, v) for k, v in query if k != "schema"]),
+                      ""))
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{schema}"')
+        cur = conn.execute(sql.replace("?", "%s"), params)
+        return [tuple(r) for r in cur.fetchall()] if cur.description else []
+
+
+def built(sb: StateBackend) -> Path:
+    """A state with progress of every kind: a cursor, chunk checkpoints, a succeeded CDC run,
+    a load-ledger row and a run aggregate; returns the config."""
+    config = write_config(sb.pipeline)
+    build_state(config, sb.url)
+    raw_sql(sb, "INSERT INTO rivet_load_ledger (export_name, table_name, part, rows, loaded_at) VALUES "
+                "('orders', 'sales.orders', 'part-0001.parquet', 120, '2026-11-01T00:00:00.000000Z')")
+    raw_sql(sb, "INSERT INTO rivet_run_aggregates (run_id, config_path, started_at, finished_at, status, details_json) "
+                "VALUES ('agg-1', 'rivet.yaml', '2026-11-01T00:00:00.000000Z', NULL, 'running', '{\"n\": 1}')")
+    return config
+
+
+def cli(sb: StateBackend, config: Path, *args: str) -> Any:
+    return run_cli("-c", str(config), *args, env=sb.env)
+
+
+def state_bytes(sb: StateBackend) -> dict[str, str]:
+    """The digest of every file of a SQLite state's directory ({} on PostgreSQL)."""
+    return tree_digest(sb.state_dir) if sb.state_dir is not None else {}
+
+
+def test_an_export_carries_every_value_validates_and_changes_no_byte(state_backend: StateBackend,
+                                                                     tmp_path: Path) -> None:
+    config = built(state_backend)
+    before = state_bytes(state_backend)
+    out = tmp_path / "out" / "state.json"
+    out.parent.mkdir()
+    proc = cli(state_backend, config, "export", "--with-history", "-o", str(out))
+    assert proc.returncode == 0, describe(proc)
+    assert str(out) in proc.stdout
+    assert state_bytes(state_backend) == before
+    assert os.listdir(out.parent) == ["state.json"]  # no temporary file left
+    assert out.stat().st_mode & 0o777 == 0o600
+    doc = json.loads(out.read_text())
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["format"] == "rivet-state/1" and doc["with_history"] is True
+    assert doc["state"] == {"state_key": KEY, "lineage": None, "serial": None, "revision": "0004", "legacy": False}
+    assert doc["exported_from"]["backend"] == state_backend.kind
+    orders, lines, events = (doc["exports"][n] for n in ("orders", "order_lines", "order_events"))
+    assert orders["cursor"]["value"] == CURSOR and orders["registered"] is True and orders["mode"] == "incremental"
+    assert orders["ledger"] == [{"id": 1, "table_name": "sales.orders", "part": "part-0001.parquet", "rows": 120,
+                                 "loaded_at": "2026-11-01T00:00:00.000000Z"}]
+    assert orders["runs_summary"]["succeeded"] == 1 and orders["runs_summary"]["last_success"] is not None
+    assert [(c["chunk_index"], c["status"], c["lower_bound"]) for c in lines["chunks"]] == \
+        [(0, "done", "0"), (1, "pending", "100000")]
+    assert lines["registered"] is False and lines["mode"] == "chunked"
+    assert events["runs"][0]["status"] == "succeeded" and events["cdc_position"] is None
+    assert doc["run_aggregates"][0]["details_json"] == '{"n": 1}'
+    # without --with-history: no runs, no aggregates, and the same progress on stdout
+    plain = cli(state_backend, config, "export")
+    assert plain.returncode == 0, describe(plain)
+    short = json.loads(plain.stdout)
+    jsonschema.validate(short, SCHEMA)
+    assert "run_aggregates" not in short and "runs" not in short["exports"]["orders"]
+    assert short["exports"]["orders"]["ledger"] == orders["ledger"]
+
+
+def test_an_export_reads_lineage_and_serial_where_the_state_holds_them(tmp_path: Path) -> None:
+    sb = StateBackend.sqlite(tmp_path)
+    config = built(sb)
+    raw_sql(sb, "CREATE TABLE rivet_lineage (id INTEGER PRIMARY KEY, lineage TEXT NOT NULL, serial BIGINT NOT NULL)")
+    raw_sql(sb, "INSERT INTO rivet_lineage VALUES (1, '6f1c8a52-0d5e-4d7e-9d43-2b8f0c1e9a11', 17)")
+    proc = cli(sb, config, "export", "--export", "orders")
+    assert proc.returncode == 0, describe(proc)
+    doc = json.loads(proc.stdout)
+    jsonschema.validate(doc, SCHEMA)
+    assert (doc["state"]["lineage"], doc["state"]["serial"]) == ("6f1c8a52-0d5e-4d7e-9d43-2b8f0c1e9a11", 17)
+    assert list(doc["exports"]) == ["orders"]
+
+
+def test_export_output_never_overwrites_without_force_nor_follows_a_link(tmp_path: Path) -> None:
+    sb = StateBackend.sqlite(tmp_path)
+    config = built(sb)
+    out = tmp_path / "state.json"
+    out.write_text("keep me")
+    proc = cli(sb, config, "export", "-o", str(out))
+    assert proc.returncode == 5 and "RIVET_STATE_TARGET_NOT_EMPTY" in proc.stderr, describe(proc)
+    assert out.read_text() == "keep me"
+    victim = tmp_path / "victim"
+    victim.write_text("not yours")
+    link = tmp_path / "link.json"
+    link.symlink_to(victim)
+    proc = cli(sb, config, "export", "-o", str(link), "--force")
+    assert proc.returncode == 5 and "RIVET_STATE_UNSAFE_FILE" in proc.stderr, describe(proc)
+    assert victim.read_text() == "not yours" and link.is_symlink()
+    proc = cli(sb, config, "--json", "export", "-o", str(out), "--force")
+    assert proc.returncode == 0, describe(proc)
+    assert json.loads(proc.stdout)["output"] == str(out)
+    assert json.loads(out.read_text())["format"] == "rivet-state/1"
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "pipeline", "state.json", "victim"]
+
+
+def test_export_of_an_unknown_export_or_a_missing_state_is_refused(tmp_path: Path) -> None:
+    sb = StateBackend.sqlite(tmp_path)
+    config = write_config(sb.pipeline)
+    proc = cli(sb, config, "export")
+    assert proc.returncode == 5 and "RIVET_STATE_MISSING" in proc.stderr, describe(proc)
+    assert os.listdir(sb.pipeline) == ["rivet.yaml"]
+    build_state(config)
+    proc = cli(sb, config, "export", "--export", "nope")
+    assert proc.returncode == 1 and "RIVET_EXPORT_UNKNOWN" in proc.stderr, describe(proc)
+
+
+# -- diff -------------------------------------------------------------------------------
+
+
+def test_diff_of_a_state_and_its_export_is_equal_then_names_each_change(state_backend: StateBackend,
+                                                                        tmp_path: Path) -> None:
+    config = built(state_backend)
+    out = tmp_path / "state.json"
+    assert cli(state_backend, config, "export", "-o", str(out)).returncode == 0
+    location = state_backend.url or str(config)
+    proc = cli(state_backend, config, "diff", str(out), location)
+    assert proc.returncode == 0, describe(proc)
+    assert "No difference" in proc.stdout
+    assert cli(state_backend, config, "exports", "reset", "order_lines").returncode == 0
+    assert cli(state_backend, config, "exports", "set-cursor", "orders", "2027-01-01T00:00:00Z").returncode == 0
+    proc = cli(state_backend, config, "--json", "diff", str(out), location)
+    assert proc.returncode == 1, describe(proc)
+    doc = json.loads(proc.stdout)
+    assert doc["equal"] is False and doc["a"]["kind"] == "export_file" and doc["b"]["kind"] == "state"
+    found = {(d["export"], d["field"]): d for d in doc["differences"]}
+    assert found[("orders", "cursor.value")]["a"] == CURSOR
+    assert found[("orders", "cursor.value")]["b"] == "2027-01-01T00:00:00Z"
+    chunks = found[("order_lines", "chunks")]
+    assert (chunks["a"], chunks["b"], chunks["only_b"]) == (2, 0, [])
+    assert len(chunks["only_a"]) == 2
+    human = cli(state_backend, config, "diff", str(out), location)
+    assert human.returncode == 1 and "export orders: cursor.value:" in human.stdout, describe(human)
+
+
+def test_diff_of_a_backup_file_names_the_change_and_leaves_every_byte(tmp_path: Path) -> None:
+    sb = StateBackend.sqlite(tmp_path)
+    config = built(sb)
+    assert cli(sb, config, "exports", "set-cursor", "orders", "2027-01-01T00:00:00Z").returncode == 0
+    backup = next(sb.pipeline.glob(".rivet_state.db.backup-set-cursor-orders-*"))
+    before = tree_digest(sb.pipeline)
+    proc = cli(sb, config, "--json", "diff", str(backup), f"sqlite:{sb.pipeline}")
+    assert proc.returncode == 1, describe(proc)
+    doc = json.loads(proc.stdout)
+    assert doc["a"]["kind"] == "state_file"
+    assert [(d["export"], d["field"]) for d in doc["differences"]] == [("orders", "cursor.value"),
+                                                                       ("orders", "cursor.updated_at")]
+    assert tree_digest(sb.pipeline) == before
+    assert sorted(p.name for p in sb.pipeline.iterdir()) == sorted(
+        [".rivet_state.db", ".rivet_state.leases", backup.name, "rivet.yaml"])
+    same = cli(sb, config, "diff", str(backup), str(backup))
+    assert same.returncode == 0, describe(same)
+    assert tree_digest(sb.pipeline) == before
+
+
+def test_diff_counts_identity_and_lineage_as_differences(tmp_path: Path) -> None:
+    sb = StateBackend.sqlite(tmp_path)
+    config = built(sb)
+    out = tmp_path / "state.json"
+    assert cli(sb, config, "export", "-o", str(out)).returncode == 0
+    doc = json.loads(out.read_text())
+    doc["state"].update(state_key="postgresql://elsewhere:5432/sales", lineage="0a1b", serial=3)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(doc))
+    proc = cli(sb, config, "--json", "diff", str(other), str(out))
+    assert proc.returncode == 1, describe(proc)
+    assert [(d["scope"], d["field"], d["b"]) for d in json.loads(proc.stdout)["differences"]] == [
+        ("state", "state_key", KEY), ("state", "lineage", None), ("state", "serial", None)]
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ('{"format": "rivet-state/2", "state": {}, "exports": {}}', "'rivet-state/2'"),
+    ("{not json", "is not JSON"),
+    ('{"format": "rivet-state/1", "state": {"state_key": null}, "exports": {}}', "lacks"),
+])
+def test_diff_refuses_a_file_that_is_not_a_rivet_state_1_document(tmp_path: Path, body: str, says: str) -> None:
+    sb = StateBackend.sqlite(tmp_path)
+    config = built(sb)
+    bad = tmp_path / "bad.json"
+    bad.write_text(body)
+    proc = cli(sb, config, "--json-errors", "diff", str(bad), str(config))
+    assert proc.returncode == 3, describe(proc)
+    err = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert err["code"] == "RIVET_STATE_EXPORT_FORMAT" and says in err["message"]
+
+
+# -- import -----------------------------------------------------------------------------
+
+
+def _second_place(sb: StateBackend, tmp_path: Path) -> StateBackend:
+    """Another, empty place of the same backend: a declared directory, or a fresh schema."""
+    if sb.kind == "sqlite":
+        (tmp_path / "elsewhere").mkdir()
+        return StateBackend("sqlite", sb.pipeline, f"sqlite:{tmp_path / 'elsewhere'}")
+    assert sb.url is not None
+    return StateBackend("postgres", sb.pipeline, sb.url.replace("schema=t_", "schema=u_"))
+
+
+def _drop_schema(sb: StateBackend) -> None:
+    if sb.kind == "postgres":
+        schema = sb.url.rsplit("schema=", 1)[1]  # type: ignore[union-attr]
+        raw_sql(StateBackend("postgres", sb.pipeline, sb.url), f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def _same_document(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for doc in (a, b):
+        doc.pop("exported_at")
+        doc.pop("exported_from")
+    assert a == b
+
+
+def test_export_then_import_where_no_state_is_makes_the_same_state(state_backend: StateBackend,
+                                                                   tmp_path: Path) -> None:
+    config = built(state_backend)
+    out = tmp_path / "state.json"
+    assert cli(state_backend, config, "export", "--with-history", "-o", str(out)).returncode == 0
+    target = _second_place(state_backend, tmp_path)
+    try:
+        plan = run_cli("-c", str(config), "--state-url", target.url, "import", str(out), "--dry-run")
+        assert plan.returncode == 0 and "Would create the state" in plan.stdout, describe(plan)
+        if target.state_dir is not None:
+            assert os.listdir(target.state_dir) == []
+        done = run_cli("-c", str(config), "--state-url", target.url, "--json", "import", str(out))
+        assert done.returncode == 0, describe(done)
+        assert json.loads(done.stdout)["action"] == "create"
+        same = run_cli("-c", str(config), "diff", str(out), target.url)
+        assert same.returncode == 0, describe(same)
+        both = run_cli("-c", str(config), "diff", state_backend.url or str(config), target.url)
+        assert both.returncode == 0, describe(both)
+        again = run_cli("-c", str(config), "--state-url", target.url, "export", "--with-history")
+        _same_document(json.loads(out.read_text()), json.loads(again.stdout))
+        audit = raw_sql(target, "SELECT action FROM rivet_audit")
+        assert audit == [("identity.stamp",), ("import",)]
+    finally:
+        _drop_schema(target)
+
+
+def test_import_into_a_live_state_puts_one_exports_progress_back(state_backend: StateBackend,
+                                                                 tmp_path: Path) -> None:
+    config = built(state_backend)
+    out = tmp_path / "state.json"
+    assert cli(state_backend, config, "export", "-o", str(out)).returncode == 0
+    assert cli(state_backend, config, "exports", "reset", "order_lines").returncode == 0
+    assert cli(state_backend, config, "exports", "set-cursor", "orders", "2027-01-01T00:00:00Z").returncode == 0
+    before = state_bytes(state_backend)
+    plan = cli(state_backend, config, "import", str(out), "--export", "order_lines", "--dry-run")
+    assert plan.returncode == 0 and "0 chunks" in plan.stdout and "-> no cursor, 2 chunks" in plan.stdout, \
+        describe(plan)
+    assert state_bytes(state_backend) == before
+    refused = cli(state_backend, config, "import", str(out))
+    assert refused.returncode == 5 and "RIVET_STATE_TARGET_NOT_EMPTY" in refused.stderr, describe(refused)
+    done = cli(state_backend, config, "import", str(out), "--export", "order_lines")
+    assert done.returncode == 0, describe(done)
+    proc = cli(state_backend, config, "--json", "diff", str(out), state_backend.url or str(config))
+    assert proc.returncode == 1, describe(proc)
+    assert {d["export"] for d in json.loads(proc.stdout)["differences"]} == {"orders"}  # order_lines is back
+    assert raw_sql(state_backend, "SELECT action FROM rivet_audit ORDER BY id DESC LIMIT 1") == [("import",)]
+
+
+def test_import_refuses_a_file_of_another_identity_or_lineage_or_format(tmp_path: Path) -> None:
+    sb = StateBackend.sqlite(tmp_path)
+    config = built(sb)
+    out = tmp_path / "state.json"
+    assert cli(sb, config, "export", "--with-history", "-o", str(out)).returncode == 0
+    doc = json.loads(out.read_text())
+    doc["state"]["state_key"] = "postgresql://elsewhere:5432/sales"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(doc))
+    before = tree_digest(sb.pipeline)
+    proc = cli(sb, config, "import", str(other), "--export", "orders")
+    assert proc.returncode == 5 and "RIVET_STATE_FOREIGN" in proc.stderr, describe(proc)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run_cli("-c", str(config), "--state-url", f"sqlite:{empty}", "import", str(other))
+    assert proc.returncode == 5 and "RIVET_STATE_FOREIGN" in proc.stderr, describe(proc)
+    assert os.listdir(empty) == []
+    raw_sql(sb, "CREATE TABLE rivet_lineage (id INTEGER PRIMARY KEY, lineage TEXT NOT NULL, serial BIGINT NOT NULL)")
+    raw_sql(sb, "INSERT INTO rivet_lineage VALUES (1, 'live-lineage', 4)")
+    before = tree_digest(sb.pipeline)
+    doc["state"].update(state_key=KEY, lineage="another-lineage")
+    other.write_text(json.dumps(doc))
+    proc = cli(sb, config, "import", str(other), "--export", "orders")
+    assert proc.returncode == 5 and "another-lineage" in proc.stderr, describe(proc)
+    doc["format"] = "rivet-state/2"
+    other.write_text(json.dumps(doc))
+    proc = cli(sb, config, "import", str(other), "--export", "orders")
+    assert proc.returncode == 3 and "RIVET_STATE_EXPORT_FORMAT" in proc.stderr, describe(proc)
+    assert tree_digest(sb.pipeline) == before
