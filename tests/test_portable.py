@@ -19,6 +19,7 @@ from support import describe, run_cli
 from support.backends import StateBackend
 from support.files import tree_digest, write_config
 from support.states import CURSOR, build_state
+from statetool import migrations
 
 SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "schemas" / "rivet-state-1.schema.json").read_text())
 KEY = "postgresql://db.internal:5432/sales"
@@ -86,7 +87,10 @@ def test_an_export_carries_every_value_validates_and_changes_no_byte(state_backe
     doc = json.loads(out.read_text())
     jsonschema.validate(doc, SCHEMA)
     assert doc["format"] == "rivet-state/1" and doc["with_history"] is True
-    assert doc["state"] == {"state_key": KEY, "lineage": None, "serial": None, "revision": "0004", "legacy": False}
+    info = json.loads(cli(state_backend, config, "info", "--json").stdout)
+    assert doc["state"] == {"state_key": KEY, "lineage": info["lineage"]["id"], "serial": info["lineage"]["serial"],
+                            "revision": migrations.head(), "legacy": False}
+    assert doc["state"]["lineage"] and doc["state"]["serial"] >= 1
     assert doc["exported_from"]["backend"] == state_backend.kind
     orders, lines, events = (doc["exports"][n] for n in ("orders", "order_lines", "order_events"))
     assert orders["cursor"]["value"] == CURSOR and orders["registered"] is True and orders["mode"] == "incremental"
@@ -110,8 +114,7 @@ def test_an_export_carries_every_value_validates_and_changes_no_byte(state_backe
 def test_an_export_reads_lineage_and_serial_where_the_state_holds_them(tmp_path: Path) -> None:
     sb = StateBackend.sqlite(tmp_path)
     config = built(sb)
-    raw_sql(sb, "CREATE TABLE rivet_lineage (id INTEGER PRIMARY KEY, lineage TEXT NOT NULL, serial BIGINT NOT NULL)")
-    raw_sql(sb, "INSERT INTO rivet_lineage VALUES (1, '6f1c8a52-0d5e-4d7e-9d43-2b8f0c1e9a11', 17)")
+    raw_sql(sb, "UPDATE rivet_lineage SET lineage = '6f1c8a52-0d5e-4d7e-9d43-2b8f0c1e9a11', serial = 17")
     proc = cli(sb, config, "export", "--export", "orders")
     assert proc.returncode == 0, describe(proc)
     doc = json.loads(proc.stdout)
@@ -191,7 +194,8 @@ def test_diff_of_a_backup_file_names_the_change_and_leaves_every_byte(tmp_path: 
     assert proc.returncode == 1, describe(proc)
     doc = json.loads(proc.stdout)
     assert doc["a"]["kind"] == "state_file"
-    assert [(d["export"], d["field"]) for d in doc["differences"]] == [("orders", "cursor.value"),
+    # the backup holds the serial before the change, the state the one after it (SPEC §9)
+    assert [(d["export"], d["field"]) for d in doc["differences"]] == [(None, "serial"), ("orders", "cursor.value"),
                                                                        ("orders", "cursor.updated_at")]
     assert tree_digest(sb.pipeline) == before
     assert sorted(p.name for p in sb.pipeline.iterdir()) == sorted(
@@ -213,7 +217,8 @@ def test_diff_counts_identity_and_lineage_as_differences(tmp_path: Path) -> None
     proc = cli(sb, config, "--json", "diff", str(other), str(out))
     assert proc.returncode == 1, describe(proc)
     assert [(d["scope"], d["field"], d["b"]) for d in json.loads(proc.stdout)["differences"]] == [
-        ("state", "state_key", KEY), ("state", "lineage", None), ("state", "serial", None)]
+        ("state", "state_key", KEY), ("state", "lineage", json.loads(out.read_text())["state"]["lineage"]),
+        ("state", "serial", json.loads(out.read_text())["state"]["serial"])]
 
 
 @pytest.mark.parametrize(("body", "says"), [
@@ -301,7 +306,8 @@ def test_import_into_a_live_state_puts_one_exports_progress_back(state_backend: 
     assert done.returncode == 0, describe(done)
     proc = cli(state_backend, config, "--json", "diff", str(out), state_backend.url or str(config))
     assert proc.returncode == 1, describe(proc)
-    assert {d["export"] for d in json.loads(proc.stdout)["differences"]} == {"orders"}  # order_lines is back
+    # order_lines is back; orders is as set, and the state has advanced past the file's serial
+    assert {d["export"] for d in json.loads(proc.stdout)["differences"]} == {"orders", None}
     assert raw_sql(state_backend, "SELECT action FROM rivet_audit ORDER BY id DESC LIMIT 1") == [("import",)]
 
 
@@ -322,8 +328,7 @@ def test_import_refuses_a_file_of_another_identity_or_lineage_or_format(tmp_path
     proc = run_cli("-c", str(config), "--state-url", f"sqlite:{empty}", "import", str(other))
     assert proc.returncode == 5 and "RIVET_STATE_FOREIGN" in proc.stderr, describe(proc)
     assert os.listdir(empty) == []
-    raw_sql(sb, "CREATE TABLE rivet_lineage (id INTEGER PRIMARY KEY, lineage TEXT NOT NULL, serial BIGINT NOT NULL)")
-    raw_sql(sb, "INSERT INTO rivet_lineage VALUES (1, 'live-lineage', 4)")
+    raw_sql(sb, "UPDATE rivet_lineage SET lineage = 'live-lineage', serial = 4")
     before = tree_digest(sb.pipeline)
     doc["state"].update(state_key=KEY, lineage="another-lineage")
     other.write_text(json.dumps(doc))
