@@ -75,12 +75,16 @@ def _without_transfers(state: dict[str, Any]) -> dict[str, Any]:
     return split_transfer_rows(state)[0]
 
 
+def _state_rows(admin: str, url: str) -> dict[str, Any]:
+    """:func:`pg_state` of the schema of ``url`` without its lease tables (a transfer takes
+    its leases there: their fencing tokens stay, a killed holder's rows too)."""
+    return {t: rows for t, rows in pg_state(admin, split_url(url)[1]).items() if t not in LEASE_TABLES}
+
+
 def _retired(admin: str, url: str, expected: dict[str, Any]) -> dict[str, Any]:
     """The old PostgreSQL place after its transfer: every row kept, the version marked, one
     ``retired`` audit row; returns that row's detail."""
-    got = _without_transfers(pg_state(admin, split_url(url)[1]))
-    for leases in LEASE_TABLES:  # the transfer's own leases (their fencing tokens) were taken there
-        got.pop(leases, None)
+    got = _without_transfers(_state_rows(admin, url))
     columns, rows = got.pop("rivet_audit")
     action = columns.index("action")
     retired = [dict(zip(columns, r)) for r in rows if r[action] == "retired"]
@@ -188,7 +192,7 @@ def test_sigkill_out_of_postgresql_leaves_the_source_usable_until_the_switch_and
     target = tmp_path / "killed"
     target.mkdir()
     to = f"sqlite:{target}" if into == "sqlite" else other_url
-    source_before = pg_state(admin, split_url(pg_url)[1])
+    source_before = _state_rows(admin, pg_url)
 
     killed = run_killed_at(point, "-c", str(pg_source), "--state-url", pg_url, "transfer", "--to", to)
     assert killed.returncode == -signal.SIGKILL, describe(killed)
@@ -201,7 +205,7 @@ def test_sigkill_out_of_postgresql_leaves_the_source_usable_until_the_switch_and
         columns, versions = got["rivet_state_version"]
         assert versions == ([(IN_FLIGHT_REVISION,)] if point != "finished" else expected["rivet_state_version"][1])
     if not switched:
-        assert pg_state(admin, split_url(pg_url)[1]) == source_before, f"the source changed (killed at {point})"
+        assert _state_rows(admin, pg_url) == source_before, f"the source changed (killed at {point})"
         usable = run_cli_process("-c", str(pg_source), "--state-url", pg_url, "--json", "info")
         assert usable.returncode == 0, describe(usable)
         assert sum(e["runs_total"] for e in json.loads(usable.stdout)["exports"]) == len(expected["rivet_runs"][1])
