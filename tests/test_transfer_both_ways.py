@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import signal
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from statetool.runtime import StateStore
 from statetool.tables import IN_FLIGHT_REVISION, LEASE_TABLES, RELOCATED_REVISION
 from support import describe, error_object, run_cli, run_cli_process, tree_digest
 from support.crash_driver import run_killed_at
+from test_transfer import admin  # noqa: F401 - the fixture: the server's superuser URL
 from test_transfer import (build_template, copy_pipeline, pg_fetch, pg_state, split_transfer_rows, split_url,
                            sqlite_state, with_schema)
 
@@ -49,16 +49,13 @@ def expected(template: Path) -> dict[str, Any]:
 
 
 @pytest.fixture
-def admin(pg_server: dict[str, str]) -> str:
-    return pg_server["url"]
-
-
-@pytest.fixture
-def other_url(pg_server: dict[str, str]) -> Iterator[str]:
-    """A second fresh schema on the same server (dropped afterwards)."""
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    yield with_schema(pg_server["url"], schema)
-    pg_fetch(pg_server["url"], f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+def other_url(admin: str, pg_url: str) -> Iterator[str]:
+    """A second fresh schema on the same server, named after ``pg_url``'s (dropped afterwards)."""
+    second = f"{split_url(pg_url)[1]}_moved"
+    try:
+        yield with_schema(admin, second)
+    finally:
+        pg_fetch(admin, f'DROP SCHEMA IF EXISTS "{second}" CASCADE')
 
 
 @pytest.fixture
