@@ -120,7 +120,9 @@ REGISTRY: dict[str, Entry] = {
         "the original kept as the backup (statetool migrate --dry-run shows the plan)",
     ),
     "RIVET_STATE_BACKEND_UNSUPPORTED": _e(
-        "usage", "generic", "this command moves SQLite states; check RIVET_STATE_URL",
+        "usage", "generic",
+        "relocate moves SQLite states; transfer moves between SQLite and PostgreSQL or between PostgreSQL "
+        "schemas, never to where the state is: check RIVET_STATE_URL and the destination",
     ),
     "RIVET_STATE_AUTH_FAILED": _e(
         "environment", "generic", "check the user and password of the state URL",

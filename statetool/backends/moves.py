@@ -24,16 +24,15 @@ import contextlib
 import json
 import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from statetool import migrations, schema
+from statetool import schema
 from statetool.backends.base import PageCopy, Progress, Step
 from statetool.backends.durable import CREATE_FLAGS, fsync_dir, fsync_file, like, side_copy
 from statetool.backends.faults import fault
@@ -347,7 +346,8 @@ class FileRetirement:
         """:meth:`FileMove.wait_for_openers`."""
         self.move.wait_for_openers()
 
-    def retire(self, conn: Connection, doc: dict[str, Any], audit: Any, on_step: Step) -> str | None:
+    def retire(self, conn: Connection, doc: dict[str, Any], audit: Callable[[str, dict[str, object]], None],
+               on_step: Step) -> str | None:
         """The tombstone renamed over the file, its bytes kept beside it (:meth:`FileMove.retire`);
         nothing is written into the old file (``audit`` is not used: its bytes are kept as they were)."""
         return str(self.move.retire(doc, on_step))
