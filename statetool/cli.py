@@ -403,20 +403,25 @@ def relocate(
       statetool transfer --to-env PG_URL
     Then every task of the pipeline runs with:
       RIVET_STATE_URL=$PG_URL
+    Back into a SQLite file, or into another schema:
+      statetool --state-url "$PG_URL" transfer --to sqlite:/srv/rivet/sales
+      statetool --state-url "$PG_URL" transfer --to-env OTHER_URL
     """)
 def transfer(
     ctx: typer.Context,
     to: Annotated[str | None, typer.Option("--to", metavar="URL", show_default=False,
-                                           help="PostgreSQL URL of the destination (?schema=NAME allowed).")] = None,
+                                           help="The destination: a PostgreSQL URL (?schema=NAME allowed), "
+                                                "or sqlite:/dir for a SQLite file.")] = None,
     to_env: Annotated[str | None, typer.Option("--to-env", metavar="NAME", show_default=False,
                                                help="Read the destination URL from environment variable NAME "
                                                     "(keeps a password out of the process list).")] = None,
     dry_run: DryRun = False,
 ) -> None:
-    """Move a SQLite state into PostgreSQL, verified.
+    """Move a state between SQLite and PostgreSQL, verified.
 
-    One transaction on the destination, checked table by table before the commit; the
-    old place is retired (a tombstone names the new one).
+    Either way, or from one PostgreSQL schema or database to another. One transaction on the
+    destination, checked table by table before the commit; the old place is retired (a
+    tombstone, or a marker in the schema, names the new one).
     """
     from statetool import render
     from statetool.operations.transfer import transfer as op

@@ -120,7 +120,9 @@ REGISTRY: dict[str, Entry] = {
         "the original kept as the backup (statetool migrate --dry-run shows the plan)",
     ),
     "RIVET_STATE_BACKEND_UNSUPPORTED": _e(
-        "usage", "generic", "this command moves SQLite states; check RIVET_STATE_URL",
+        "usage", "generic",
+        "relocate moves SQLite states; transfer moves between SQLite and PostgreSQL or between PostgreSQL "
+        "schemas, never to where the state is: check RIVET_STATE_URL and the destination",
     ),
     "RIVET_STATE_AUTH_FAILED": _e(
         "environment", "generic", "check the user and password of the state URL",
@@ -467,6 +469,26 @@ def worst(codes: list[str]) -> str | None:
         if best is None or STOP_RANK[failure_class(code)] >= STOP_RANK[failure_class(best)]:
             best = code
     return best
+
+
+def moved_away(place: str, doc: dict[str, Any], details: dict[str, Any]) -> StateError:
+    """``RIVET_STATE_RELOCATED`` for the old place ``place`` of a state a relocate or a
+    transfer moved away, from what the move left there (``doc``: a SQLite tombstone, or
+    the ``retired`` audit row of a PostgreSQL schema: ``to``, ``state_url``, ``at``,
+    ``by``, ``kept_as``): where the state went and the ``RIVET_STATE_URL`` every task must
+    now run with (SPEC §9). ``details`` names the place (``path`` or ``place``)."""
+    from statetool.moments import moment
+
+    url = doc.get("state_url", "?")
+    kept = doc.get("kept_as")
+    return StateError(
+        "RIVET_STATE_RELOCATED",
+        f"the state that was at {place} was moved to {doc.get('to', '?')} on {moment(doc.get('at', '?'))} "
+        f"by {doc.get('by', '?')}; every task must now run with RIVET_STATE_URL={url} "
+        + (f"(the old bytes are kept as {kept})" if kept else
+           "(its rows are kept here, refused to every open; nothing starts a new state over them)"),
+        {**details, "to": doc.get("to"), "state_url": url},
+    )
 
 
 class StateWarning:

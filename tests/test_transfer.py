@@ -644,8 +644,12 @@ def test_the_destination_is_inspected_read_only_whether_its_schema_is_missing_or
     config = tmp_path / "rivet.yaml"
     source = open_backend(resolve_location(None, f"sqlite:{tmp_path}", config), 0)
     dest = open_backend(resolve_location(None, pw_url, config), 0)
-    assert source.sends_transfer and not source.accepts_transfer, "a SQLite state moves out, never in"
-    assert dest.accepts_transfer and not dest.sends_transfer, "a PostgreSQL schema receives, never sends"
+    # both ways (issue 14 item 6): each end sends and receives; only file to file is relocate's
+    assert source.sends_transfer and source.accepts_transfer and source.relocatable
+    assert dest.accepts_transfer and dest.sends_transfer and not dest.relocatable
+    with source.inspecting() as conn:  # no file there: nothing is created for the look
+        assert source.table_names(conn) == set()
+    assert list(tmp_path.iterdir()) == [], "inspecting a missing SQLite state created a file"
     schema = split_url(pw_url)[1]
     with dest.inspecting() as conn:
         assert dest.table_names(conn) == set()

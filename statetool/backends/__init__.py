@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from statetool.location import Location
 
 if TYPE_CHECKING:
-    from statetool.backends.base import Backend, FileMoves, LeaseStore
+    from statetool.backends.base import Backend, FileMoves, LeaseStore, Retirement, TransferSource
     from statetool.backends.sqlite_file import Orphans
 
 
@@ -74,3 +74,20 @@ def file_move(backend: Backend) -> FileMoves:
 
     assert backend.relocatable and isinstance(backend, SqliteBackend)
     return FileMove(backend)
+
+
+def retirement(backend: TransferSource) -> Retirement:
+    """How the state of ``backend``, a transfer's source (``sends_transfer``), is retired at
+    its old place: a state file (``relocatable``) by relocate's tombstone
+    (statetool/backends/moves.py), a PostgreSQL schema by the marker in its version table
+    (statetool/backends/postgres.py)."""
+    if backend.relocatable:
+        from statetool.backends.moves import FileRetirement
+        from statetool.backends.sqlite import SqliteBackend
+
+        assert isinstance(backend, SqliteBackend)
+        return FileRetirement(backend)
+    from statetool.backends.postgres import PostgresBackend, SchemaRetirement
+
+    assert isinstance(backend, PostgresBackend)
+    return SchemaRetirement(backend)

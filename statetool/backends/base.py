@@ -336,8 +336,67 @@ class TransferSource(Backend, Protocol):
     """A state ``statetool transfer`` can move out (:attr:`Backend.sends_transfer`)."""
 
     def copy_blocks(self, conn: Connection, table: str, columns: list[str]) -> Iterator[Block]:
-        """``table``'s ``columns`` read on ``conn`` as blocks of COPY text with their
-        checksums (:mod:`statetool.backends.copy_text`); memory stays flat."""
+        """``table``'s ``columns`` read on ``conn`` (the source's write transaction) as
+        blocks of COPY text with their checksums (:mod:`statetool.backends.copy_text`), in
+        the order of its primary key (the append-only tables' rows keep their order where
+        the destination numbers them anew); memory stays flat."""
+
+
+class Retirement(Protocol):
+    """A transfer's source as the place it retires (SPEC §9; decisions.md, "Moves: one live
+    place" and "Retiring a PostgreSQL source"): a SQLite file gets relocate's tombstone; a
+    PostgreSQL schema keeps its rows and gets a marker in its version table
+    (:data:`~statetool.tables.RELOCATED_REVISION`), with a ``retired`` audit row saying where
+    the state went. Handed out by :func:`statetool.backends.retirement`; each step is called
+    by statetool/operations/transfer.py in this order."""
+
+    #: The source as the transfer's result, its audit row and the tombstone name it: the
+    #: real file of a SQLite state, the display (password masked) of a PostgreSQL schema.
+    place: str
+
+    def moved_to(self) -> dict[str, Any] | None:
+        """What an earlier move left at the source (``to``, ``state_url``, ``kept_as``, ...),
+        or None while the source is a live state."""
+
+    def size_bytes(self) -> int:
+        """The source's size on disk (bytes): its file, or its tables with their indexes."""
+
+    def require_retirable(self) -> None:
+        """Before any lease or write: refuse a source that cannot be retired
+        (``RIVET_STATE_READ_ONLY``, ``RIVET_STATE_PERMISSION_DENIED``,
+        ``RIVET_STATE_UNSAFE_FILE``). Reads only."""
+
+    def remove_stale(self) -> None:
+        """Remove what a killed transfer left beside the source (temporary tombstones)."""
+
+    def hold_off_writers(self) -> None:
+        """Before the source's write lock: no other opener, journals folded in
+        (``RIVET_STATE_RUN_IN_PROGRESS``, ``RIVET_STATE_FOREIGN_WAL``)."""
+
+    def require_frozen(self) -> None:
+        """Under the write lock: nothing was written since :meth:`hold_off_writers`."""
+
+    def digest(self, conn: Connection) -> str:
+        """The source's content digest (sha256, hex) read on ``conn``, its write transaction:
+        equal for equal content, so a re-run knows whether the source changed."""
+
+    def wait_for_openers(self) -> None:
+        """Right before the switch: no other process holds the source open
+        (``RIVET_STATE_RUN_IN_PROGRESS`` after ``lock_wait``)."""
+
+    def retire(self, conn: Connection, doc: dict[str, Any], audit: Callable[[str, dict[str, object]], None],
+               on_step: Step) -> str | None:
+        """The switch, inside the source's write transaction ``conn``: afterwards every open
+        of the old place refuses ``RIVET_STATE_RELOCATED`` naming ``doc`` (``to``,
+        ``state_url``, ``at``, ``by``, ``source_digest``, ``how``). A SQLite file is
+        renamed aside under a tombstone at once; a PostgreSQL schema is marked in ``conn``
+        and its ``retired`` row written with ``audit`` (the guarded write's one audit
+        writer), both committed with the write. Returns where the old bytes are kept (None:
+        in place). ``on_step`` is told the switch's steps."""
+
+    def finish_retired(self) -> None:
+        """After the switch, and again on the re-run of a completed transfer: remove what
+        the retired source leaves (its old inode's ``-wal``/``-shm``, temporary tombstones)."""
 
 
 class TransferDestination(Backend, Protocol):

@@ -10,6 +10,7 @@ arrived value for value.
 
 from __future__ import annotations
 
+import re
 import sys
 from array import array
 from collections.abc import Iterable
@@ -25,6 +26,27 @@ except ImportError:  # an interpreter built without it
 NULL = "\\N"
 #: What COPY's text format escapes inside a value.
 ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+#: What COPY's text format spells with a backslash (PostgreSQL's ``COPY TO`` writes
+#: these, never an octal or hex escape), and what each stands for.
+_UNESCAPES = {b"\\": b"\\", b"t": b"\t", b"n": b"\n", b"r": b"\r", b"b": b"\b", b"f": b"\f", b"v": b"\v"}
+_ESCAPED = re.compile(rb"\\(.)", re.DOTALL)
+
+
+def line_values(line: bytes) -> list[str | None]:
+    """The values of one line of COPY text (no newline), None for NULL: what a destination
+    that is not PostgreSQL inserts."""
+    return [None if field == NULL.encode() else
+            _ESCAPED.sub(lambda m: _UNESCAPES.get(m.group(1), m.group(1)), field).decode()
+            for field in line.split(b"\t")]
+
+
+def line_checksums(lines: list[bytes]) -> int:
+    """The sum of the row checksums of ``lines`` (COPY text, no newlines): a line without a
+    backslash is its own canonical text; any other is unescaped value by value first."""
+    return sum60([line if b"\\" not in line else
+                  "\t".join(NULL if v is None else v for v in line_values(line)).encode() for line in lines])
 
 
 @dataclass(frozen=True)

@@ -24,16 +24,15 @@ import contextlib
 import json
 import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from statetool import migrations, schema
+from statetool import schema
 from statetool.backends.base import PageCopy, Progress, Step
 from statetool.backends.durable import CREATE_FLAGS, fsync_dir, fsync_file, like, side_copy
 from statetool.backends.faults import fault
@@ -286,21 +285,8 @@ class FileMove:
     def finish_target(self, target: Location) -> None:
         """Make the relocated copy at ``target`` live (the source is retired): its version
         goes from :data:`~statetool.schema.IN_FLIGHT_REVISION` back to head;
-        fsynced. Idempotent."""
-        assert target.path is not None
-        try:  # mode=rw: a target that is gone is an error, never a new empty file
-            db = sqlite3.connect(f"file:{quote(str(target.path))}?mode=rw", uri=True, isolation_level=None,
-                                 timeout=self.backend.lock_wait)
-            try:
-                db.execute("BEGIN IMMEDIATE")
-                db.execute(f"UPDATE {schema.VERSION_TABLE} SET version_num = ? WHERE version_num = ?",
-                           (migrations.head(), schema.IN_FLIGHT_REVISION))
-                db.execute("COMMIT")
-            finally:
-                db.close()
-        except sqlite3.Error as err:
-            raise fault(target.path, err) or err from None
-        fsync_file(target.path)
+        fsynced. Idempotent (:meth:`SqliteBackend.make_live`)."""
+        SqliteBackend(target, self.backend.lock_wait).make_live()
 
 
 def _absent(directory: Path, files: list[Path]) -> list[Path]:
@@ -312,3 +298,61 @@ def _absent(directory: Path, files: list[Path]) -> list[Path]:
             absent.append(path)
             path = path.parent
     return absent
+
+
+class FileRetirement:
+    """A SQLite state as a transfer's source retires it (a
+    :class:`~statetool.backends.base.Retirement`): relocate's steps on its file
+    (:class:`FileMove`), the switch being relocate's tombstone."""
+
+    def __init__(self, backend: SqliteBackend) -> None:
+        self.move = FileMove(backend)
+        #: The real file of a symlinked state: the one retired.
+        self.place = str(self.move.source)
+
+    def moved_to(self) -> dict[str, Any] | None:
+        """The tombstone at the source, or None."""
+        return self.move.tombstone()
+
+    def size_bytes(self) -> int:
+        """The size of the source file."""
+        return self.move.source.stat().st_size
+
+    def require_retirable(self) -> None:
+        """The source's directory takes the tombstone, and no temporary tombstone a killed
+        run left is a symlink or a non-regular file (:meth:`FileMove.require_retirable`)."""
+        self.move.require_retirable()
+        self.move.refuse_unsafe(*self.move.stale_tombstones())
+
+    def remove_stale(self) -> None:
+        """Remove the temporary tombstones a kill before the switch left (checked regular files)."""
+        for stale in self.move.stale_tombstones():
+            self.move.refuse_unsafe(stale)
+            stale.unlink()
+
+    def hold_off_writers(self) -> None:
+        """:meth:`FileMove.hold_off_writers`."""
+        self.move.hold_off_writers()
+
+    def require_frozen(self) -> None:
+        """:meth:`FileMove.require_frozen`."""
+        self.move.require_frozen()
+
+    def digest(self, conn: Connection) -> str:
+        """The page digest of the file, frozen by ``conn``'s write lock."""
+        return self.move.digest()
+
+    def wait_for_openers(self) -> None:
+        """:meth:`FileMove.wait_for_openers`."""
+        self.move.wait_for_openers()
+
+    def retire(self, conn: Connection, doc: dict[str, Any], audit: Callable[[str, dict[str, object]], None],
+               on_step: Step) -> str | None:
+        """The tombstone renamed over the file, its bytes kept beside it (:meth:`FileMove.retire`);
+        nothing is written into the old file (``audit`` is not used: its bytes are kept as they were)."""
+        return str(self.move.retire(doc, on_step))
+
+    def finish_retired(self) -> None:
+        """The old inode's ``-wal``/``-shm`` and temporary tombstones removed."""
+        self.move.remove_companions()
+        self.remove_stale()

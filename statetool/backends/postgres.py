@@ -25,7 +25,8 @@ from statetool.backends.postgres_faults import driver_error, ident, rights_probl
 from statetool.backends.readers import CoreReader, DriverReader, pyformat
 from statetool.errors import StateError
 from statetool.location import Location
-from statetool.tables import IN_FLIGHT_REVISION, VERSION_TABLE
+from statetool.tables import (IN_FLIGHT_REVISION, LEASE_TABLES, RELOCATED_REVISION, RETIRED_ACTION, VERSION_TABLE,
+                              retired_detail)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -81,8 +82,10 @@ class PostgresBackend:
     #: A schema in a shared server is where a transfer leads (SPEC §9): it takes the rows
     #: with COPY in one transaction, and what it holds is already shared by every worker.
     accepts_transfer = True
-    #: Never a transfer's source: a PostgreSQL state is already where a transfer leads.
-    sends_transfer = False
+    #: A schema moves out too (into a SQLite file, or another schema or server): its rows
+    #: read with ``COPY … TO STDOUT`` in the write transaction, then the schema retired in
+    #: place by a marker every opener refuses (:class:`SchemaRetirement`).
+    sends_transfer = True
 
     # -- capabilities (the reasons: backends/base.py) ------------------------------------
     #: A DBA may run the DDL of a migration by hand (alembic offline mode, ``migrate --sql``).
@@ -97,8 +100,8 @@ class PostgresBackend:
             text += migrations.offline_sql(self.dialect_name, self.schema, current, target, direction)
         return text
 
-    #: No file to copy and retire: the state is a schema on a shared server, moved with
-    #: pg_dump/pg_restore by its DBA (``transfer`` brings a SQLite state here).
+    #: No file to copy page for page: the state is a schema on a shared server; ``transfer``
+    #: moves it row for row (into SQLite, or another schema).
     relocatable = False
 
     def __init__(self, location: Location, lock_wait: float) -> None:
@@ -310,6 +313,13 @@ class PostgresBackend:
 
         return postgres_copy.copy_into(conn, table, columns, blocks, rows, progress)
 
+    def copy_blocks(self, conn: Connection, table: str, columns: list[str]) -> Iterator[Block]:
+        """:func:`~statetool.backends.postgres_copy.copy_blocks` on ``conn`` (this state's
+        write transaction): ``COPY … TO STDOUT`` in primary key order, checksummed."""
+        from statetool.backends import postgres_copy
+
+        return postgres_copy.copy_blocks(conn, table, columns)
+
     def drop_tables(self, conn: Connection) -> None:
         """Drop every table of the schema (with what depends on them) in ``conn``'s transaction."""
         from statetool.backends import postgres_copy
@@ -383,3 +393,77 @@ class InTransaction:
     def discard(self) -> None:
         """Nothing to drop: the transaction rolls back."""
 
+
+
+class SchemaRetirement:
+    """A PostgreSQL state as a transfer's source retires it (a
+    :class:`~statetool.backends.base.Retirement`; decisions.md, "Retiring a PostgreSQL
+    source"): its rows stay where they are, its version table reads
+    :data:`~statetool.tables.RELOCATED_REVISION` and a ``retired`` audit row says where the
+    state went, both in the transfer's write transaction on it, so they commit together.
+    There is no file: nothing to hold open, fold in or clean up (every writer is held off by
+    the run leases and the writers' advisory lock of that transaction)."""
+
+    def __init__(self, backend: PostgresBackend) -> None:
+        self.backend = backend
+        #: The schema as every message names it (password masked).
+        self.place = backend.location.display
+
+    def moved_to(self) -> dict[str, Any] | None:
+        """The ``retired`` row's detail when the version reads the marker, else None."""
+        with self.backend.inspecting() as conn:
+            if VERSION_TABLE not in self.backend.table_names(conn) or \
+                    conn.scalar(f"SELECT min(version_num) FROM {VERSION_TABLE}") != RELOCATED_REVISION:
+                return None
+            return retired_detail(conn)
+
+    def size_bytes(self) -> int:
+        """The tables of the schema with their indexes and TOAST (``pg_total_relation_size``)."""
+        with self.backend.inspecting() as conn:
+            return int(conn.scalar(
+                "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c JOIN pg_namespace n "
+                "ON n.oid = c.relnamespace WHERE n.nspname = :s AND c.relkind = 'r'", {"s": self.backend.schema}))
+
+    def require_retirable(self) -> None:
+        """Nothing beyond the write's own checks: marking the version and writing the audit
+        row are the rights of any write (checked before any lease by the guarded write)."""
+
+    def remove_stale(self) -> None:
+        """Nothing: a killed transfer's transaction on the source rolled back."""
+
+    def hold_off_writers(self) -> None:
+        """Nothing: writers queue on the write transaction's advisory lock; runs on the leases."""
+
+    def require_frozen(self) -> None:
+        """Nothing: no writer passes the leases and the lock held."""
+
+    def digest(self, conn: Connection) -> str:
+        """The server's checksum of every table but the leases (whose heartbeats move),
+        over every column (:func:`~statetool.backends.postgres_copy.content_digest`)."""
+        from statetool.backends import postgres_copy
+
+        reader = self.backend.reader(conn)
+        columns: dict[str, list[str]] = {}
+        for table, column in reader.rows(
+                "SELECT c.relname, a.attname FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid "
+                "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = :s AND c.relkind = 'r' "
+                "AND a.attnum > 0 AND NOT a.attisdropped ORDER BY c.relname, a.attnum", {"s": self.backend.schema}):
+            if table not in LEASE_TABLES:
+                columns.setdefault(table, []).append(column)
+        return postgres_copy.content_digest(conn, columns)
+
+    def wait_for_openers(self) -> None:
+        """Nothing: a session on the schema writes only under a lease this transfer holds."""
+
+    def retire(self, conn: Connection, doc: dict[str, Any], audit: Callable[[str, dict[str, object]], None],
+               on_step: Step) -> str | None:
+        """The ``retired`` audit row (``doc``) and the marker in ``conn``'s transaction, the
+        source's write, committed with it; ``on_step`` told ``marked``. Returns None: the
+        rows stay in place."""
+        audit(RETIRED_ACTION, doc)
+        conn.exec_driver_sql(f"UPDATE {VERSION_TABLE} SET version_num = %(v)s", {"v": RELOCATED_REVISION})
+        on_step("marked")
+        return None
+
+    def finish_retired(self) -> None:
+        """Nothing: a schema leaves no companion files."""

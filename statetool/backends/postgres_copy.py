@@ -7,13 +7,17 @@ of their own (:func:`read_ahead`), and counts what the table gained with the ser
 :func:`table_checksum`; a big table that is empty first has its indexes and key
 constraints dropped and built again after the COPY (:func:`defer_indexes`). Why text and
 one connection: docs/decisions.md, "Relocation and transfer".
-:func:`drop_tables` discards a copy that never went live. Every statement runs on the
-caller's connection: nothing here commits.
+:func:`drop_tables` discards a copy that never went live. On a source (a PostgreSQL state
+moved out, into SQLite or another schema), :func:`copy_blocks` reads a table with
+``COPY … TO STDOUT`` into the same blocks. Every statement runs on the caller's
+connection: nothing here commits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -22,7 +26,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from statetool.backends.copy_text import NULL, Block, Loaded
+from statetool.backends.copy_text import NULL, Block, Loaded, line_checksums
 from statetool.backends.postgres_faults import ident
 from statetool.errors import StateError
 
@@ -32,6 +36,8 @@ DEFER_INDEXES_ROWS = 10_000
 #: server busy while the next one is read, few enough to keep memory flat (a block of
 #: runs is about 0.7 MB).
 READ_AHEAD_BLOCKS = 4
+#: Bytes of COPY text a block read from a PostgreSQL source holds (about 1,500 runs).
+BLOCK_BYTES = 1 << 20
 #: Seconds the reading thread waits for room in the queue before it looks whether the
 #: COPY was given up.
 _OFFER_SECONDS = 0.1
@@ -158,3 +164,46 @@ def drop_tables(conn: Connection, tables: Iterable[str]) -> None:
     """Drop ``tables`` (with what depends on them) in the caller's transaction."""
     for table in sorted(tables):
         conn.exec_driver_sql(f"DROP TABLE {ident(table)} CASCADE")
+
+
+def copy_blocks(conn: Connection, table: str, columns: list[str]) -> Iterator[Block]:
+    """``table``'s ``columns`` read on ``conn`` (the source's write transaction) with
+    ``COPY (SELECT … ORDER BY <primary key>) TO STDOUT``, as :class:`Block` s of about
+    :data:`BLOCK_BYTES` bytes cut at line ends, each with the sum of its rows' checksums
+    (:func:`~statetool.backends.copy_text.line_checksums`: the same number the destination
+    computes for the same values). In primary key order: an append-only table whose ids the
+    destination assigns keeps its rows' order. Driver errors are handed on as SQLAlchemy's,
+    for the session that yielded ``conn`` to translate."""
+    key = [r[0] for r in conn.execute(sa.text(
+        "SELECT a.attname FROM pg_index x JOIN pg_attribute a ON a.attrelid = x.indrelid "
+        "AND a.attnum = ANY(x.indkey) WHERE x.indrelid = CAST(:t AS regclass) AND x.indisprimary "
+        "ORDER BY array_position(x.indkey::int2[], a.attnum)"), {"t": ident(table)})]
+    order = f" ORDER BY {', '.join(map(ident, key))}" if key else ""
+    copy_sql = f"COPY (SELECT {', '.join(map(ident, columns))} FROM {ident(table)}{order}) TO STDOUT"
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    pending = bytearray()
+    try:
+        with cursor.copy(copy_sql) as pg_copy:
+            for data in pg_copy:
+                pending += data
+                if len(pending) >= BLOCK_BYTES:
+                    cut = pending.rindex(b"\n") + 1
+                    yield _block(bytes(pending[:cut]))
+                    del pending[:cut]
+    except psycopg.Error as err:
+        raise sa.exc.DBAPIError(copy_sql, None, err) from err
+    if pending:
+        yield _block(bytes(pending))
+
+
+def _block(data: bytes) -> Block:
+    """Whole lines of COPY text (each ending in a newline) as a :class:`Block`."""
+    lines = data[:-1].split(b"\n")
+    return Block(data, len(lines), line_checksums(lines))
+
+
+def content_digest(conn: Connection, tables: dict[str, list[str]]) -> str:
+    """sha256 (hex) over ``(rows, checksum)`` of each of ``tables`` (``{table: columns}``),
+    computed by the server (:func:`table_checksum`): equal for equal content."""
+    sums = {table: table_checksum(conn, table, columns) for table, columns in sorted(tables.items())}
+    return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()

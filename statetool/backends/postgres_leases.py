@@ -42,8 +42,8 @@ from statetool.backends.base import HeldLease, Holder, LeaseInfo, Reader
 from statetool.backends.postgres_faults import driver_error, rights_problem
 from statetool.backends.processes import alive, command_alive, host_name
 from statetool.backends.readers import CoreReader, pyformat
-from statetool.errors import StateError
-from statetool.tables import LEASE_TABLE
+from statetool.errors import StateError, moved_away
+from statetool.tables import LEASE_TABLE, RELOCATED_REVISION, VERSION_TABLE, retired_detail
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -247,7 +247,7 @@ class RowLeases:
 
     def require_state(self, *, to_hold: bool = True) -> None:
         """Raise ``RIVET_STATE_MISSING`` when the schema holds no table (or does not
-        exist); with ``to_hold``, also ``RIVET_STATE_MIGRATION_PENDING`` when it has no lease
+        exist), ``RIVET_STATE_RELOCATED`` when a transfer retired it; with ``to_hold``, also ``RIVET_STATE_MIGRATION_PENDING`` when it has no lease
         table yet, and ``RIVET_STATE_PERMISSION_DENIED`` when the role may not write the
         lease tables (so a lease is refused before anything is written, SPEC §8a). A list
         (``to_hold`` False) of a state without a lease table lists nothing."""
@@ -259,6 +259,9 @@ class RowLeases:
             if not tables:
                 raise StateError("RIVET_STATE_MISSING", f"no state here: the state schema {schema} holds no table "
                                  "(or does not exist)", {"schema": str(schema)})
+            if VERSION_TABLE in tables and conn.scalar(f"SELECT min(version_num) FROM {VERSION_TABLE}") == \
+                    RELOCATED_REVISION:  # a transfer moved the state away: a lease here guards nothing
+                raise moved_away(self.where, retired_detail(conn), {"place": self.where})
             if not to_hold:
                 return
             if LEASE_TABLE not in tables:

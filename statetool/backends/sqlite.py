@@ -38,10 +38,11 @@ import shutil
 import sqlite3
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from statetool import migrations
 from statetool.access import denied, refuse_unownable, unownable
 from statetool.backends.base import Progress, Step
 from statetool.backends.durable import (CREATE_FLAGS, copy_bytes, fitting_name, fsync_dir, fsync_file, like,
@@ -49,18 +50,19 @@ from statetool.backends.durable import (CREATE_FLAGS, copy_bytes, fitting_name, 
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.readers import CoreReader, DriverReader
-from statetool.backends.sqlite_rows import copy_blocks
+from statetool.backends.sqlite_rows import copy_blocks, insert_blocks
 from statetool.backends.sqlite_file import foreign_companions, read_header, refuse_unsafe_companions
 from statetool.backends.tombstone import remove_companions, wait_for_openers
 from statetool.errors import StateError, internal_error
 from statetool.location import LEASE_DIR, Location
+from statetool.tables import IN_FLIGHT_REVISION, VERSION_TABLE
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
     from sqlalchemy.engine import Connection
 
     from statetool.backends.base import Reader
-    from statetool.backends.copy_text import Block
+    from statetool.backends.copy_text import Block, Loaded
     from statetool.backends.sqlite_leases import FlockLeases
     from statetool.migrations import Revision
 
@@ -424,6 +426,16 @@ class SqliteBackend:
                 if os.path.lexists(p)]
 
     def create(self, build: Callable[[Connection], None]) -> None:
+        with self._new_file() as conn:
+            build(conn)
+
+    @contextlib.contextmanager
+    def _new_file(self) -> Iterator[Connection]:
+        """One writing transaction on a new state file in WAL mode, built in a private
+        directory beside the state and linked into place only once committed, closed and
+        fsynced (a link never replaces what appeared meanwhile: ``RIVET_STATE_TARGET_NOT_EMPTY``);
+        a failure leaves nothing at the state's path. Raises ``RIVET_STATE_TARGET_NOT_EMPTY``
+        when journals of an earlier state lie there, and the directory's faults."""
         import sqlalchemy as sa
 
         leftovers = self._companions()
@@ -446,11 +458,11 @@ class SqliteBackend:
 
             try:
                 with engine.connect() as conn, conn.begin():
-                    build(conn)
+                    yield conn
             except (OSError, sqlite3.Error, sa.exc.OperationalError) as err:  # read-only, permission, full disk
                 raise fault(directory, err) or err from None
             finally:
-                engine.dispose()
+                engine.dispose()  # the last connection's close folds the WAL into the file
             fsync_file(tmp)
             try:
                 os.link(tmp, self.path)  # unlike rename, never replaces what appeared meanwhile
@@ -687,16 +699,94 @@ class SqliteBackend:
         its directory, ``RIVET_STATE_UNSAFE_FILE``."""
         return CopyMigration(self, label, progress, on_step)
 
-    # -- a transfer's source (base.TransferSource) ------------------------------------
+    # -- a transfer's two ends (base.TransferSource, base.TransferDestination) ----------
     #: A file on one worker's disk moves into a shared PostgreSQL schema by transfer.
     sends_transfer = True
-    #: Never a transfer's destination: a file moves whole, page for page (relocate).
-    accepts_transfer = False
+    #: A PostgreSQL state comes back into one file by transfer (row for row, into a file
+    #: built aside and linked into place). Between two files a move is relocate's, page for
+    #: page: transfer refuses a move between two ``relocatable`` places.
+    accepts_transfer = True
 
     def copy_blocks(self, conn: Connection, table: str, columns: list[str]) -> Iterator[Block]:
         """:func:`~statetool.backends.sqlite_rows.copy_blocks`: ``table`` read on ``conn``
         (a session of this state) in blocks of COPY text with their checksums."""
         return copy_blocks(conn, table, columns)
+
+    @contextlib.contextmanager
+    def inspecting(self) -> Iterator[DriverReader]:
+        """The read-only open of the state file when one is there (:meth:`reading`: a
+        tombstone is ``RIVET_STATE_RELOCATED``, a file that is no state
+        ``RIVET_STATE_NOT_A_STATE``), else a session on an empty database in memory: no
+        table, nothing created. ``RIVET_STATE_DIR_MISSING`` when the directory does not exist
+        (it is never created)."""
+        if self.present():
+            with self.reading() as conn:
+                yield conn
+            return
+        raw = sqlite3.connect(":memory:")
+        try:
+            yield DriverReader(raw, sqlite3.Error, self._translate)
+        finally:
+            raw.close()
+
+    def check_rights(self, purpose: str, conn: Reader) -> None:
+        """The file's directory (and its lease folder) writable by this user, with room for
+        the change (:meth:`check_writable`: ``RIVET_STATE_READ_ONLY``,
+        ``RIVET_STATE_PERMISSION_DENIED``, ``RIVET_STATE_DISK_FULL``); ``purpose`` is the
+        same for every write of a file."""
+        self.check_writable(copies=1)
+
+    @contextlib.contextmanager
+    def receiving(self) -> Iterator[Connection]:
+        """One writing transaction on the state file: the file that is there (an in-flight
+        copy to finish, or a state initialised for this source), else a new file in WAL
+        mode built aside and linked into place once committed (:meth:`_new_file`): nothing
+        of it is visible before."""
+        if self.present():
+            with self.writing("RIVET_STATE_RUN_IN_PROGRESS") as conn:
+                yield conn
+            return
+        with self._new_file() as conn:
+            yield conn
+
+    def copy_into(self, conn: Connection, table: str, columns: list[str], blocks: Iterable[Block], rows: int,
+                  progress: Callable[[int], None]) -> Loaded:
+        """:func:`~statetool.backends.sqlite_rows.insert_blocks` on ``conn`` (a transaction of
+        :meth:`receiving`), counted and checksummed by this file before and after."""
+        return insert_blocks(conn, table, columns, blocks, progress)
+
+    def drop_tables(self, conn: Connection) -> None:
+        """Drop every table of the file in ``conn``'s transaction (a copy never live, made again)."""
+        for table in sorted(self.table_names(self.reader(conn))):
+            conn.exec_driver_sql(f'DROP TABLE "{table}"')
+
+    def in_flight(self, conn: Connection) -> bool:
+        """True when the version table reads :data:`~statetool.tables.IN_FLIGHT_REVISION`."""
+        return self.reader(conn).scalar(f"SELECT count(*) FROM {VERSION_TABLE} WHERE version_num = :v",
+                                        {"v": IN_FLIGHT_REVISION}) == 1
+
+    def mark_in_flight(self, conn: Connection) -> None:
+        """Set the version to :data:`~statetool.tables.IN_FLIGHT_REVISION` in ``conn``'s
+        transaction: every open refuses (``RIVET_STATE_MOVE_IN_FLIGHT``) until :meth:`make_live`."""
+        conn.exec_driver_sql(f"UPDATE {VERSION_TABLE} SET version_num = ?", (IN_FLIGHT_REVISION,))
+
+    def make_live(self) -> None:
+        """Set an in-flight version back to head in a transaction of its own, fsynced
+        (idempotent). The file is opened ``mode=rw``: a state that is gone is an error,
+        never a new empty file."""
+        try:
+            db = sqlite3.connect(f"file:{self._quoted(self.path)}?mode=rw", uri=True, isolation_level=None,
+                                 timeout=self.lock_wait)
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                db.execute(f"UPDATE {VERSION_TABLE} SET version_num = ? WHERE version_num = ?",
+                           (migrations.head(), IN_FLIGHT_REVISION))
+                db.execute("COMMIT")
+            finally:
+                db.close()
+        except sqlite3.Error as err:
+            raise fault(self.path, err) or err from None
+        fsync_file(self.path)
 
     def vanished_evidence(self) -> list[str]:
         """What beside the (missing) state file shows that a state lived here: a keep of a

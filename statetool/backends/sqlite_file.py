@@ -17,24 +17,15 @@ from typing import NamedTuple
 from statetool.access import file_kind
 from statetool.backends.tombstone import MAGIC as TOMBSTONE_MAGIC
 from statetool.backends.tombstone import read_tombstone
-from statetool.errors import StateError
-from statetool.moments import moment
+from statetool.errors import StateError, moved_away
 
 MAGIC = b"SQLite format 3\x00"
 
 
 def relocated_error(path: Path) -> StateError:
     """``RIVET_STATE_RELOCATED`` for the tombstone at ``path``: where the state went and
-    the ``RIVET_STATE_URL`` every task must now run with."""
-    doc = read_tombstone(path) or {}
-    url = doc.get("state_url", "?")
-    return StateError(
-        "RIVET_STATE_RELOCATED",
-        f"the state that was at {path} was moved to {doc.get('to', '?')} on {moment(doc.get('at', '?'))} "
-        f"by {doc.get('by', '?')}; every task must now run with RIVET_STATE_URL={url} "
-        f"(the old bytes are kept as {doc.get('kept_as', '?')})",
-        {"path": str(path), "to": doc.get("to"), "state_url": url},
-    )
+    the ``RIVET_STATE_URL`` every task must now run with (:func:`~statetool.errors.moved_away`)."""
+    return moved_away(str(path), read_tombstone(path) or {}, {"path": str(path)})
 
 
 def unsafe_state_file(path: Path, what: str) -> StateError:

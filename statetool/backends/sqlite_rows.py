@@ -1,18 +1,20 @@
-"""A SQLite table read in blocks of PostgreSQL ``COPY`` text, with their checksums (SPEC §9).
+"""A SQLite table read in blocks of PostgreSQL ``COPY`` text, with their checksums, and
+such blocks written into one (SPEC §9).
 
-What ``statetool transfer`` streams out of the source: :func:`copy_blocks` reads one
+What ``statetool transfer`` streams out of a SQLite source: :func:`copy_blocks` reads one
 table in rowid order, :data:`BATCH_ROWS` rows at a time, so memory stays flat whatever
-the table's size. The text and the checksum are those of
-:mod:`statetool.backends.copy_text`.
+the table's size. What it writes into a SQLite destination (a PostgreSQL state moved
+into a file): :func:`insert_blocks`, verified by :func:`table_checksum`. The text and the
+checksum are those of :mod:`statetool.backends.copy_text`.
 """
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from statetool.backends.copy_text import ESCAPES, NULL, Block, row_checksum, sum60
+from statetool.backends.copy_text import ESCAPES, NULL, Block, Loaded, line_values, row_checksum, sum60
 from statetool.errors import StateError
 
 if TYPE_CHECKING:
@@ -120,3 +122,38 @@ def _text(value: bytes, table: str, column: str, rowid: int) -> str:
     raise StateError("RIVET_STATE_VALUE_UNTRANSFERABLE",
                      f"{table}.{column} of the row with rowid {rowid} {why}; nothing was written at the destination",
                      {"table": table, "column": column, "rowid": rowid})
+
+
+def table_checksum(raw: sqlite3.Connection, table: str, columns: list[str]) -> tuple[int, int]:
+    """``(rows, checksum)`` of ``table`` over ``columns`` as this file holds them: the sum of
+    :func:`~statetool.backends.copy_text.row_checksum` over its rows (each value's text as
+    SQLite gives it back: an integer as its digits), read :data:`BATCH_ROWS` rows at a time."""
+    quoted = ", ".join(f'"{c}"' for c in columns)
+    cursor = raw.execute(f'SELECT {quoted} FROM "{table}"')
+    rows = total = 0
+    while batch := cursor.fetchmany(BATCH_ROWS):
+        rows += len(batch)
+        total += sum60(["\t".join(NULL if v is None else str(v) for v in row).encode() for row in batch])
+    return rows, total
+
+
+def insert_blocks(conn: Connection, table: str, columns: list[str], blocks: Iterable[Block],
+                  progress: Callable[[int], None]) -> Loaded:
+    """Append the rows of ``blocks`` (COPY text) to ``table`` in ``conn``'s transaction (a
+    SQLite writing connection), each value as the text the source gave (SQLite's column
+    affinity stores an integer column's digits as an integer); ``progress(n)`` after each
+    block of ``n`` rows. Returns what was sent and what the table gained by its own count
+    and checksum (:func:`table_checksum`, before and after): the caller compares them.
+    Driver errors propagate for the session that yielded ``conn`` to translate."""
+    raw: sqlite3.Connection = conn.connection.driver_connection  # type: ignore[assignment]
+    before_rows, before_sum = table_checksum(raw, table, columns)
+    quoted = ", ".join(f'"{c}"' for c in columns)
+    insert = f'INSERT INTO "{table}" ({quoted}) VALUES ({", ".join("?" * len(columns))})'
+    sent_rows = sent_sum = 0
+    for block in blocks:
+        raw.executemany(insert, [line_values(line) for line in block.data[:-1].split(b"\n")])
+        sent_rows += block.rows
+        sent_sum += block.checksum
+        progress(block.rows)
+    after_rows, after_sum = table_checksum(raw, table, columns)
+    return Loaded(sent_rows, sent_sum, after_rows - before_rows, after_sum - before_sum)

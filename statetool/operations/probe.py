@@ -22,9 +22,9 @@ from typing import Any
 
 from statetool import migrations
 from statetool.backends.base import Backend, Reader
-from statetool.errors import StateError
+from statetool.errors import StateError, moved_away
 from statetool.tables import (AUDIT, CHUNKS, IDENTITY, IN_FLIGHT_REVISION, LEGACY_TABLES, LINEAGE, LOAD_LEDGER,
-                              RUN_AGGREGATES, RUNS, STATE_TABLES, VERSION_TABLE)
+                              RELOCATED_REVISION, RUN_AGGREGATES, RUNS, STATE_TABLES, VERSION_TABLE, retired_detail)
 
 
 def has_progress(cursor: str | None, succeeded_runs: int, chunks: int, ledger_rows: int) -> bool:
@@ -144,7 +144,8 @@ def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, pro
 
     Raises ``RIVET_STATE_NOT_A_STATE`` (no table of the state, or a shape of no release)
     and ``RIVET_STATE_CORRUPT`` (``quick_check`` fails), ``RIVET_STATE_MOVE_IN_FLIGHT``
-    (the target of a relocate or transfer that has not retired its source). A revision this release does not
+    (the target of a relocate or transfer that has not retired its source),
+    ``RIVET_STATE_RELOCATED`` (a PostgreSQL schema a transfer retired). A revision this release does not
     know is returned with ``known=False`` and no progress read (its tables may differ).
     ``integrity=False`` skips ``quick_check`` and ``progress=False`` the per-export
     progress (both read every page of a large state; ``doctor`` reads only what it needs).
@@ -167,6 +168,8 @@ def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, pro
         legacy = False
         if revision == IN_FLIGHT_REVISION:  # the target of an unfinished move
             raise _in_flight_error(where, conn)
+        if revision == RELOCATED_REVISION:  # the old place of a state a transfer moved away
+            raise moved_away(where, retired_detail(conn), {"place": where})
     elif LEGACY_TABLES <= tables:
         revision, legacy = None, True
     else:

@@ -412,11 +412,16 @@ def finish_command(ctx: Context, verb: str) -> str:
     return f"statetool -c {shlex.quote(os.path.abspath(ctx.config_path))}{url} {verb}"
 
 
+def retirement_doc(ctx: Context, to: str, state_url: str, digest: str | None, how: str) -> dict[str, Any]:
+    """What a move's old place says once it is retired (a tombstone, or a PostgreSQL
+    schema's ``retired`` audit row): ``to``, ``state_url`` (every task's new
+    ``RIVET_STATE_URL``), ``at``, ``by``, ``source_digest``, ``how`` (the command)."""
+    return {"to": to, "state_url": state_url, "at": now_iso(), "by": ctx.actor, "source_digest": digest, "how": how}
+
+
 def retire_source(ctx: Context, move: FileMoves, to: str, state_url: str, digest: str | None, how: str) -> str:
     """Keep the bytes of ``move``'s source as ``.rivet_state.db.relocated-<UTC>`` and put a
-    tombstone at its path in one atomic rename (:meth:`FileMoves.retire
+    tombstone (:func:`retirement_doc`) at its path in one atomic rename (:meth:`FileMoves.retire
     <statetool.backends.base.FileMoves.retire>`; the steps ``kept``, ``tombstoned``,
-    ``swapped`` told to ``ctx.on_step``). Shared by relocate and transfer. Returns the path
-    the old bytes are kept at."""
-    return str(move.retire({"to": to, "state_url": state_url, "at": now_iso(), "by": ctx.actor,
-                            "source_digest": digest, "how": how}, ctx.on_step))
+    ``swapped`` told to ``ctx.on_step``). Returns the path the old bytes are kept at."""
+    return str(move.retire(retirement_doc(ctx, to, state_url, digest, how), ctx.on_step))

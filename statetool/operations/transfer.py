@@ -1,4 +1,5 @@
-"""``statetool transfer --to URL``: move a SQLite state into PostgreSQL (SPEC §1, §3, §6, §9).
+"""``statetool transfer --to URL``: move a state between SQLite and PostgreSQL, or between
+two PostgreSQL schemas (SPEC §1, §3, §6, §9).
 
 Order (interrupt it at any instant: the destination has all of the state or nothing,
 the source is untouched until the switch, and a re-run converges):
@@ -6,33 +7,36 @@ the source is untouched until the switch, and a re-run converges):
 1. Pre-flight of the source (every check; at head) and of the destination (reachable;
    no state of another identity, even though PostgreSQL state is shared by design: a
    transfer must not merge two sources; no progress for any export of this config).
-2. Hold off writers on the source: every run lease of its exports, a WAL checkpoint,
-   the SQLite write lock; the source's page digest is taken.
-3. ONE destination transaction (under the writers' advisory lock): the schema is
-   created and migrated to head if absent; every table is streamed with ``COPY`` (rows
-   read once, in blocks of COPY text checksummed as they are sent, read ahead on a
-   thread of their own while the server takes the previous ones: memory stays flat; a
-   big empty table is loaded without its indexes and keys, built after its COPY, in the
-   same transaction); each table's row count (counted under the write lock) and an
-   additive content checksum (sum of the first 60 bits of each row's md5; the
-   destination's computed in SQL) are compared with the source's; a ``transfer`` audit
-   row is added; COMMIT.
+2. Hold off writers on the source: every run lease of its exports, the source's write
+   lock (SQLite: a WAL checkpoint first; PostgreSQL: the writers' advisory lock); the
+   source's content digest is taken (SQLite: its pages; PostgreSQL: the server's checksum
+   of every table).
+3. ONE destination transaction (PostgreSQL: under the writers' advisory lock; SQLite: a
+   new file built aside, linked into place once committed): the schema is created and
+   migrated to head if absent; every table is streamed as ``COPY`` text (rows read once,
+   in blocks checksummed as they are sent: memory stays flat); each table's row count
+   (counted under the write lock) and an additive content checksum (sum of the first 60
+   bits of each row's md5, the destination's computed by the destination itself) are
+   compared with the source's; a ``transfer`` audit row is added; COMMIT.
    The committed destination is in flight (its version reads ``move-in-flight``): every
    open of it refuses (``RIVET_STATE_MOVE_IN_FLIGHT``, naming the command that finishes).
-4. Switch: the source gets the tombstone relocation leaves (``RIVET_STATE_RELOCATED``,
-   naming the ``RIVET_STATE_URL`` to set, password masked).
+4. Switch: the source is retired (:class:`~statetool.backends.base.Retirement`): a SQLite
+   file gets the tombstone relocation leaves; a PostgreSQL schema keeps its rows, its
+   version reads ``state-relocated`` and a ``retired`` audit row names the destination, in
+   the source's write transaction, committed when it ends. From then on every open of the
+   old place refuses ``RIVET_STATE_RELOCATED``, naming the ``RIVET_STATE_URL`` to set.
 5. The destination is made live: its version goes back to head.
 
 At no instant are two places live. A re-run after a crash between 3 and 4 finds the
 destination's ``transfer`` row for this source and, if the source's digest is unchanged,
 goes straight to the switch (if the source was written since and the transfer had created
 the schema, the copy, never live, is dropped and made again). A re-run after 4 finds the
-tombstone naming the destination: "already transferred" (exit 0), finishing step 5.
+old place retired naming the destination: "already transferred" (exit 0), finishing step 5.
 
-Every difference between the two stores is the backends' (``sends_transfer``,
-``accepts_transfer`` and the protocols of :mod:`statetool.backends.base`; the source's file
-is checked and retired through its :class:`~statetool.backends.base.FileMoves`, the steps
-relocate's switch uses): this module holds the order of the steps only.
+Every difference between the stores is the backends' (``sends_transfer``,
+``accepts_transfer``, ``relocatable`` and the protocols of :mod:`statetool.backends.base`;
+the source is checked and retired through its
+:class:`~statetool.backends.base.Retirement`): this module holds the order of the steps only.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from statetool import migrations, schema
-from statetool.backends import file_move, open_backend
+from statetool.backends import open_backend, retirement
 from statetool.errors import StateError, StateWarning
 from statetool.identity import identity_verdict
 from statetool.location import ENV_VAR, Location, checkpoint_relative_message, resolve_checkpoint, resolve_location
@@ -55,17 +59,19 @@ from statetool.operations.context import Context
 from statetool.operations.leasing import refuse_untakable
 from statetool.operations.preflight import require, run_preflight
 from statetool.operations.probe import read_snapshot, row_counts
-from statetool.operations.relocate import finish_command, retire_source
+from statetool.operations.relocate import finish_command, retirement_doc
 from statetool.operations.writes import (WHOLE_STATE, WriteSession, guarded_write, require_writable,
                                          tolerate_read_only)
 
 if TYPE_CHECKING:
-    from statetool.backends.base import FileMoves, Reader, TransferDestination, TransferSource
+    from statetool.backends.base import Reader, Retirement, TransferDestination, TransferSource
 
-#: Tables copied, parents first; ``id`` columns of the append-only tables are not copied
+#: Tables copied: every table of the schema at head (:data:`statetool.schema.metadata`,
+#: parents first), so a table a new revision adds travels without code of its own; the
+#: version table is the destination's own (built at head) and the lease tables hold only
+#: this transfer's own leases. ``id`` columns of the append-only tables are not copied
 #: (the destination assigns its own, so a shared schema's rows never collide).
-COPIED = (schema.exports, schema.runs, schema.chunks, schema.run_aggregates, schema.load_ledger, schema.identity,
-          schema.audit, schema.lineage)
+COPIED = tuple(schema.metadata.sorted_tables)
 #: Tables whose one row the destination's own creation (or its ``init``) wrote, replaced by
 #: the source's: the transferred state keeps its lineage and serial (SPEC §9).
 _REPLACED = {schema.lineage.name}
@@ -127,31 +133,33 @@ class TransferResult:
 
 
 def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
-    """Move the SQLite state at the resolved location into the PostgreSQL state at ``to``.
+    """Move the state at the resolved location into the state at ``to``: SQLite into
+    PostgreSQL, PostgreSQL into SQLite (``sqlite:/dir``: ``/dir/.rivet_state.db``), or
+    PostgreSQL into another database or schema (SPEC §9).
 
-    Raises ``RIVET_STATE_BACKEND_UNSUPPORTED`` (source not SQLite, or ``to`` not
-    PostgreSQL), ``RIVET_STATE_UNREACHABLE`` / ``RIVET_STATE_AUTH_FAILED`` (destination),
+    Raises ``RIVET_STATE_BACKEND_UNSUPPORTED`` (a source or destination that cannot take
+    part, a move between two files: relocate's, or ``to`` the source itself),
+    ``RIVET_STATE_UNREACHABLE`` / ``RIVET_STATE_AUTH_FAILED`` (destination),
+    ``RIVET_STATE_DIR_MISSING`` (a destination directory that does not exist),
     ``RIVET_STATE_FOREIGN`` / ``RIVET_STATE_TARGET_NOT_EMPTY`` (destination holds another
-    source or this config's progress), ``RIVET_STATE_RUN_IN_PROGRESS`` (a live run past
+    source or this config's progress), ``RIVET_STATE_RELOCATED`` (the destination is the
+    retired old place of a state), ``RIVET_STATE_RUN_IN_PROGRESS`` (a live run past
     ``--lock-wait``), ``RIVET_STATE_VERIFY_FAILED`` (rolled back; nothing committed),
     ``RIVET_STATE_MOVE_IN_FLIGHT`` (another source's move into the destination is
-    unfinished), ``RIVET_STATE_READ_ONLY`` / ``RIVET_STATE_PERMISSION_DENIED`` (the source's
-    directory, or a symlinked state's real one, cannot take the tombstone, or this user
-    cannot give the tombstone the state's owner: refused before any lease), and every
+    unfinished), ``RIVET_STATE_READ_ONLY`` / ``RIVET_STATE_PERMISSION_DENIED`` (the source
+    cannot be retired, or the destination not written: refused before any lease), and every
     pre-flight code of the source. ``dry_run`` runs the same checks and writes nothing
     anywhere (a source on a read-only mount gives its plan with warning
     ``RIVET_STATE_READ_ONLY_DRY_RUN``). The re-run of a completed transfer answers "already transferred" (exit 0).
     """
     source = _source(ctx)
-    dest = _destination(ctx, to)
-    move = file_move(source)  # the source's file, retired at the switch
-    source_path = move.source  # a symlinked state: its real file is retired
-    tomb = move.tombstone()
+    dest = _destination(ctx, source, to)
+    old = retirement(source)  # the source's old place, retired at the switch
+    tomb = old.moved_to()
     if tomb is not None and tomb.get("to") == dest.location.display:
-        return _already_transferred(dest, move, tomb, dry_run)
+        return _already_transferred(dest, old, tomb, dry_run)
     # step 1: the pre-flight of both places
-    retirable = tolerate_read_only(move.require_retirable, dry_run=dry_run)  # before the pre-flight
-    move.refuse_unsafe(*move.stale_tombstones())
+    retirable = tolerate_read_only(old.require_retirable, dry_run=dry_run)  # before the pre-flight
     # per-export progress is not needed (only which exports the state knows, read below):
     # on a large state that read costs seconds
     pf = run_preflight(ctx, for_write=True, progress=False)
@@ -162,10 +170,10 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
         in_state = {row[0] for row in conn.rows(_EXPORT_NAMES)}
     with dest.inspecting() as conn:
         dest.check_rights("create", conn)  # the dry run refuses what the real run would, before any lease
-        earlier = _check_destination(ctx, dest, conn, source_key, str(source_path))
+        earlier = _check_destination(ctx, dest, conn, source_key, old.place)
     checkpoints, warnings = _checkpoint_plan(ctx, dest.location)
-    result = TransferResult(str(source_path), dest.location.display, dest.location.state_url,
-                            source_path.stat().st_size, [TableCopy(t.name, counts[t.name]) for t in COPIED],
+    result = TransferResult(old.place, dest.location.display, dest.location.state_url, old.size_bytes(),
+                            [TableCopy(t.name, counts[t.name]) for t in COPIED],
                             checkpoints, dry_run=dry_run, resumed=earlier is not None, warnings=warnings)
     # the guarded write's own first refusal, before any lease or file; the dry run the same
     read_only = retirable or require_writable(ctx, replaced_by=_REPLACED_BY, dry_run=dry_run)
@@ -176,17 +184,16 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
         return result
     exports = sorted({e.name for e in ctx.config.exports} | in_state)
     refuse_untakable(ctx, exports)  # before the first file is touched: a refusal changes nothing
-    for stale in move.stale_tombstones():  # a kill before the switch left it
-        stale.unlink()
+    old.remove_stale()  # a kill before the switch left it
 
     # step 2: writers held off the source
     with contextlib.ExitStack() as stack:
         session = stack.enter_context(guarded_write(ctx, WHOLE_STATE, preflight=pf, exports=exports, claim=False,
-                                                    advance=False, prepare=move.hold_off_writers,
+                                                    advance=False, prepare=old.hold_off_writers,
                                                     lock_code="RIVET_STATE_RUN_IN_PROGRESS",
                                                     replaced_by=_REPLACED_BY))
-        move.require_frozen()
-        digest = move.digest()
+        old.require_frozen()
+        digest = old.digest(session.conn)
         ctx.on_step("digested")
         # counted again under the write lock: a run waited for above may have added rows
         counts = _counts(source.reader(session.conn))
@@ -197,10 +204,13 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
             _fill(ctx, source, session, dest, conn, result, source_key, digest, counts)
             ctx.on_step("copied")
         ctx.on_step("committed")
-        # step 4: the switch
-        move.wait_for_openers()  # again, at the last instant before the switch
-        result.kept_as = retire_source(ctx, move, result.destination, result.state_url, digest,
-                                       "statetool transfer")
+        # step 4: the switch (a PostgreSQL source's commits with the source's write)
+        old.wait_for_openers()  # again, at the last instant before the switch
+        result.kept_as = old.retire(session.conn, retirement_doc(ctx, result.destination, result.state_url, digest,
+                                                                 "statetool transfer"),
+                                    session.audit, ctx.on_step)
+    ctx.on_step("retired")
+    old.finish_retired()
     # step 5: the destination made live
     dest.make_live()
     ctx.on_step("finished")
@@ -211,22 +221,31 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
 
 def _source(ctx: Context) -> TransferSource:
     """The backend of the resolved state; ``RIVET_STATE_BACKEND_UNSUPPORTED`` unless a
-    transfer may move it out (a SQLite file)."""
+    transfer may move it out."""
     backend = ctx.backend()
     if not backend.sends_transfer:
-        raise StateError("RIVET_STATE_BACKEND_UNSUPPORTED", "transfer moves a SQLite state; this state is already "
-                         "in PostgreSQL")
+        raise StateError("RIVET_STATE_BACKEND_UNSUPPORTED",
+                         f"transfer cannot move the state at {backend.location.display} out")
     return cast("TransferSource", backend)
 
 
-def _destination(ctx: Context, url: str) -> TransferDestination:
+def _destination(ctx: Context, source: TransferSource, url: str) -> TransferDestination:
     """The backend at ``url`` (resolved as a state location); ``RIVET_STATE_BACKEND_UNSUPPORTED``
-    unless it accepts a transfer (a PostgreSQL schema)."""
+    unless it accepts a transfer, is not the source itself, and the move is not one between
+    two files (``relocatable`` both: relocate's, page for page, with the checkpoints)."""
     backend = open_backend(resolve_location(None, url, ctx.config_path), ctx.lock_wait)
     if not backend.accepts_transfer:
         raise StateError("RIVET_STATE_BACKEND_UNSUPPORTED",
-                         f"transfer moves a state into PostgreSQL; '{backend.location.display}' is not a PostgreSQL "
-                         "URL (to move a SQLite state into a directory, use statetool relocate)")
+                         f"transfer cannot move a state into '{backend.location.display}'")
+    if source.relocatable and backend.relocatable:
+        raise StateError("RIVET_STATE_BACKEND_UNSUPPORTED",
+                         f"transfer moves a state between SQLite and PostgreSQL, or between PostgreSQL schemas; "
+                         f"'{backend.location.display}' is a SQLite place like the source: to move a SQLite state "
+                         "into another directory, use statetool relocate")
+    if backend.location.display == source.location.display:
+        raise StateError("RIVET_STATE_BACKEND_UNSUPPORTED",
+                         f"'{backend.location.display}' is where the state already is; name another database or "
+                         "schema (?schema=NAME)")
     return cast("TransferDestination", backend)
 
 
@@ -317,20 +336,16 @@ def _fill(ctx: Context, source: TransferSource, session: WriteSession, dest: Tra
     dest.mark_in_flight(conn)  # every open of the destination refuses until the source is retired
 
 
-def _already_transferred(dest: TransferDestination, move: FileMoves, tomb: dict[str, Any], dry_run: bool
+def _already_transferred(dest: TransferDestination, old: Retirement, tomb: dict[str, Any], dry_run: bool
                          ) -> TransferResult:
     """The re-run of a transfer whose switch was done: exit 0, "already transferred". A
-    run killed after the switch is finished here (the destination made live, the old
-    inode's ``-wal``/``-shm`` and temporary files removed)."""
-    source = move.source
+    run killed after the switch is finished here (the destination made live, what the
+    retired source left removed: a SQLite file's ``-wal``/``-shm`` and temporary files)."""
     if not dry_run:
-        move.remove_companions()
-        for stale in move.stale_tombstones():
-            move.refuse_unsafe(stale)
-            stale.unlink()
+        old.finish_retired()
         dest.make_live()
     url = dest.location.state_url
-    return TransferResult(str(source), dest.location.display, url, 0, [], [], dry_run=dry_run, done=True,
+    return TransferResult(old.place, dest.location.display, url, 0, [], [], dry_run=dry_run, done=True,
                           resumed=True, kept_as=tomb.get("kept_as"),
                           message=f"already transferred to {dest.location.display}; every task must run with "
                                   f"{ENV_VAR}={url}", already=True)
