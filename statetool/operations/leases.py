@@ -40,6 +40,8 @@ GRACE_SECONDS = 10.0
 #: Seconds between two looks at a running command's lease.
 WATCH_SECONDS = 0.2
 _PR_SET_PDEATHSIG = 1
+#: The action of a release's audit row.
+_RELEASE_AUDIT = "leases.release"
 
 
 def show_leases(ctx: Context) -> LeasesResult:
@@ -56,15 +58,19 @@ def show_leases(ctx: Context) -> LeasesResult:
     return list_leases(ctx)
 
 
-def release(ctx: Context, key: str, reason: str) -> dict[str, object]:
+def release(ctx: Context, key: str, reason: str, *, dry_run: bool = False) -> dict[str, object]:
     """Release a STALE lease: remove its holder record and write its audit row as one
     change (if the audit row cannot be written, the lease stays as it was), after the
     whole write pre-flight passed.
 
     Raises ``RIVET_STATE_LEASE_KEY_INVALID`` (not a lease key), ``RIVET_STATE_LEASE_UNKNOWN``
     (no such lease), ``RIVET_STATE_RUN_IN_PROGRESS`` (a live holder, named) and every
-    pre-flight code. Returns ``{"key", "released": lease doc | None, "reason"}``; a lease
-    that is already free is left alone, with no audit row (``released`` None).
+    pre-flight code. Returns ``{"key", "released": lease doc | None, "reason", "dry_run",
+    "plan", "warnings"}``; a lease that is already free is left alone, with no audit row
+    (``released`` None). ``dry_run`` makes the same checks (the lease read as the release
+    would find it, :meth:`~statetool.backends.base.LeaseStore.releasable`) and returns
+    the plan, with ``released`` the holder it would remove; it writes nothing and creates
+    no file.
 
     A state named by ``RIVET_STATE_URL`` needs no pipeline config here when none is there
     (issue 12 item 7: a DBA clearing a stale row has none); a config that is there is read
@@ -73,21 +79,33 @@ def release(ctx: Context, key: str, reason: str) -> dict[str, object]:
     # Loaded here, not at the top: `leases run` and `leases list` must not pay for SQLAlchemy
     # (the write path's import), which only a release needs. No cycle: writes imports no command.
     from statetool.operations.preflight import run_preflight
-    from statetool.operations.writes import NO_LEASE, guarded_write
+    from statetool.operations.writes import NO_LEASE, plan_write, write_planned
 
     key = valid_key(key)
     reason = redact_text(reason) or None
-    preflight = run_preflight(ctx, for_write=True, config_optional=True)
-    with guarded_write(ctx, NO_LEASE, claim=False, preflight=preflight) as session:
+    plan = plan_write(ctx, NO_LEASE, claim=False, preflight=run_preflight(ctx, for_write=True, config_optional=True),
+                      dry_run=dry_run)
+    found = lease_store(ctx).releasable(key)
+    if found.holder is not None:
+        plan.change(f"lease {key}", found.state, "free")
+        plan.audit.append(_RELEASE_AUDIT)
+
+    def result(released: dict[str, object] | None) -> dict[str, object]:
+        return {"key": key, "released": released, "reason": reason, "dry_run": dry_run, "plan": plan.as_dict(),
+                "warnings": [w.as_dict() for w in plan.warnings]}
+
+    if dry_run:
+        return result(lease_doc(found) if found.holder is not None else None)
+    with write_planned(ctx, plan) as session:
         claim = lease_store(ctx).claim_stale(key, session.conn)
         session.on_abort(claim.abandon)
         if claim.info.holder is None:
             session.after_commit(claim.abandon)
-            return {"key": key, "released": None, "reason": reason}
+            return result(None)
         doc = lease_doc(claim.info)
-        session.audit("leases.release", {"key": key, "removed": doc, "reason": reason})
+        session.audit(_RELEASE_AUDIT, {"key": key, "removed": doc, "reason": reason})
         session.after_commit(claim.commit)
-    return {"key": key, "released": doc, "reason": reason}
+    return result(doc)
 
 
 def _terminal() -> int | None:
