@@ -41,12 +41,15 @@ class IdentityResult:
     plan: dict[str, object] | None = None
 
     def as_dict(self) -> dict[str, object]:
-        """JSON shape: keys, scope, verdict, code, message, by_scope, changed, warnings,
-        dry_run, plan."""
-        return {"recorded": self.recorded, "computed": self.computed, "scope": self.scope,
-                "verdict": self.verdict, "code": self.code, "message": self.message,
-                "by_scope": self.by_scope, "changed": self.changed,
-                "warnings": [w.as_dict() for w in self.warnings], "dry_run": self.dry_run, "plan": self.plan}
+        """JSON shape: keys, scope, verdict, code, message, by_scope, changed, warnings, and
+        for adopt and rekey (whose ``plan`` is set) dry_run and plan."""
+        doc: dict[str, object] = {"recorded": self.recorded, "computed": self.computed, "scope": self.scope,
+                                  "verdict": self.verdict, "code": self.code, "message": self.message,
+                                  "by_scope": self.by_scope, "changed": self.changed,
+                                  "warnings": [w.as_dict() for w in self.warnings]}
+        if self.plan is not None:
+            doc.update(dry_run=self.dry_run, plan=self.plan)
+        return doc
 
 
 def show(ctx: Context) -> IdentityResult:
