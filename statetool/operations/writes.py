@@ -229,9 +229,8 @@ class WritePlan:
     ``YYYYmmddTHHMMSSZ``), None without one; ``leases`` each lease the write would hold,
     ``{"key", "state", "holder"}`` as it is now (a ``live`` one is waited for up to
     ``--lock-wait``); ``audit`` the actions of the audit rows it would write (the command's
-own first, then the identity claim's); ``warnings``
-    those the real run would give, and ``RIVET_STATE_READ_ONLY_DRY_RUN`` in a dry run on a
-    read-only mount. ``guard`` holds the :func:`guarded_write` arguments it was planned
+    own first, then the identity claim's); ``warnings`` those the real run would give, and
+    ``RIVET_STATE_READ_ONLY_DRY_RUN`` in a dry run on a read-only mount. ``guard`` holds the :func:`guarded_write` arguments it was planned
     with (:func:`write_planned`)."""
 
     preflight: Preflight
