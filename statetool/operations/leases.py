@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from statetool.backends.base import LeaseInfo
 from statetool.backends.processes import group_alive, process_started
 from statetool.errors import StateError
 from statetool.operations.context import Context
@@ -85,27 +86,25 @@ def release(ctx: Context, key: str, reason: str, *, dry_run: bool = False) -> di
     reason = redact_text(reason) or None
     plan = plan_write(ctx, NO_LEASE, claim=False, preflight=run_preflight(ctx, for_write=True, config_optional=True),
                       dry_run=dry_run)
-    found = lease_store(ctx).releasable(key)
-    if found.holder is not None:
-        plan.change(f"lease {key}", found.state, "free")
-        plan.audit.append(_RELEASE_AUDIT)
 
-    def result(released: dict[str, object] | None) -> dict[str, object]:
-        return {"key": key, "released": released, "reason": reason, "dry_run": dry_run, "plan": plan.as_dict(),
-                "warnings": [w.as_dict() for w in plan.warnings]}
+    def result(found: LeaseInfo) -> dict[str, object]:
+        if found.holder is not None:
+            plan.change(f"lease {key}", found.state, "free")
+            plan.audit.append(_RELEASE_AUDIT)
+        return {"key": key, "released": lease_doc(found) if found.holder is not None else None, "reason": reason,
+                "dry_run": dry_run, "plan": plan.as_dict(), "warnings": [w.as_dict() for w in plan.warnings]}
 
-    if dry_run:
-        return result(lease_doc(found) if found.holder is not None else None)
+    if dry_run:  # the lease as the release would find it, unlocked; the real run finds it locked, in its session
+        return result(lease_store(ctx).releasable(key))
     with write_planned(ctx, plan) as session:
         claim = lease_store(ctx).claim_stale(key, session.conn)
         session.on_abort(claim.abandon)
         if claim.info.holder is None:
             session.after_commit(claim.abandon)
-            return result(None)
-        doc = lease_doc(claim.info)
-        session.audit(_RELEASE_AUDIT, {"key": key, "removed": doc, "reason": reason})
+            return result(claim.info)
+        session.audit(_RELEASE_AUDIT, {"key": key, "removed": lease_doc(claim.info), "reason": reason})
         session.after_commit(claim.commit)
-    return result(doc)
+    return result(claim.info)
 
 
 def _terminal() -> int | None:
