@@ -43,7 +43,8 @@ app.add_typer(identity_app, name="identity")
 app.add_typer(exports_app, name="exports")
 app.add_typer(leases_app, name="leases")
 
-#: ``--dry-run`` of every command that can plan a change (migrate, relocate, transfer).
+#: ``--dry-run`` of every command that can plan a change (migrate, relocate, transfer,
+#: identity adopt/rekey, exports set-cursor/reset, leases release).
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")]
 #: ``--reason`` of every audited change that asks why (identity rekey, leases release).
 Reason = Annotated[str, typer.Option("--reason", metavar="WHY", help="Why, for the audit row.")]
@@ -465,13 +466,13 @@ def identity_show(ctx: typer.Context) -> None:
 
 
 @identity_app.command("adopt")
-def identity_adopt(ctx: typer.Context) -> None:
+def identity_adopt(ctx: typer.Context, dry_run: DryRun = False) -> None:
     """Record this config's state_key on a state that has none."""
     from statetool import render
     from statetool.operations.identity_ops import adopt
 
     g = _g(ctx)
-    _emit(g, adopt(g.context()).as_dict(), render.identity_change)
+    _emit(g, adopt(g.context(), dry_run=dry_run).as_dict(), render.identity_change)
 
 
 @identity_app.command("rekey")
@@ -482,13 +483,14 @@ def identity_rekey(
     new: Annotated[str | None, typer.Option("--new", metavar="KEY",
                                             help="The new key, or a source URL (default: this config's).")] = None,
     reason: Reason = "",
+    dry_run: DryRun = False,
 ) -> None:
     """Deliberately change the recorded key (the source moved); audited."""
     from statetool import render
     from statetool.operations.identity_ops import rekey
 
     g = _g(ctx)
-    _emit(g, rekey(g.context(), old, new, reason).as_dict(), render.identity_change)
+    _emit(g, rekey(g.context(), old, new, reason, dry_run=dry_run).as_dict(), render.identity_change)
 
 
 @exports_app.command("list")
@@ -513,6 +515,8 @@ def exports_show(ctx: typer.Context, name: ExportName) -> None:
 
 
 @exports_app.command("set-cursor", epilog="""
+    See the plan first; nothing changes:
+      statetool exports set-cursor --dry-run orders 2026-01-01T00:00:00Z
     Rewind orders to a point in time:
       statetool exports set-cursor orders 2026-01-01T00:00:00Z
     A value that starts with '-' goes after --:
@@ -520,7 +524,8 @@ def exports_show(ctx: typer.Context, name: ExportName) -> None:
     """)
 def exports_set_cursor(ctx: typer.Context, name: ExportName,
                        value: Annotated[str, typer.Argument(metavar="VALUE", show_default=False,
-                                                            help="The new cursor value.")]) -> None:
+                                                            help="The new cursor value.")],
+                       dry_run: DryRun = False) -> None:
     """Rewind or advance an export's cursor on purpose.
 
     A SQLite state is backed up first; the change writes an audit row.
@@ -529,11 +534,11 @@ def exports_set_cursor(ctx: typer.Context, name: ExportName,
     from statetool.operations.exports import set_cursor
 
     g = _g(ctx)
-    _emit(g, set_cursor(g.context(), name, value).as_dict(), render.export_change)
+    _emit(g, set_cursor(g.context(), name, value, dry_run=dry_run).as_dict(), render.export_change)
 
 
 @exports_app.command("reset")
-def exports_reset(ctx: typer.Context, name: ExportName) -> None:
+def exports_reset(ctx: typer.Context, name: ExportName, dry_run: DryRun = False) -> None:
     """Make an export's next run a FIRST RUN on purpose.
 
     Clears its cursor and chunk checkpoints, keeps its history. A SQLite state is backed
@@ -543,7 +548,7 @@ def exports_reset(ctx: typer.Context, name: ExportName) -> None:
     from statetool.operations.exports import reset
 
     g = _g(ctx)
-    _emit(g, reset(g.context(), name).as_dict(), render.export_change)
+    _emit(g, reset(g.context(), name, dry_run=dry_run).as_dict(), render.export_change)
 
 
 @leases_app.callback(invoke_without_command=True)
@@ -571,13 +576,14 @@ def leases_release(
     ctx: typer.Context,
     key: Annotated[str, typer.Argument(metavar="KEY", show_default=False, help="Lease key, e.g. chunk-run:orders.")],
     reason: Reason = "",
+    dry_run: DryRun = False,
 ) -> None:
     """Release a STALE lease (audited); a live holder is refused."""
     from statetool import render
     from statetool.operations.leases import release
 
     g = _g(ctx)
-    _emit(g, release(g.context(), key, reason), render.lease_release)
+    _emit(g, release(g.context(), key, reason, dry_run=dry_run), render.lease_release)
 
 
 @leases_app.command("run", context_settings={"allow_interspersed_args": False}, epilog="""

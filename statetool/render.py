@@ -715,10 +715,39 @@ def init(doc: dict[str, Any]) -> None:
     page.show()
 
 
+def _planned(value: Any) -> str:
+    """A value of a plan's change row: ``none``, a count, or a text quoted (a cursor's
+    spaces and empty text stay visible)."""
+    return "none" if value is None else repr(value) if isinstance(value, str) else str(value)
+
+
+def plan(page: Page, doc: dict[str, Any]) -> None:
+    """The plan of a dry run (a ``plan`` document, :class:`~statetool.operations.writes.WritePlan`)
+    for people, the same blocks for every write's ``--dry-run``: that nothing was changed,
+    each change ``what  before -> after`` (a value kept: ``what  value (unchanged)``), the
+    backup the real run would take first (its path whole on its line, its time the real
+    run's), the leases it would hold as they are now, and the audit rows it would write."""
+    page.para("Dry run: nothing was changed. The real run would:")
+    page.pairs(None, [(row["what"], f"{_planned(row['before'])} (unchanged)" if row["before"] == row["after"] else
+                       f"{_planned(row['before'])} -> {_planned(row['after'])}") for row in doc["changes"]]
+               or [("change", "nothing")], indent="  ")
+    if doc["backup"]:
+        page.line("back the state up first, as (the time is the real run's):")
+        page.line(doc["backup"])
+    if doc["leases"]:
+        page.line("hold these leases (as they are now; a live one is waited for up to --lock-wait):")
+        page.pairs(None, [(lease["key"], lease["state"] + (f", held by {lease['holder']}" if lease["holder"] else ""))
+                          for lease in doc["leases"]], indent="  ")
+    page.para("write the audit rows: " + ", ".join(doc["audit"]) if doc["audit"] else "write no audit row.")
+
+
 def identity_change(doc: dict[str, Any]) -> None:
-    """``statetool identity adopt`` / ``rekey`` for people: what the state records now."""
+    """``statetool identity adopt`` / ``rekey`` for people: what the state records now (a
+    dry run: its plan)."""
     page = Page()
-    if doc["changed"]:
+    if doc.get("dry_run") and doc["plan"]["changes"]:
+        plan(page, doc["plan"])
+    elif doc["changed"]:
         page.para(f"{_sentence(doc['message'])}; an audit row records the change.")
     else:
         page.para(f"Nothing was changed: the state already records {doc['recorded']}.")
@@ -802,6 +831,12 @@ def export_change(doc: dict[str, Any]) -> None:
     the backup."""
     before, name = doc["before"], doc["export"]
     page = Page()
+    if doc.get("dry_run"):
+        plan(page, doc["plan"])
+        page.para(f"Next run of {name} after it: {doc['next_run']}.")
+        page.show()
+        print_warnings(doc.get("warnings", []))
+        return
     if doc["action"] == "reset":
         cleared = f"cursor {before['cursor']!r} cleared" if before.get("cursor") is not None else "no cursor to clear"
         page.para(f"Reset {name}: {cleared}, {_plural(int(before.get('chunks') or 0), 'chunk checkpoint')} "
@@ -819,18 +854,28 @@ def export_change(doc: dict[str, Any]) -> None:
     print_warnings(doc.get("warnings", []))
 
 
+def _released(gone: dict[str, Any]) -> str:
+    """Whose record a release removes: ``pid P on HOST as USER since TIME (STATE): COMMAND``."""
+    return (f"pid {gone['holder_pid']} on {gone['host']} as {gone['user']} since {timestamp(gone['acquired_at'])} "
+            f"({gone['state']}): {gone['command']}")
+
+
 def lease_release(doc: dict[str, Any]) -> None:
-    """``statetool leases release`` for people: whose record was removed, or that none was."""
+    """``statetool leases release`` for people: whose record was removed, or that none was
+    (a dry run: its plan, and whose record it would remove)."""
     page = Page()
     gone = doc["released"]
     if gone is None:
         page.para(f"Lease {doc['key']} was already free: nothing was changed.")
+    elif doc.get("dry_run"):
+        plan(page, doc["plan"])
+        page.para(f"The record it would remove: {_released(gone)}")
     else:
-        page.para(f"Released lease {doc['key']}, last held by pid {gone['holder_pid']} on {gone['host']} as "
-                  f"{gone['user']} since {timestamp(gone['acquired_at'])} ({gone['state']}): {gone['command']}")
+        page.para(f"Released lease {doc['key']}, last held by {_released(gone)}")
         page.para("An audit row records it" + (f" (reason: {doc['reason']})." if doc["reason"] else ".")
                   + (f" The next run of {gone['export']} takes the lease at once." if gone.get("export") else ""))
     page.show()
+    print_warnings(doc.get("warnings", []))
 
 
 def migrate(doc: dict[str, Any]) -> None:

@@ -263,6 +263,39 @@ def test_every_write_fails_with_the_faults_code_and_changes_nothing(place: Calla
         assert where.snapshot() == before, f"{what} changed the state's directory in a {kind} environment"
 
 
+def _assert_dry_run_as_real(where: Place, kind: str, what: str, args: tuple[str, ...]) -> None:
+    """``args --dry-run`` refused with the fault's code, as its real run (issue 14 item 7),
+    or, on a read-only mount, its plan with warning ``RIVET_STATE_READ_ONLY_DRY_RUN``."""
+    proc = where.run("-c", str(where.config), "--json-errors", "--lock-wait", "0", *args, "--dry-run")
+    if kind == "read-only":
+        assert proc.returncode == 0 and "RIVET_STATE_READ_ONLY_DRY_RUN" in proc.stderr, describe(proc)
+        assert "Dry run: nothing was changed" in proc.stdout, describe(proc)
+    else:
+        _assert_fault(proc, kind, f"{what} --dry-run")
+
+
+@pytest.mark.parametrize("place", KINDS, indirect=True)
+def test_every_dry_run_of_a_change_refuses_the_fault_as_its_real_run_and_changes_nothing(
+        place: Callable[..., Place], request: pytest.FixtureRequest) -> None:
+    kind = request.node.callspec.params["place"]
+    where = place(None)
+    before = where.snapshot()
+    for what, args in WRITES.items():
+        if what != "leases run":
+            _assert_dry_run_as_real(where, kind, what, args)
+            assert where.snapshot() == before, f"{what} --dry-run changed the state's directory in a {kind} environment"
+
+
+@pytest.mark.parametrize("place", KINDS, indirect=True)
+def test_an_identity_adopt_dry_run_refuses_the_fault_as_its_real_run_and_changes_nothing(
+        place: Callable[..., Place], request: pytest.FixtureRequest) -> None:
+    kind = request.node.callspec.params["place"]
+    where = place(None, identity=False)
+    before = where.snapshot()
+    _assert_dry_run_as_real(where, kind, "identity adopt", ("identity", "adopt"))
+    assert where.snapshot() == before
+
+
 @pytest.mark.parametrize("place", KINDS, indirect=True)
 def test_identity_adopt_fails_with_the_faults_code_and_changes_nothing(place: Callable[..., Place],
                                                                       request: pytest.FixtureRequest) -> None:

@@ -27,6 +27,9 @@ Progress = Callable[[int, int], None]
 #: on_step(name): told each named step of a move as it is passed (the crash tests' points:
 #: ``Context.on_step``); a no-op in production.
 Step = Callable[[str], None]
+#: The UTC time of a backup's name (``%Y%m%dT%H%M%SZ``) as a plan writes it: as long as
+#: the time itself, so a long label is cut in the plan where the real run cuts it.
+BACKUP_TIME = "YYYYmmddTHHMMSSZ"
 
 
 class Reader(Protocol):
@@ -172,12 +175,20 @@ class LeaseStore(Protocol):
     def list(self) -> list[LeaseInfo]:
         """Every lease with its state, read without taking any lock."""
 
+    def releasable(self, key: str) -> LeaseInfo:
+        """The lease ``key`` as a release would find it, read without taking any lock and
+        creating no file (``leases release``'s plan, its dry run's too): the same refusals
+        as :meth:`claim_stale`, ``RIVET_STATE_LEASE_UNKNOWN`` for a key that has no record
+        and ``RIVET_STATE_RUN_IN_PROGRESS`` for a live holder; a free lease is returned
+        with state ``free`` (no holder), a stale one with its holder."""
+
     def claim_stale(self, key: str, conn: Connection) -> StaleClaim:
         """Hold the stale lease ``key`` for its release: on PostgreSQL its row is deleted in
         ``conn``'s transaction (so the audit row commits with it); on SQLite its sidecar is
         locked until :meth:`StaleClaim.commit` or :meth:`StaleClaim.abandon`. Raises
-        ``RIVET_STATE_RUN_IN_PROGRESS`` for a live holder and ``RIVET_STATE_LEASE_UNKNOWN``
-        for a key that has no record."""
+        ``RIVET_STATE_RUN_IN_PROGRESS`` for a live holder (on SQLite also a dead holder
+        whose command's process group still works: :meth:`info` reads it live) and
+        ``RIVET_STATE_LEASE_UNKNOWN`` for a key that has no record."""
 
 
 class Backend(Protocol):
@@ -272,6 +283,11 @@ class Backend(Protocol):
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> Path | None:
         """A verified copy of the state beside it (SQLite), named with ``label``; None on
         PostgreSQL, whose writes run in one transaction instead."""
+
+    def planned_backup(self, label: str) -> str | None:
+        """The path :meth:`backup` would give a copy named with ``label`` (SQLite), its UTC
+        time written as the placeholder :data:`BACKUP_TIME` (a plan's: the time is the real
+        run's own); None on PostgreSQL, which keeps no backup file. Looks at no file."""
 
     def hold_off_writers(self) -> None:
         """Before the write lock of a write that replaces the state whole (a migration):

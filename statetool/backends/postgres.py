@@ -349,6 +349,9 @@ class PostgresBackend:
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> None:
         return None
 
+    def planned_backup(self, label: str) -> None:
+        return None
+
     def hold_off_writers(self) -> None:
         """Nothing to do: PostgreSQL writers queue on the migration transaction's locks."""
 

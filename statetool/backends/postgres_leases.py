@@ -471,6 +471,19 @@ class RowLeases:
                 raise
             raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"lease {key} is locked by a writer that holds it "
                              "right now; look again", {"key": key}) from None
+        info = self._stale(key, row)
+        _run(conn, f"DELETE FROM rivet_leases WHERE {_OBSERVED}", _observed(row))
+        return RowStaleClaim(info)
+
+    def releasable(self, key: str) -> LeaseInfo:
+        with self.looking() as conn:
+            found = self._read(conn, "WHERE key = :key", {"key": key})
+        return self._stale(key, found[0] if found else None)
+
+    def _stale(self, key: str, row: Mapping[str, Any] | None) -> LeaseInfo:
+        """The lease of ``row`` (the row of ``key``, None when it has none), which a release
+        may remove: ``RIVET_STATE_LEASE_UNKNOWN`` without a row, ``RIVET_STATE_RUN_IN_PROGRESS``
+        for a live holder."""
         if row is None:
             raise StateError("RIVET_STATE_LEASE_UNKNOWN", f"this state has no lease {key}", {"key": key})
         info = _info(row, self.here)
@@ -478,5 +491,4 @@ class RowLeases:
             assert info.holder is not None
             raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
                              f"lease {key} is held by a live process: {info.holder.describe()}", {"key": key})
-        _run(conn, f"DELETE FROM rivet_leases WHERE {_OBSERVED}", _observed(row))
-        return RowStaleClaim(info)
+        return info

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from statetool import migrations
 from statetool.access import denied, refuse_unownable, unownable
-from statetool.backends.base import Progress, Step
+from statetool.backends.base import BACKUP_TIME, Progress, Step
 from statetool.backends.durable import (CREATE_FLAGS, copy_bytes, fitting_name, fsync_dir, fsync_file, like,
                                         mode_of, share_owner)
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
@@ -578,18 +578,24 @@ class SqliteBackend:
         fsync_file(tmp)
         return got
 
-    def _backup_name(self, label: str, directory: Path) -> Path:
-        """``<directory>/.rivet_state.db.backup-<label>-<UTC time>``, a name nothing stands at
-        (decisions.md, "Backups (SQLite)")."""
+    def _backup_file(self, label: str, directory: Path, stamp: str) -> Path:
+        """``<directory>/.rivet_state.db.backup-<label>-<stamp>`` (decisions.md, "Backups
+        (SQLite)"). The label may carry an export name: percent-encoded (as lease file names
+        are) so a "/" in it can neither fail the backup nor place it outside the state's
+        directory, and a long one shortened: the name must leave room for its private
+        directory."""
         from urllib.parse import quote
 
-        # The label may carry an export name: percent-encoded (as lease file names are) so a
-        # "/" in it can neither fail the backup nor place it outside the state's directory.
-        label = quote(label, safe="-_.")
+        return directory / fitting_name(f"{self.path.name}.backup-", quote(label, safe="-_."), f"-{stamp}",
+                                        room=_PRIVATE_DIR_ROOM)
+
+    def planned_backup(self, label: str) -> str:
+        return str(self._backup_file(label, self.path.parent, BACKUP_TIME))
+
+    def _backup_name(self, label: str, directory: Path) -> Path:
+        """:meth:`_backup_file` at this second's UTC time, a name nothing stands at."""
         while True:
-            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-            # a long export name is shortened: the name must leave room for its private directory
-            final = directory / fitting_name(f"{self.path.name}.backup-", label, f"-{stamp}", room=_PRIVATE_DIR_ROOM)
+            final = self._backup_file(label, directory, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
             if not os.path.lexists(final):
                 return final
             # A backup of the same label was taken within this second (two changes in a row):

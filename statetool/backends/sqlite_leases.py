@@ -408,25 +408,51 @@ class FlockLeases:
             os.close(dfd)
         return found
 
-    def claim_stale(self, key: str, conn: object) -> FlockStaleClaim:
-        name = key_to_filename(key)
+    def _sidecar(self, key: str, flags: int) -> int:
+        """The sidecar of ``key`` opened with ``flags`` (never created); raises
+        ``RIVET_STATE_LEASE_UNKNOWN`` when there is none."""
         dfd = self._dir_fd(create=False)
         if dfd is None:
-            raise StateError("RIVET_STATE_LEASE_UNKNOWN", f"this state has no lease {key}", {"key": key})
+            raise _unknown_lease(key)
         try:
-            fd = self._open(dfd, name, os.O_RDWR)
+            return self._open(dfd, key_to_filename(key), flags)
         except FileNotFoundError:
-            raise StateError("RIVET_STATE_LEASE_UNKNOWN", f"this state has no lease {key}", {"key": key}) from None
+            raise _unknown_lease(key) from None
         finally:
             os.close(dfd)
+
+    def releasable(self, key: str) -> LeaseInfo:
+        fd = self._sidecar(key, os.O_RDONLY)
+        try:
+            info = self._info(key, fd)
+        finally:
+            os.close(fd)
+        if info.state == "live":
+            raise _live_lease(key, info.holder)
+        return info
+
+    def claim_stale(self, key: str, conn: object) -> FlockStaleClaim:
+        fd = self._sidecar(key, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(_read_doc(fd))
             os.close(fd)
-            raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
-                             f"lease {key} is held by a live process: "
-                             f"{holder.describe() if holder else 'holder record not written yet'}",
-                             {"key": key}) from None
+            raise _live_lease(key, holder) from None
         record = _holder(_read_doc(fd))
+        if _work_goes_on(record):  # its holder died, the work of its run did not: live, as info() reads it
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise _live_lease(key, record)
         return FlockStaleClaim(LeaseInfo(key, "stale" if record else "free", record), fd)
+
+
+def _unknown_lease(key: str) -> StateError:
+    """``RIVET_STATE_LEASE_UNKNOWN``: no sidecar of ``key``."""
+    return StateError("RIVET_STATE_LEASE_UNKNOWN", f"this state has no lease {key}", {"key": key})
+
+
+def _live_lease(key: str, holder: Holder | None) -> StateError:
+    """``RIVET_STATE_RUN_IN_PROGRESS``: the lease ``key`` has a live holder (a release refuses it)."""
+    return StateError("RIVET_STATE_RUN_IN_PROGRESS", f"lease {key} is held by a live process: "
+                      f"{holder.describe() if holder else 'holder record not written yet'}", {"key": key})

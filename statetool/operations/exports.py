@@ -2,7 +2,9 @@
 
 Each holds the export's run lease (``chunk-run:<export>``, waited on up to
 ``--lock-wait``), passes the whole pre-flight, backs a SQLite state up first (verified),
-writes an audit row with what was there before, and says what the next run will do.
+writes an audit row with what was there before, and says what the next run will do. Each
+is planned first (:func:`~statetool.operations.writes.plan_write`), by the one function
+its ``--dry-run`` returns the plan of.
 """
 
 from __future__ import annotations
@@ -13,16 +15,20 @@ import sqlalchemy as sa
 
 from statetool import schema
 from statetool.errors import StateError, StateWarning
-from statetool.operations.context import Context
-from statetool.operations.context import now_iso
+from statetool.operations.context import Context, now_iso
 from statetool.operations.doctor import doctor
-from statetool.operations.probe import Snapshot
-from statetool.operations.writes import guarded_write, one_export
+from statetool.operations.probe import ExportProgress, Snapshot
+from statetool.operations.writes import WritePlan, one_export, plan_write, write_planned
 
 
 @dataclass
 class ExportChange:
-    """The outcome of a change: before and after, the backup, and what the next run will do."""
+    """The outcome of a change: before and after, the backup, and what the next run will do.
+
+    In a dry run (``dry_run``) nothing was done: ``before`` and ``after`` are the planned
+    change, ``backup`` and ``diagnosis`` are None, and ``plan`` (also given by the real
+    run: what it planned) says what the real run would write
+    (:class:`~statetool.operations.writes.WritePlan`)."""
 
     export: str
     action: str
@@ -32,14 +38,16 @@ class ExportChange:
     backup: str | None
     warnings: list[StateWarning] = field(default_factory=list)
     #: What ``doctor --export`` says of the export once the change is committed (its
-    #: ``exports[0]``), None when the state could not be read again.
+    #: ``exports[0]``), None when the state could not be read again (or in a dry run).
     diagnosis: dict[str, object] | None = None
+    dry_run: bool = False
+    plan: dict[str, object] | None = None
 
     def as_dict(self) -> dict[str, object]:
         """JSON shape of the change."""
         return {"export": self.export, "action": self.action, "before": self.before, "after": self.after,
                 "next_run": self.next_run, "backup": self.backup, "warnings": [w.as_dict() for w in self.warnings],
-                "diagnosis": self.diagnosis}
+                "diagnosis": self.diagnosis, "dry_run": self.dry_run, "plan": self.plan}
 
 
 def _diagnosis(ctx: Context, name: str) -> dict[str, object] | None:
@@ -62,19 +70,41 @@ def _known(ctx: Context, snapshot: Snapshot, name: str) -> str:
     return export.mode if export else (snapshot.exports[name].mode or "incremental")
 
 
-def set_cursor(ctx: Context, name: str, value: str) -> ExportChange:
+def _plan(ctx: Context, name: str, action: str, dry_run: bool) -> tuple[WritePlan, ExportProgress]:
+    """The plan of ``exports <action> NAME`` (its lease, backup, pre-flight and the
+    unknown-export check, run by its dry run and its real run alike) and the export's
+    progress as the pre-flight read it (empty for an export only the config knows)."""
+    plan = plan_write(ctx, one_export(name), f"exports.{action}", backup_label=f"{action}-{name}",
+                      check=lambda snap: _known(ctx, snap, name), dry_run=dry_run)
+    return plan, plan.snapshot.exports.get(name) or ExportProgress(name)
+
+
+def _planned(name: str, action: str, plan: WritePlan, before: dict[str, object], after: dict[str, object],
+             next_run: str) -> ExportChange:
+    """The result of a dry run: the planned change; nothing done."""
+    return ExportChange(name, action, before, after, next_run, None, plan.warnings, dry_run=True,
+                        plan=plan.as_dict())
+
+
+def set_cursor(ctx: Context, name: str, value: str, *, dry_run: bool = False) -> ExportChange:
     """Set export ``name``'s cursor to ``value`` (rewind or advance, on purpose).
 
     Raises ``RIVET_CLI_USAGE`` for an empty cursor or one holding control characters (a
     terminal escape, a newline: never a value a source would give), ``RIVET_EXPORT_UNKNOWN``
-    and every pre-flight code; nothing is written then.
+    and every pre-flight code; nothing is written then. ``dry_run`` makes the same checks
+    and returns the plan: the cursor before and after, the backup, the lease; it writes
+    nothing and creates no file.
     """
     if not value.strip() or any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
         raise StateError("RIVET_CLI_USAGE", f"cursor {value!r} is empty or holds control characters; give the value "
                          "the export's cursor column holds (to start over, use statetool exports reset)")
+    plan, progress = _plan(ctx, name, "set-cursor", dry_run)
+    plan.change("cursor", progress.cursor, value)
+    next_run = f"resumes after cursor {value!r}"
+    if dry_run:
+        return _planned(name, "set-cursor", plan, {"cursor": progress.cursor}, {"cursor": value}, next_run)
     e = schema.exports
-    with guarded_write(ctx, one_export(name), backup_label=f"set-cursor-{name}",
-                       check=lambda snap: _known(ctx, snap, name)) as session:
+    with write_planned(ctx, plan) as session:
         mode = _known(ctx, session.snapshot, name)
         conn = session.conn
         old = conn.execute(sa.select(e.c.cursor_value).where(e.c.export_name == name)).scalar()
@@ -84,30 +114,40 @@ def set_cursor(ctx: Context, name: str, value: str) -> ExportChange:
         if not updated:
             conn.execute(sa.insert(e).values(export_name=name, mode=mode, cursor_value=value,
                                              cursor_updated_at=now, updated_at=now))
-        session.audit("exports.set-cursor", {"export": name, "old": old, "new": value})
+        session.audit(plan.audit[0], {"export": name, "old": old, "new": value})
         backup, warnings = session.backup, session.warnings
-    return ExportChange(name, "set-cursor", {"cursor": old}, {"cursor": value},
-                        f"resumes after cursor {value!r}", str(backup) if backup else None, warnings,
-                        _diagnosis(ctx, name))
+    return ExportChange(name, "set-cursor", {"cursor": old}, {"cursor": value}, next_run,
+                        str(backup) if backup else None, warnings, _diagnosis(ctx, name), plan=plan.as_dict())
 
 
-def reset(ctx: Context, name: str) -> ExportChange:
+def reset(ctx: Context, name: str, *, dry_run: bool = False) -> ExportChange:
     """Make export ``name``'s next run a FIRST RUN: clear its cursor and chunk checkpoints.
 
     Run history and the load ledger are kept (they are history, not progress to resume
-    from). Raises ``RIVET_EXPORT_UNKNOWN`` and every pre-flight code.
+    from). Raises ``RIVET_EXPORT_UNKNOWN`` and every pre-flight code. ``dry_run`` makes
+    the same checks and returns the plan: the cursor and the chunk checkpoints it would
+    remove (with their count), the runs and ledger rows it keeps, the backup, the lease;
+    it writes nothing and creates no file.
     """
+    plan, progress = _plan(ctx, name, "reset", dry_run)
+    plan.change("cursor", progress.cursor, None)
+    plan.change("chunk checkpoints", progress.chunks_total, 0)
+    plan.change("runs", progress.runs_total, progress.runs_total)
+    plan.change("load-ledger rows", progress.ledger_rows, progress.ledger_rows)
+    next_run = "FIRST RUN: reads everything from the start"
+    if dry_run:
+        return _planned(name, "reset", plan, {"cursor": progress.cursor, "chunks": progress.chunks_total},
+                        {"cursor": None, "chunks": 0}, next_run)
     e, c = schema.exports, schema.chunks
-    with guarded_write(ctx, one_export(name), backup_label=f"reset-{name}",
-                       check=lambda snap: _known(ctx, snap, name)) as session:
+    with write_planned(ctx, plan) as session:
         _known(ctx, session.snapshot, name)
         conn = session.conn
         old = conn.execute(sa.select(e.c.cursor_value).where(e.c.export_name == name)).scalar()
         chunks = conn.execute(sa.delete(c).where(c.c.export_name == name)).rowcount
         conn.execute(sa.update(e).where(e.c.export_name == name)
                      .values(cursor_value=None, cursor_updated_at=None, updated_at=now_iso()))
-        session.audit("exports.reset", {"export": name, "old_cursor": old, "chunks_removed": chunks})
+        session.audit(plan.audit[0], {"export": name, "old_cursor": old, "chunks_removed": chunks})
         backup, warnings = session.backup, session.warnings
     return ExportChange(name, "reset", {"cursor": old, "chunks": chunks}, {"cursor": None, "chunks": 0},
-                        "FIRST RUN: reads everything from the start", str(backup) if backup else None, warnings,
-                        _diagnosis(ctx, name))
+                        next_run, str(backup) if backup else None, warnings, _diagnosis(ctx, name),
+                        plan=plan.as_dict())

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from statetool.backends.base import LeaseInfo
 from statetool.backends.processes import group_alive, process_started
 from statetool.errors import StateError
 from statetool.operations.context import Context
@@ -40,6 +41,8 @@ GRACE_SECONDS = 10.0
 #: Seconds between two looks at a running command's lease.
 WATCH_SECONDS = 0.2
 _PR_SET_PDEATHSIG = 1
+#: The action of a release's audit row.
+_RELEASE_AUDIT = "leases.release"
 
 
 def show_leases(ctx: Context) -> LeasesResult:
@@ -56,15 +59,19 @@ def show_leases(ctx: Context) -> LeasesResult:
     return list_leases(ctx)
 
 
-def release(ctx: Context, key: str, reason: str) -> dict[str, object]:
+def release(ctx: Context, key: str, reason: str, *, dry_run: bool = False) -> dict[str, object]:
     """Release a STALE lease: remove its holder record and write its audit row as one
     change (if the audit row cannot be written, the lease stays as it was), after the
     whole write pre-flight passed.
 
     Raises ``RIVET_STATE_LEASE_KEY_INVALID`` (not a lease key), ``RIVET_STATE_LEASE_UNKNOWN``
     (no such lease), ``RIVET_STATE_RUN_IN_PROGRESS`` (a live holder, named) and every
-    pre-flight code. Returns ``{"key", "released": lease doc | None, "reason"}``; a lease
-    that is already free is left alone, with no audit row (``released`` None).
+    pre-flight code. Returns ``{"key", "released": lease doc | None, "reason", "dry_run",
+    "plan", "warnings"}``; a lease that is already free is left alone, with no audit row
+    (``released`` None). ``dry_run`` makes the same checks (the lease read as the release
+    would find it, :meth:`~statetool.backends.base.LeaseStore.releasable`) and returns
+    the plan, with ``released`` the holder it would remove; it writes nothing and creates
+    no file.
 
     A state named by ``RIVET_STATE_URL`` needs no pipeline config here when none is there
     (issue 12 item 7: a DBA clearing a stale row has none); a config that is there is read
@@ -73,21 +80,31 @@ def release(ctx: Context, key: str, reason: str) -> dict[str, object]:
     # Loaded here, not at the top: `leases run` and `leases list` must not pay for SQLAlchemy
     # (the write path's import), which only a release needs. No cycle: writes imports no command.
     from statetool.operations.preflight import run_preflight
-    from statetool.operations.writes import NO_LEASE, guarded_write
+    from statetool.operations.writes import NO_LEASE, plan_write, write_planned
 
     key = valid_key(key)
     reason = redact_text(reason) or None
-    preflight = run_preflight(ctx, for_write=True, config_optional=True)
-    with guarded_write(ctx, NO_LEASE, claim=False, preflight=preflight) as session:
+    plan = plan_write(ctx, NO_LEASE, claim=False, preflight=run_preflight(ctx, for_write=True, config_optional=True),
+                      dry_run=dry_run)
+
+    def result(found: LeaseInfo) -> dict[str, object]:
+        if found.holder is not None:
+            plan.change(f"lease {key}", found.state, "free")
+            plan.audit.append(_RELEASE_AUDIT)
+        return {"key": key, "released": lease_doc(found) if found.holder is not None else None, "reason": reason,
+                "dry_run": dry_run, "plan": plan.as_dict(), "warnings": [w.as_dict() for w in plan.warnings]}
+
+    if dry_run:  # the lease as the release would find it, unlocked; the real run finds it locked, in its session
+        return result(lease_store(ctx).releasable(key))
+    with write_planned(ctx, plan) as session:
         claim = lease_store(ctx).claim_stale(key, session.conn)
         session.on_abort(claim.abandon)
         if claim.info.holder is None:
             session.after_commit(claim.abandon)
-            return {"key": key, "released": None, "reason": reason}
-        doc = lease_doc(claim.info)
-        session.audit("leases.release", {"key": key, "removed": doc, "reason": reason})
+            return result(claim.info)
+        session.audit(_RELEASE_AUDIT, {"key": key, "removed": lease_doc(claim.info), "reason": reason})
         session.after_commit(claim.commit)
-    return {"key": key, "released": doc, "reason": reason}
+    return result(claim.info)
 
 
 def _terminal() -> int | None:

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -33,9 +34,10 @@ from sqlalchemy.engine import Connection
 from statetool import migrations, schema
 from statetool.backends.base import HeldLease, Reader
 from statetool.errors import StateError, StateWarning
-from statetool.identity import identity_warning
+from statetool.identity import Verdict, identity_warning
 from statetool.operations.context import Context, now_iso
-from statetool.operations.leasing import acquire, hold_whole_state, run_lease_key
+from statetool.operations.leasing import (STATE_LEASE, acquire, hold_whole_state, holder_text, lease_store,
+                                          run_lease_key)
 from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import Snapshot
 from statetool.redact import redact_text, redact_values
@@ -93,6 +95,18 @@ def _write_identity(conn: Connection, ctx: Context, key: str, action: str, old: 
     _write_audit(conn, ctx, f"identity.{action}", {"old": old, "new": key, "reason": reason or None})
 
 
+def _claim(ctx: Context, pf: Preflight) -> tuple[Verdict | None, list[StateWarning]]:
+    """What the identity claim of a write does with ``pf``'s verdict (SPEC §3): the verdict
+    when it records the computed key (stamp or adopt), else None, and the warnings it gives
+    (``RIVET_STATE_IDENTITY_ADOPTED``, ``RIVET_STATE_FOREIGN_BESIDE_CONFIG``). One rule for
+    :meth:`WriteSession.claim` and :func:`plan_write`."""
+    verdict = pf.verdict
+    if verdict is None:
+        return None, []
+    warning = identity_warning(verdict, str(ctx.location.directory or ctx.location.display), for_write=True)
+    return (verdict if verdict.writes else None), ([] if warning is None else [warning])
+
+
 @dataclass
 class WriteSession:
     """An open writing transaction that passed the write pre-flight, with its leases."""
@@ -137,14 +151,10 @@ class WriteSession:
         key, in this transaction (or in ``into``: a migration's copy, which becomes the
         state). Returns the warnings it gives (``RIVET_STATE_IDENTITY_ADOPTED``,
         ``RIVET_STATE_FOREIGN_BESIDE_CONFIG``); a refusal never reaches here."""
-        verdict = self.preflight.verdict
-        if verdict is None:
-            return []
-        if verdict.writes:
+        verdict, warnings = _claim(self.ctx, self.preflight)
+        if verdict is not None:
             self.record_identity(verdict.computed, verdict.action, into=into)
-        warning = identity_warning(verdict, str(self.ctx.location.directory or self.ctx.location.display),
-                                   for_write=True)
-        return [] if warning is None else [warning]
+        return warnings
 
     def advance(self, into: Connection | None = None) -> None:
         """Increment the state's serial (:func:`advance_serial`) in this transaction, or in
@@ -210,6 +220,130 @@ def require_writable(ctx: Context, *, copies: int = 0, replaced_by: str | None =
                               dry_run=dry_run)
 
 
+def _copies(copies: int | None, backup_label: str | None) -> int:
+    """The room a write needs beside the state (:func:`require_writable`): ``copies`` when
+    given, else 2 with a backup (the backup and its journal), else none."""
+    return copies if copies is not None else 2 if backup_label else 0
+
+
+def _first_checks(ctx: Context, preflight: Preflight | None, allow: frozenset[str],
+                  check: Callable[[Snapshot], object] | None, copies: int, replaced_by: str | None,
+                  dry_run: bool = False) -> tuple[Preflight, list[StateWarning]]:
+    """The checks of a write before it opens anything for writing or takes any lease, in
+    their order: the write pre-flight (``preflight``, or run now) with the codes in
+    ``allow`` passed, the request against its snapshot (``check``), and
+    :func:`require_writable`. :func:`guarded_write` and :func:`plan_write` (every dry run)
+    both run them here, so a dry run refuses what its real run would. Returns the
+    pre-flight and the warnings (a dry run's ``RIVET_STATE_READ_ONLY_DRY_RUN``)."""
+    pf = preflight if preflight is not None else run_preflight(ctx, for_write=True)
+    snap = require(pf, allow=allow)
+    if check is not None:
+        check(snap)
+    return pf, require_writable(ctx, copies=copies, replaced_by=replaced_by, dry_run=dry_run)
+
+
+@dataclass
+class WritePlan:
+    """What a guarded write would change, found by the checks it makes before its first
+    byte (:func:`plan_write`). Every ``--dry-run`` of a change prints it as its ``plan``,
+    and its real run writes what it says (SPEC §8a, §9; docs/decisions.md, "Dry runs of
+    the changes").
+
+    ``changes`` are ``{"what", "before", "after"}`` rows (a value the write keeps has
+    ``before == after``); ``backup`` the path the write's backup would get
+    (:meth:`~statetool.backends.base.Backend.planned_backup`: SQLite, its time written
+    ``YYYYmmddTHHMMSSZ``), None without one; ``leases`` each lease the write would hold,
+    ``{"key", "state", "holder"}`` as it is now (a ``live`` one is waited for up to
+    ``--lock-wait``); ``audit`` the actions of the audit rows it would write (the command's
+    own first, then the identity claim's); ``warnings`` those the real run would give, and
+    ``RIVET_STATE_READ_ONLY_DRY_RUN`` in a dry run on a read-only mount. ``guard`` holds the :func:`guarded_write` arguments it was planned
+    with (:func:`write_planned`)."""
+
+    preflight: Preflight
+    changes: list[dict[str, object]] = field(default_factory=list)
+    backup: str | None = None
+    leases: list[dict[str, object]] = field(default_factory=list)
+    audit: list[str] = field(default_factory=list)
+    warnings: list[StateWarning] = field(default_factory=list)
+    guard: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The state as the plan's pre-flight read it."""
+        assert self.preflight.snapshot is not None
+        return self.preflight.snapshot
+
+    def change(self, what: str, before: object, after: object) -> None:
+        """Add the row ``what: before -> after`` (``before == after``: a value the write keeps)."""
+        self.changes.append({"what": what, "before": before, "after": after})
+
+    def as_dict(self) -> dict[str, object]:
+        """``{changes, backup, leases, audit, warnings}``: the ``plan`` of a command's JSON."""
+        return {"changes": self.changes, "backup": self.backup, "leases": self.leases, "audit": self.audit,
+                "warnings": [w.as_dict() for w in self.warnings]}
+
+
+def _planned_leases(ctx: Context, scope: Scope, snap: Snapshot, exports: Iterable[str] | None,
+                    dry_run: bool) -> tuple[list[dict[str, object]], list[StateWarning]]:
+    """The leases a write of ``scope`` would hold (a whole-state write: the state lease and
+    every export's run lease, :func:`_scope_exports`), each as it is now, read without any
+    lock; a dry run refuses as the real run would one this user could not take
+    (:meth:`~statetool.backends.base.LeaseStore.require_takable`, a read-only mount
+    tolerated)."""
+    if scope.whole_state:
+        keys = [STATE_LEASE, *(run_lease_key(e) for e in sorted(_scope_exports(ctx, snap, exports)))]
+    else:
+        keys = [] if scope.export is None else [run_lease_key(scope.export)]
+    if not keys:
+        return [], []
+    store = lease_store(ctx)
+    warnings = tolerate_read_only(lambda: store.require_takable(keys), dry_run=dry_run) if dry_run else []
+    now = {info.key: info for info in store.list()}
+    return [{"key": key, "state": now[key].state if key in now else "free",
+             "holder": holder_text(now[key]) if key in now and now[key].holder else None} for key in keys], warnings
+
+
+def plan_write(ctx: Context, scope: Scope, audit: str | None = None, *, backup_label: str | None = None,
+               claim: bool = True, allow: frozenset[str] = frozenset(),
+               check: Callable[[Snapshot], object] | None = None, exports: Iterable[str] | None = None,
+               preflight: Preflight | None = None, copies: int | None = None, replaced_by: str | None = None,
+               dry_run: bool = False) -> WritePlan:
+    """Plan a guarded write, reading only and creating no file: every check
+    :func:`guarded_write` makes with the same arguments before its first byte
+    (:func:`_first_checks`: the write pre-flight, ``check``, :func:`require_writable`), in
+    a dry run with ``dry_run`` (a read-only mount is warning
+    ``RIVET_STATE_READ_ONLY_DRY_RUN``, and a lease this user could not take is refused as
+    the real run would: ``RIVET_STATE_PERMISSION_DENIED``). Raises what those raise.
+
+    The plan holds the backup the write would take (``backup_label``), the leases of
+    ``scope`` with their state now, the identity claim (with ``claim``: the
+    ``state_key`` change row and ``identity.<stamp|adopt>`` audit row, with its warning)
+    and ``audit``, the action of the command's own audit row. The command adds its own
+    change rows (:meth:`WritePlan.change`); its real run then writes through
+    :func:`write_planned`, its dry run returns the plan. The arguments are
+    :func:`guarded_write`'s."""
+    pf, warnings = _first_checks(ctx, preflight, allow, check, _copies(copies, backup_label), replaced_by, dry_run)
+    assert pf.snapshot is not None
+    leases, untakable = _planned_leases(ctx, scope, pf.snapshot, exports, dry_run)
+    plan = WritePlan(pf, backup=ctx.backend().planned_backup(backup_label) if backup_label else None,
+                     leases=leases, audit=[audit] if audit else [], warnings=warnings or untakable,
+                     guard={"scope": scope, "backup_label": backup_label, "claim": claim, "allow": allow,
+                            "check": check, "exports": exports, "copies": copies, "replaced_by": replaced_by})
+    if claim:
+        verdict, claimed = _claim(ctx, pf)
+        if verdict is not None:
+            plan.change("state_key", verdict.recorded, verdict.computed)
+            plan.audit.append(f"identity.{verdict.action}")
+        plan.warnings += claimed
+    return plan
+
+
+def write_planned(ctx: Context, plan: WritePlan) -> AbstractContextManager[WriteSession]:
+    """The guarded write ``plan`` describes: :func:`guarded_write` with the plan's pre-flight
+    and the arguments it was planned with (its checks run again, on the same pre-flight)."""
+    return guarded_write(ctx, preflight=plan.preflight, **plan.guard)
+
+
 @contextmanager
 def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None, claim: bool = True,
                   allow: frozenset[str] = frozenset(), check: Callable[[Snapshot], object] | None = None,
@@ -248,11 +382,9 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
     (:func:`require_writable`): refused then, nothing of the write exists yet, no lease file
     either.
     """
-    pf = preflight if preflight is not None else run_preflight(ctx, for_write=True)
-    snap = require(pf, allow=allow)
-    if check is not None:
-        check(snap)
-    require_writable(ctx, copies=copies if copies is not None else 2 if backup_label else 0, replaced_by=replaced_by)
+    pf = _first_checks(ctx, preflight, allow, check, _copies(copies, backup_label), replaced_by)[0]
+    snap = pf.snapshot
+    assert snap is not None
     if scope.whole_state or scope.export is not None:
         # Wait for the state's write lock once before any lease is taken, holding nothing:
         # a write refused because another writer keeps the state busy leaves no lease file.
