@@ -36,12 +36,15 @@ identity_app = App(no_args_is_help=True, rich_markup_mode=None,
                    help="Read, adopt or deliberately re-key the state's identity.")
 exports_app = App(no_args_is_help=True, rich_markup_mode=None,
                   help="Progress per export; deliberate cursor changes and resets.")
+backups_app = App(no_args_is_help=True, rich_markup_mode=None,
+                  help="Backups and keeps beside a SQLite state: list, verify, prune.")
 leases_app = App(rich_markup_mode=None, subcommand_metavar="[COMMAND [ARGS]...]",
                  help="Who holds which lease; release a stale one; run under one.\n\n"
                       "Without a command: the same as statetool leases list.")
 app.add_typer(identity_app, name="identity")
 app.add_typer(exports_app, name="exports")
 app.add_typer(leases_app, name="leases")
+app.add_typer(backups_app, name="backups")
 
 #: ``--dry-run`` of every command that can plan a change (migrate, relocate, transfer,
 #: identity adopt/rekey, exports set-cursor/reset, leases release).
@@ -440,6 +443,85 @@ def transfer(
         _warn_password_in_argv("--to", to or "")
     assert to is not None
     _emit(g, op(context, to, dry_run=dry_run).as_dict(), render.transfer)
+
+
+@app.command(epilog="""
+    See what it would do; nothing changes:
+      statetool restore .rivet_state.db.backup-migrate-20261201T120000Z --dry-run
+    At a container's boot, only where no state is (exit 0 when one is):
+      statetool restore /backups/rivet_state.db --if-absent
+    """)
+def restore(
+    ctx: typer.Context,
+    what: Annotated[str, typer.Argument(metavar="NAME|PATH", show_default=False,
+                                        help="A backup or keep beside the state (statetool backups list), or the "
+                                             "path of a state file.")],
+    allow_older: Annotated[bool, typer.Option("--allow-older",
+                                              help="Restore a copy older than the live state (audited).")] = False,
+    if_absent: Annotated[bool, typer.Option("--if-absent",
+                                            help="Only where no state is; do nothing (exit 0) where one is.")] = False,
+    dry_run: DryRun = False,
+) -> None:
+    """Put a verified copy back; the state it replaces is kept.
+
+    Refuses a copy of another source or lineage, and one older than the live state unless
+    --allow-older. Holds every run lease; a kill leaves one whole state.
+    """
+    from statetool import render
+    from statetool.operations.restore import restore as op
+
+    g = _g(ctx)
+    _emit(g, op(g.context(), what, allow_older=allow_older, if_absent=if_absent, dry_run=dry_run).as_dict(),
+          render.restored)
+
+
+@backups_app.command("list")
+def backups_list(ctx: typer.Context) -> None:
+    """Every backup and keep: time, revision, identity, lineage, serial."""
+    from statetool import render
+    from statetool.operations.backups import list_backups
+
+    g = _g(ctx)
+    _emit(g, list_backups(g.context()).as_dict(), render.backups)
+
+
+@backups_app.command("verify")
+def backups_verify(
+    ctx: typer.Context,
+    name: Annotated[str | None, typer.Argument(metavar="[NAME]", show_default=False,
+                                               help="One backup or keep (default: every one).")] = None,
+) -> None:
+    """Run integrity_check on each copy; read its revision and identity.
+
+    Fails with the worst copy's code (a damaged one: 4).
+    """
+    from statetool import render
+    from statetool.operations.backups import list_backups
+
+    g = _g(ctx)
+    result = list_backups(g.context(), name, verify=True)
+    _emit(g, result.as_dict(), render.backups)
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
+
+
+@backups_app.command("prune", epilog="""
+    See what would go; nothing changes:
+      statetool backups prune --keep 5 --dry-run
+    """)
+def backups_prune(
+    ctx: typer.Context,
+    keep: Annotated[int | None, typer.Option("--keep", metavar="N", help="Keep the N newest copies.")] = None,
+    older_than: Annotated[float | None, typer.Option("--older-than", metavar="DAYS",
+                                                     help="Remove copies older than DAYS days.")] = None,
+    dry_run: DryRun = False,
+) -> None:
+    """Remove old backups and keeps (audited); never the newest good one."""
+    from statetool import render
+    from statetool.operations.backups import prune
+
+    g = _g(ctx)
+    _emit(g, prune(g.context(), keep=keep, older_than=older_than, dry_run=dry_run).as_dict(), render.pruned)
 
 
 @app.command()

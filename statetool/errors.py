@@ -144,6 +144,10 @@ REGISTRY: dict[str, Entry] = {
     "RIVET_STATE_LEASE_UNKNOWN": _e(
         "usage", "generic", "statetool leases lists every lease this state has; release one of those",
     ),
+    "RIVET_STATE_BACKUP_UNKNOWN": _e(
+        "usage", "generic", "statetool backups list names every backup and keep beside the state; name one of those, "
+        "or give the path of a state file",
+    ),
     # generic, not retryable: the database itself refuses, the same way on every re-run.
     "RIVET_STATE_WRITE_REFUSED": _e(
         "environment", "generic",
@@ -283,6 +287,11 @@ REGISTRY: dict[str, Entry] = {
         "refusal", "refusal",
         "read the recorded key with statetool identity show and name it exactly as --old",
     ),
+    "RIVET_STATE_COPY_OLDER": _e(
+        "refusal", "refusal",
+        "the copy holds older progress than the live state; compare them (statetool diff), and if going back is "
+        "intended restore with --allow-older (audited with both serials)",
+    ),
     # internal (6)
     "RIVET_INTERNAL": _e(
         "internal", "internal", "this is a bug in statetool; re-run with --debug and report the traceback",
@@ -316,6 +325,9 @@ WARNINGS: dict[str, str] = {
         "the state is writable)",
     "RIVET_STATE_CREATED":
         "nothing to do for a new pipeline; otherwise stop it and find where its state went",
+    "RIVET_STATE_ROLLED_BACK":
+        "compare the two (statetool diff COPY sqlite:/dir), then put the newer one back on purpose with statetool "
+        "restore NAME; until then the exports resume from the older progress",
     "RIVET_STATE_LEASE_LIVE":
         "nothing to do before a run; a migration or another whole-state write waits for the holders named",
     "RIVET_STATE_PASSWORD_IN_ARGV":

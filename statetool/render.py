@@ -1009,3 +1009,76 @@ def github_annotations(rows: list[dict[str, Any]], to_stderr: bool) -> None:
             title = _annotation_escape(f"statetool {row['id']}: {row['code']}")
             body = _annotation_escape(f"{row['message']} (try: {row['action']})")
             stream.write(f"::{level} title={title.replace(',', '%2C').replace(':', '%3A')}::{body}\n")
+
+
+_COPY_COLUMNS = (Column("name"), Column("kind"), Column("taken"), Column("revision"), Column("serial"),
+                 Column("size"), Column("status", prose=True))
+
+
+def _copy_status(copy: dict[str, Any], live: dict[str, Any]) -> str:
+    """How a copy reads against the live state: its problem, another lineage, ahead of it."""
+    if copy["problem"]:
+        return f"[{copy['code']}] {copy['problem']}"
+    if live["lineage"] and copy["lineage"] and copy["lineage"] != live["lineage"]:
+        return "another lineage"
+    if live["serial"] is not None and copy["serial"] is not None and copy["serial"] > live["serial"]:
+        return "AHEAD of the live state"
+    return "verified" if copy["checked"] else "ok"
+
+
+def backups(doc: dict[str, Any]) -> None:
+    """``statetool backups list`` / ``verify`` for people: one row per copy, oldest first,
+    then the live state's lineage and serial to read them against."""
+    page = Page()
+    live = doc["live"]
+    page.table("Backups and keeps", _COPY_COLUMNS, [
+        [c["name"], c["kind"], timestamp(c["taken_at"]), c["revision"] or "-", c["serial"] or "-",
+         _size(c["size"]), _copy_status(c, live)] for c in doc["copies"]])
+    if not doc["copies"]:
+        page.line(f"no backup or keep beside {doc['location']['display']}")
+    page.line()
+    page.pairs("Live state", [("lineage", live["lineage"] or "(none)"), ("serial", live["serial"])])
+    page.show()
+
+
+def _size(size: int | None) -> str:
+    if size is None:
+        return "-"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024  # type: ignore[assignment]
+    return str(size)
+
+
+def pruned(doc: dict[str, Any]) -> None:
+    """``statetool backups prune`` for people: what was (or would be) removed, what stays."""
+    page = Page()
+    removed = [c["name"] for c in doc["removed"]]
+    if doc["dry_run"]:
+        page.para(f"Dry run: nothing was removed. The real run would remove {_plural(len(removed), 'file')}:")
+    else:
+        page.para(f"Removed {_plural(len(removed), 'file')}; an audit row records them:" if removed else
+                  "Nothing to remove.")
+    for name in removed:
+        page.line(f"  {name}")
+    page.para(f"Kept {_plural(len(doc['kept']), 'file')}, the newest one that verifies among them.")
+    page.show()
+
+
+def restored(doc: dict[str, Any]) -> None:
+    """``statetool restore`` for people: what was restored where, the serials, the backup."""
+    page = Page()
+    if doc["action"] == "none":
+        page.para(f"{_sentence(doc['message'])}.")
+    elif doc["dry_run"] and doc["plan"]:
+        page.para(f"{_sentence(doc['message'])}.")
+        plan(page, doc["plan"])
+    else:
+        before, after = doc["before"], doc["after"]
+        page.para(f"{_sentence(doc['message'])}.")
+        if before is not None:
+            page.pairs(None, [("serial", f"{before['serial']} -> {after['serial']}"),
+                              ("revision", f"{before['revision']} -> {after['revision']}")], indent="  ")
+        _backup(page, doc["backup"])
+    page.show()

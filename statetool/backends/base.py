@@ -217,6 +217,17 @@ class Backend(Protocol):
     #: ``quick_check``). False where the server keeps its pages consistent itself
     #: (PostgreSQL): the pre-flight row then says "server-managed".
     checks_integrity: bool
+    #: The state's copies are files beside it that statetool reads and restores: the
+    #: backups a write takes and the keep a move leaves (SQLite; :meth:`copies`). False
+    #: where no copy is a file of ours (PostgreSQL: the server's own backups, pg_dump).
+    keeps_copies: bool
+
+    def copies(self) -> list[Path]:
+        """Every copy of the state beside its real file, oldest name first: the backups
+        (``….backup-<label>-<UTC time>``) and the keeps of a move (``….relocated-<UTC
+        time>``), without what a killed write left (``….tmp``, a name that is the state
+        itself) or journal files; empty where :attr:`keeps_copies` is False. Names only: a
+        symlink or other non-regular file is listed as found, never followed (SPEC §8a)."""
 
     def offline_sql(self, current: str | None, target: str, direction: str, *, stamp: str | None = None) -> str:
         """The SQL that moves the state from ``current`` to ``target`` (``direction`` as
@@ -261,8 +272,9 @@ class Backend(Protocol):
     def table_names(self, conn: Reader) -> set[str]:
         """The tables of the state (PostgreSQL: of its schema only)."""
 
-    def integrity_problems(self, conn: Reader) -> list[str]:
-        """Problems ``quick_check`` finds (SQLite); always empty for PostgreSQL."""
+    def integrity_problems(self, conn: Reader, *, full: bool = False) -> list[str]:
+        """Problems ``quick_check`` finds (SQLite; ``integrity_check`` with ``full``); always
+        empty for PostgreSQL."""
 
     def rebuilt_tables(self, conn: Reader, revision: Revision) -> tuple[str, ...]:
         """The tables of ``revision.rebuilds`` its upgrade copies row by row here, for the
@@ -276,9 +288,11 @@ class Backend(Protocol):
         Waits up to ``lock_wait`` seconds for the write lock, then raises ``lock_code``.
         """
 
-    def create(self, build: Callable[[Connection], None]) -> None:
+    def create(self, build: Callable[[Connection], None], start_from: Path | None = None) -> None:
         """Create a new state atomically: ``build`` runs in one transaction; on SQLite on a
-        temporary file renamed into place only when complete. Refuses nothing itself."""
+        temporary file renamed into place only when complete, which starts as a byte copy of
+        the state file ``start_from`` when given (a restore where no state is; only where
+        :attr:`keeps_copies`). Refuses nothing itself."""
 
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> Path | None:
         """A verified copy of the state beside it (SQLite), named with ``label``; None on
@@ -299,6 +313,12 @@ class Backend(Protocol):
     def require_frozen(self) -> None:
         """Under the write lock: ``RIVET_STATE_RUN_IN_PROGRESS`` when a writer added to the
         state since :meth:`hold_off_writers` (SQLite WAL frames); nothing on PostgreSQL."""
+
+    def restoration(self, conn: Connection, source: Path, progress: Progress, on_step: Step) -> Migration:
+        """Where a restore's last steps run (its serial, its audit row), for the write
+        transaction ``conn`` that froze the live state: a copy of the state file ``source``
+        that replaces the live state whole, the live state kept as the backup labelled
+        ``restore`` (SQLite, as :meth:`migration`); only where :attr:`keeps_copies`."""
 
     def migration(self, conn: Connection, label: str, progress: Progress, on_step: Step) -> Migration:
         """Where a migration's steps run, for the write transaction ``conn`` (which froze

@@ -61,6 +61,19 @@ def copy_bytes(src: int, dst: int, size: int, progress: Callable[[int, int], Non
     return done
 
 
+def copy_file_exclusively(source: Path, target: Path) -> None:
+    """Copy the bytes of the file ``source`` into the new file ``target`` (created with
+    :data:`CREATE_FLAGS`: never through a link, never over a file), mode 0600, fsynced.
+    Raises the ``OSError`` of the copy (the caller names its fault)."""
+    with open(source, "rb") as src:
+        fd = os.open(target, CREATE_FLAGS, 0o600)
+        try:
+            copy_bytes(src.fileno(), fd, os.fstat(src.fileno()).st_size, lambda _done, _size: None)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def mode_of(path: Path, default: int = 0o600) -> int:
     """The permission bits of the file ``path`` leads to (a symlinked state: its real
     file), or ``default`` when nothing is there."""

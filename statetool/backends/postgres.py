@@ -103,6 +103,12 @@ class PostgresBackend:
     #: No file to copy page for page: the state is a schema on a shared server; ``transfer``
     #: moves it row for row (into SQLite, or another schema).
     relocatable = False
+    #: The server keeps the state's backups (pg_dump, its own): no copy is a file of ours.
+    keeps_copies = False
+
+    def copies(self) -> list[Path]:
+        """None: :attr:`keeps_copies`."""
+        return []
 
     def __init__(self, location: Location, lock_wait: float) -> None:
         assert location.url is not None and location.schema is not None
@@ -245,7 +251,7 @@ class PostgresBackend:
             self.check_rights("read", conn)
             yield conn
 
-    def integrity_problems(self, conn: Connection) -> list[str]:
+    def integrity_problems(self, conn: Connection, *, full: bool = False) -> list[str]:
         return []
 
     def rebuilt_tables(self, conn: Reader, revision: Revision) -> tuple[str, ...]:
@@ -287,7 +293,8 @@ class PostgresBackend:
         with self._transaction("migrate" if lock_code == _MIGRATION_LOCK else "write", lock_code) as conn:
             yield conn
 
-    def create(self, build: Callable[[Connection], None]) -> None:
+    def create(self, build: Callable[[Connection], None], start_from: Path | None = None) -> None:
+        assert start_from is None, "keeps_copies is False: no file to start from"
         with self._transaction("create", _MIGRATION_LOCK) as conn:
             conn.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {ident(self.schema)}")
             if self.table_names(self.reader(conn)):

@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING
 from statetool import migrations
 from statetool.access import denied, refuse_unownable, unownable
 from statetool.backends.base import BACKUP_TIME, Progress, Step
-from statetool.backends.durable import (CREATE_FLAGS, copy_bytes, fitting_name, fsync_dir, fsync_file, like,
-                                        mode_of, share_owner)
+from statetool.backends.durable import (CREATE_FLAGS, copy_bytes, copy_file_exclusively, fitting_name, fsync_dir,
+                                        fsync_file, like, mode_of, share_owner)
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.readers import CoreReader, DriverReader
@@ -87,6 +87,8 @@ class SqliteBackend:
     #: One file, copied page for page with the backup API and retired in place by a
     #: tombstone (statetool/backends/moves.py): ``relocate`` moves it.
     relocatable = True
+    #: Its backups and a move's keep are files beside it, SQLite states themselves.
+    keeps_copies = True
 
     # -- capabilities (the reasons: backends/base.py) ------------------------------------
     #: The state is one file, migrated in a copy that replaces it (:class:`CopyMigration`):
@@ -332,10 +334,11 @@ class SqliteBackend:
         return {r[0] for r in conn.rows("SELECT name FROM sqlite_master WHERE type = 'table'")
                 if not r[0].startswith("sqlite_")}
 
-    def integrity_problems(self, conn: Reader) -> list[str]:
-        """What ``PRAGMA quick_check`` reports, or the driver's error when it cannot run."""
+    def integrity_problems(self, conn: Reader, *, full: bool = False) -> list[str]:
+        """What ``PRAGMA quick_check`` (``integrity_check`` with ``full``: every index entry
+        too) reports, or the driver's error when it cannot run."""
         try:
-            rows = [r[0] for r in conn.rows("PRAGMA quick_check")]
+            rows = [r[0] for r in conn.rows(f"PRAGMA {'integrity_check' if full else 'quick_check'}")]
         except StateError as err:  # the reader's translation: the driver's own words are the problem
             return [str(err.__cause__ or err.message)]
         return [] if rows == ["ok"] else rows
@@ -425,14 +428,24 @@ class SqliteBackend:
         return [p for p in (Path(f"{self.path}{suffix}") for suffix in ("-wal", "-shm", "-journal"))
                 if os.path.lexists(p)]
 
-    def create(self, build: Callable[[Connection], None]) -> None:
-        with self._new_file() as conn:
+    def create(self, build: Callable[[Connection], None], start_from: Path | None = None) -> None:
+        with self._new_file(start_from) as conn:
             build(conn)
 
+    def copies(self) -> list[Path]:
+        directory, name = self.real.parent, self.path.name
+        second = set(self._second_names())
+        found: list[Path] = []
+        for pattern in (f"{name}.backup-*", f"{name}.relocated-*"):
+            found += [path for path in sorted(directory.glob(pattern))
+                      if not path.name.endswith((".tmp", "-journal", "-wal", "-shm")) and path not in second]
+        return found
+
     @contextlib.contextmanager
-    def _new_file(self) -> Iterator[Connection]:
-        """One writing transaction on a new state file in WAL mode, built in a private
-        directory beside the state and linked into place only once committed, closed and
+    def _new_file(self, start_from: Path | None = None) -> Iterator[Connection]:
+        """One writing transaction on a new state file in WAL mode (a byte copy of the state
+        file ``start_from`` when given, made exclusively, never through a link), built in a
+        private directory beside the state and linked into place only once committed, closed and
         fsynced (a link never replaces what appeared meanwhile: ``RIVET_STATE_TARGET_NOT_EMPTY``);
         a failure leaves nothing at the state's path. Raises ``RIVET_STATE_TARGET_NOT_EMPTY``
         when journals of an earlier state lie there, and the directory's faults."""
@@ -448,6 +461,11 @@ class SqliteBackend:
         directory = self.path.parent
         with self._private_dir(f"{self.path.name}.init-") as private:
             tmp = private / self.path.name
+            if start_from is not None:
+                try:
+                    copy_file_exclusively(start_from, tmp)
+                except OSError as err:
+                    raise fault(directory, err) or err from None
             engine = self._writer_engine(tmp)
 
             @sa.event.listens_for(engine, "connect")
@@ -697,6 +715,11 @@ class SqliteBackend:
             raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
                              f"a writer wrote to {self.real} during the checkpoint; re-run")
 
+    def restoration(self, conn: Connection, source: Path, progress: Progress, on_step: Step) -> CopyMigration:
+        """:class:`CopyMigration` of the state file ``source`` instead of the state itself:
+        the live state, kept whole, becomes the backup labelled ``restore``."""
+        return CopyMigration(self, "restore", progress, on_step, source=source)
+
     def migration(self, conn: Connection, label: str, progress: Progress, on_step: Step) -> CopyMigration:
         """The copy a migration is built in (:class:`CopyMigration`), made from the state as
         ``conn``'s write lock and :meth:`require_frozen` hold it; the original becomes the
@@ -866,9 +889,12 @@ class CopyMigration:
     ``swapped``.
     """
 
-    def __init__(self, backend: SqliteBackend, label: str, progress: Progress, on_step: Step) -> None:
+    def __init__(self, backend: SqliteBackend, label: str, progress: Progress, on_step: Step,
+                 source: Path | None = None) -> None:
         self.backend, self.on_step, self.label = backend, on_step, label
         self.real = backend.real
+        #: The file whose bytes the copy starts from: the state itself, or a restore's copy.
+        self.source = source or self.real
         backend._remove_stale_temps()
         self.backup: Path = backend._backup_name(label, self.real.parent)
         self._private = backend._make_private_dir(self.real.parent, f"{self.backup.name}.")
@@ -901,8 +927,8 @@ class CopyMigration:
                 like(fd, st)  # refused before any lease already (check_writable): here only if it changed since
             except PermissionError:
                 raise unownable(self.real, st, "a migration") from None
-            with open(self.real, "rb") as src:
-                copy_bytes(src.fileno(), fd, st.st_size, progress)
+            with open(self.source, "rb") as src:
+                copy_bytes(src.fileno(), fd, os.fstat(src.fileno()).st_size, progress)
         except OSError as err:
             raise fault(self.real.parent, err) or err from None
         finally:

@@ -78,4 +78,4 @@ def _doctor_rows(ctx: Context, pf: Preflight) -> list[Check]:
 
 #: Doctor findings about the state as a whole (reported once, not per export).
 _STATE_LEVEL = frozenset({"RIVET_STATE_DIR_EPHEMERAL", "RIVET_STATE_DIR_NETWORK", "RIVET_STATE_ORPHAN_WAL",
-                          "RIVET_STATE_DIR_MISSING", "RIVET_STATE_HOT_JOURNAL"})
+                          "RIVET_STATE_DIR_MISSING", "RIVET_STATE_HOT_JOURNAL", "RIVET_STATE_ROLLED_BACK"})

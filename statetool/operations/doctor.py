@@ -334,6 +334,13 @@ def _snapshot_reasons(ctx: Context, read: _Read, state: dict[str, Any]) -> list[
     unknown = snap.unknown_revision()
     if unknown is not None:
         reasons.append(Reason(unknown.code, unknown.message, {"revision": snap.revision}))
+    from statetool.operations.backups import newer_copies, rolled_back
+
+    ahead = newer_copies(ctx, snap)
+    behind = rolled_back(snap, ahead)
+    if behind is not None:
+        reasons.append(Reason.of(behind, {"state": location.display, "lineage": snap.lineage, "serial": snap.serial,
+                                          "newer": [c.as_dict() for c in ahead]}))
     verdict = identity_verdict(snap.recorded_key, ctx.computed_key, location.scope,
                                any(p.has_progress for p in read.progress.values()))
     state["identity"] = {"recorded": snap.recorded_key, "computed": ctx.computed_key, "verdict": verdict.action}

@@ -139,7 +139,8 @@ def _in_flight_error(where: str, conn: Reader) -> StateError:
                       f"{finish}", {"place": where, "from": source, "finish": finish})
 
 
-def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, progress: bool = True) -> Snapshot:
+def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, progress: bool = True,
+                  full: bool = False) -> Snapshot:
     """Read the state on a read-only ``conn``.
 
     Raises ``RIVET_STATE_NOT_A_STATE`` (no table of the state, or a shape of no release)
@@ -148,7 +149,8 @@ def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, pro
     ``RIVET_STATE_RELOCATED`` (a PostgreSQL schema a transfer retired). A revision this release does not
     know is returned with ``known=False`` and no progress read (its tables may differ).
     ``integrity=False`` skips ``quick_check`` and ``progress=False`` the per-export
-    progress (both read every page of a large state; ``doctor`` reads only what it needs).
+    progress (both read every page of a large state; ``doctor`` reads only what it needs);
+    ``full`` makes the check ``integrity_check`` (``backups verify``, ``restore``).
     """
     where = backend.location.display
     tables = frozenset(backend.table_names(conn))
@@ -159,7 +161,7 @@ def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, pro
         sample = ", ".join(sorted(tables)[:5])
         raise StateError("RIVET_STATE_NOT_A_STATE",
                          f"{where} is a database of another application (tables: {sample}), not a rivet state")
-    problems = backend.integrity_problems(conn) if integrity else []
+    problems = backend.integrity_problems(conn, full=full) if integrity else []
     if problems:
         raise StateError("RIVET_STATE_CORRUPT", f"{where} fails its integrity check: {'; '.join(problems[:3])}")
     if VERSION_TABLE in tables:

@@ -74,16 +74,20 @@ def _write_audit(into: Connection, ctx: Context, action: str, detail: dict[str, 
     into.execute(sa.insert(schema.audit).values(**_audit_values(ctx, action, detail)))
 
 
-def advance_serial(conn: Connection) -> tuple[str, int]:
-    """Increment the state's serial in the writing transaction ``conn`` and return
-    ``(lineage id, new serial)`` (SPEC §9, revision 0005). A state whose lineage row is gone
-    (removed by hand) gets a new lineage at serial 1: it can no longer be told from another
-    state, and copies taken before read as of another lineage."""
+def advance_serial(conn: Connection, past: int = 0) -> tuple[str, int]:
+    """Increment the state's serial in the writing transaction ``conn``, to one more than
+    the greater of it and ``past`` (a restore's: the replaced state's serial, so the state
+    restored is ahead of every copy), and return ``(lineage id, new serial)`` (SPEC §9,
+    revision 0005). A state whose lineage row is gone (removed by hand) gets a new lineage
+    at serial 1: it can no longer be told from another state, and copies taken before read
+    as of another lineage."""
     import uuid
 
     at = now_iso()
+    serial = schema.lineage.c.serial
+    greater = sa.case((serial > past, serial), else_=sa.literal(past, sa.BigInteger))
     if conn.execute(sa.update(schema.lineage).where(schema.lineage.c.id == 1)
-                    .values(serial=schema.lineage.c.serial + 1, updated_at=at)).rowcount == 0:
+                    .values(serial=greater + 1, updated_at=at)).rowcount == 0:
         conn.execute(sa.insert(schema.lineage).values(id=1, lineage=str(uuid.uuid4()), serial=1, updated_at=at))
     row = conn.execute(sa.select(schema.lineage.c.lineage, schema.lineage.c.serial)).one()
     return str(row[0]), int(row[1])
@@ -156,11 +160,11 @@ class WriteSession:
             self.record_identity(verdict.computed, verdict.action, into=into)
         return warnings
 
-    def advance(self, into: Connection | None = None) -> None:
-        """Increment the state's serial (:func:`advance_serial`) in this transaction, or in
-        ``into`` (a migration's copy, which becomes the state), and keep the result in
-        :attr:`lineage`."""
-        self.lineage = advance_serial(self.conn if into is None else into)
+    def advance(self, into: Connection | None = None, past: int = 0) -> None:
+        """Increment the state's serial (:func:`advance_serial`, past ``past``) in this
+        transaction, or in ``into`` (a migration's or a restore's copy, which becomes the
+        state), and keep the result in :attr:`lineage`."""
+        self.lineage = advance_serial(self.conn if into is None else into, past)
 
     def fence(self, *, final: bool = False) -> None:
         """Raise ``RIVET_STATE_LEASE_LOST`` unless every lease of this write is still held."""
@@ -443,3 +447,27 @@ def create_state(ctx: Context, build: Callable[[Connection], None], key: str, *,
     backend = ctx.backend()
     require_writable(ctx)
     backend.create(whole)
+
+
+def create_from_copy(ctx: Context, source: Path, detail: dict[str, object]) -> int | None:
+    """Create the state where none is from the copy ``source`` (``restore``), through the
+    backend's atomic create started from its bytes: its serial advanced (the restore is a
+    write) and a ``restore`` audit row with ``detail``, where its revision has those tables,
+    in the one transaction. Returns the new serial (None for a copy without a lineage).
+    Refuses nothing itself (``restore`` does); raises the create's codes."""
+    from statetool.tables import AUDIT
+
+    backend = ctx.backend()
+    serial: int | None = None
+
+    def whole(conn: Connection) -> None:
+        nonlocal serial
+        tables = set(backend.table_names(backend.reader(conn)))
+        if LINEAGE in tables:
+            serial = advance_serial(conn)[1]
+        if AUDIT in tables:
+            _write_audit(conn, ctx, "restore", {**detail, "serial": serial})
+
+    require_writable(ctx)
+    backend.create(whole, start_from=source)
+    return serial
