@@ -453,9 +453,9 @@ def transfer(
     """)
 def restore(
     ctx: typer.Context,
-    what: Annotated[str, typer.Argument(metavar="NAME|PATH", show_default=False,
-                                        help="A backup or keep beside the state (statetool backups list), or the "
-                                             "path of a state file.")],
+    copy: Annotated[str, typer.Argument(metavar="COPY", show_default=False,
+                                        help="The name of a backup or keep beside the state (statetool backups "
+                                             "list), or the path of a state file.")],
     allow_older: Annotated[bool, typer.Option("--allow-older",
                                               help="Restore a copy older than the live state (audited).")] = False,
     if_absent: Annotated[bool, typer.Option("--if-absent",
@@ -471,7 +471,7 @@ def restore(
     from statetool.operations.restore import restore as op
 
     g = _g(ctx)
-    _emit(g, op(g.context(), what, allow_older=allow_older, if_absent=if_absent, dry_run=dry_run).as_dict(),
+    _emit(g, op(g.context(), copy, allow_older=allow_older, if_absent=if_absent, dry_run=dry_run).as_dict(),
           render.restored)
 
 

@@ -161,11 +161,18 @@ def test_every_json_top_level_key_is_documented(tmp_path: Path) -> None:
         (("leases", "release"), ["leases", "release", "chunk-run:orders"], 0),
         (("relocate",), ["relocate", "--dry-run", "--to", str(target)], 0),
         (("export",), ["export", "-o", str(tmp_path / "export.json")], 0),
+        (("backups", "list"), ["backups", "list"], 0),
+        (("backups", "verify"), ["backups", "verify"], 0),
+        (("backups", "prune"), ["backups", "prune", "--keep", "1", "--dry-run"], 0),
     ]
     for path, args, expected in runs:
         proc = run_cli("-c", str(config), "--json", *args)
         assert proc.returncode == expected, describe(proc)
         _assert_json_keys_documented(path, proc)
+    backup = next(config.parent.glob(".rivet_state.db.backup-set-cursor-orders-*"))
+    proc = run_cli("-c", str(config), "--json", "restore", "--allow-older", "--dry-run", backup.name)
+    assert proc.returncode == 0, describe(proc)
+    _assert_json_keys_documented(("restore",), proc)
 
 
 @pytest.mark.postgres
