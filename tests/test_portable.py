@@ -339,3 +339,53 @@ def test_import_refuses_a_file_of_another_identity_or_lineage_or_format(tmp_path
     proc = cli(sb, config, "import", str(other), "--export", "orders")
     assert proc.returncode == 3 and "RIVET_STATE_EXPORT_FORMAT" in proc.stderr, describe(proc)
     assert tree_digest(sb.pipeline) == before
+
+
+def _edited(doc: dict[str, Any], edit: str) -> dict[str, Any]:
+    """``doc`` with one hand edit of the kinds a fresh user tried (each made import fail
+    half way as RIVET_INTERNAL, or write a value the state cannot hold)."""
+    doc = json.loads(json.dumps(doc))
+    orders = doc["exports"]["orders"]
+    chunk = {"run_id": "r1", "chunk_index": 0, "lower_bound": None, "upper_bound": None, "status": "done",
+             "rows": 1, "updated_at": "2026-01-01T00:00:00Z"}
+    if edit == "chunk of the wrong types":
+        orders["chunks"] = [{**chunk, "run_id": 1, "chunk_index": "abc"}]
+    elif edit == "a chunk twice":
+        orders["chunks"] = [chunk, dict(chunk)]
+    elif edit == "no cursor":
+        del orders["cursor"]
+    elif edit == "exports a list":
+        doc["exports"] = [1, 2]
+    elif edit == "a NUL in a cursor":
+        orders["cursor"]["value"] = "a\x00b"
+    elif edit == "a serial beyond 64 bits":
+        doc["state"]["serial"] = 10 ** 30
+    elif edit == "a negative serial":
+        doc["state"]["serial"] = -3
+    elif edit == "a run id twice":
+        orders["runs"] = orders["runs"] * 2
+    return doc
+
+
+@pytest.mark.parametrize("edit", ["chunk of the wrong types", "a chunk twice", "no cursor", "exports a list",
+                                  "a NUL in a cursor", "a serial beyond 64 bits", "a negative serial",
+                                  "a run id twice"])
+def test_import_of_a_hand_edited_file_is_refused_naming_the_field_and_writes_nothing(tmp_path: Path,
+                                                                                       edit: str) -> None:
+    sb = StateBackend.sqlite(tmp_path)
+    config = built(sb)
+    out = tmp_path / "state.json"
+    assert cli(sb, config, "export", "--with-history", "-o", str(out)).returncode == 0
+    assert json.loads(out.read_text())["exports"]["orders"]["runs"], "the run-id case needs a run to repeat"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_edited(json.loads(out.read_text()), edit)))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    before = tree_digest(sb.pipeline)
+    for args in ((f"--state-url=sqlite:{empty}", "import", str(bad)), ("import", str(bad), "--export", "orders")):
+        proc = run_cli("-c", str(config), "--json-errors", *args, env=sb.env)
+        assert proc.returncode == 3 and "RIVET_STATE_EXPORT_FORMAT" in proc.stderr, describe(proc)
+        assert "RIVET_INTERNAL" not in proc.stderr
+    assert os.listdir(empty) == [] and tree_digest(sb.pipeline) == before
+    missing = cli(sb, config, "import", str(tmp_path / "nosuch.json"))
+    assert missing.returncode == 1 and "RIVET_CLI_USAGE" in missing.stderr, describe(missing)

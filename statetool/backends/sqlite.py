@@ -477,6 +477,8 @@ class SqliteBackend:
             try:
                 with engine.connect() as conn, conn.begin():
                     yield conn
+            except sa.exc.IntegrityError as err:  # a constraint of the new state refused a row given to it
+                raise self._body_error(err, "RIVET_STATE_LOCK_TIMEOUT") from None
             except (OSError, sqlite3.Error, sa.exc.OperationalError) as err:  # read-only, permission, full disk
                 raise fault(directory, err) or err from None
             finally:

@@ -191,23 +191,114 @@ def export_state(ctx: Context, *, export: str | None = None, with_history: bool 
     return ExportResult(doc, str(output) if output is not None else None)
 
 
+#: The JSON types of each value a ``rivet-state/1`` document holds that ``import`` writes
+#: into a state (docs/schemas/rivet-state-1.schema.json): what a hand edit must keep.
+_TEXT, _NUMBER, _MAYBE_TEXT, _MAYBE_NUMBER = (str,), (int,), (str, type(None)), (int, type(None))
+_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "state": {"state_key": _MAYBE_TEXT, "lineage": _MAYBE_TEXT, "serial": _MAYBE_NUMBER, "revision": _MAYBE_TEXT},
+    "export": {"mode": _MAYBE_TEXT, "registered": (bool,), "updated_at": _MAYBE_TEXT, "cursor": (dict,),
+               "chunks": (list,), "ledger": (list,), "runs_summary": (dict,)},
+    "cursor": {"value": _MAYBE_TEXT, "updated_at": _MAYBE_TEXT},
+    "chunks": {"run_id": _TEXT, "chunk_index": _NUMBER, "lower_bound": _MAYBE_TEXT, "upper_bound": _MAYBE_TEXT,
+               "status": _TEXT, "rows": _NUMBER, "updated_at": _TEXT},
+    "ledger": {"id": _MAYBE_NUMBER, "table_name": _TEXT, "part": _TEXT, "rows": _NUMBER, "loaded_at": _MAYBE_TEXT},
+    "runs": {"run_id": _TEXT, "mode": _TEXT, "status": _TEXT, "started_at": _TEXT, "finished_at": _MAYBE_TEXT,
+             "rows": _NUMBER, "files": _NUMBER, "error": _MAYBE_TEXT, "bytes_read": _MAYBE_NUMBER,
+             "duration_ms": _MAYBE_NUMBER, "error_code": _MAYBE_TEXT},
+    "run_aggregates": {"run_id": _TEXT, "config_path": _MAYBE_TEXT, "started_at": _TEXT, "finished_at": _MAYBE_TEXT,
+                       "status": _TEXT, "details_json": _MAYBE_TEXT},
+}
+#: The largest integer both backends store (a signed 64-bit column).
+_INT_LIMIT = 2 ** 63
+
+
+def _value_problem(where: str, value: Any, types: tuple[type, ...]) -> str | None:
+    """Why ``value`` at ``where`` is not one of ``types`` a state can hold, or None: a bool
+    is no number, an integer fits 64 bits, a text holds no NUL (PostgreSQL stores none)."""
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        kinds = " or ".join("null" if t is type(None) else {str: "text", int: "integer", bool: "true/false",
+                                                             dict: "object", list: "list"}[t] for t in types)
+        return f"{where} is {json.dumps(value)[:40]}, where {kinds} belongs"
+    if isinstance(value, int) and not isinstance(value, bool) and not -_INT_LIMIT <= value < _INT_LIMIT:
+        return f"{where} is {value}, beyond a 64-bit integer"
+    if isinstance(value, str) and "\x00" in value:
+        return f"{where} holds a NUL character, which a state cannot store"
+    return None
+
+
+def _object_problem(where: str, obj: Any, kind: str) -> str | None:
+    """What is wrong with ``obj`` as a ``kind`` object of the document (a field missing or of
+    the wrong type, :data:`_FIELDS`), or None. Fields beyond those are ignored."""
+    if not isinstance(obj, dict):
+        return f"{where} is not an object"
+    for name, types in _FIELDS[kind].items():
+        if name not in obj:
+            return f"{where} lacks {name!r}"
+        problem = _value_problem(f"{where}.{name}", obj[name], types)
+        if problem is not None:
+            return problem
+    return None
+
+
 def _problem(doc: Any) -> str | None:
-    """What makes ``doc`` no ``rivet-state/1`` document this release reads, or None."""
+    """What makes ``doc`` no ``rivet-state/1`` document this release reads, or None: the
+    first field, by its path in the document, that is missing or holds a value of the
+    wrong type (what ``import`` would otherwise fail to write, half way)."""
     if not isinstance(doc, dict):
         return "it is not a JSON object"
     if doc.get("format") != FORMAT:
         return f"its format is {doc.get('format')!r}, not {FORMAT!r}"
-    state, exports = doc.get("state"), doc.get("exports")
-    if not isinstance(state, dict) or not {"state_key", "lineage", "serial", "revision"} <= set(state):
-        return "its 'state' object lacks state_key, lineage, serial or revision"
+    exports = doc.get("exports")
+    checks: list[tuple[str, Any, str]] = [("state", doc.get("state"), "state")]
     if not isinstance(exports, dict):
         return "its 'exports' is not an object"
-    needed = {"mode", "registered", "updated_at", "cursor", "chunks", "ledger", "runs_summary"}
     for name, one in exports.items():
-        if not isinstance(one, dict) or not needed <= set(one) or not isinstance(one["cursor"], dict):
-            return f"export {name!r} lacks one of {', '.join(sorted(needed))}"
-        if not isinstance(one["chunks"], list) or not isinstance(one["ledger"], list):
-            return f"export {name!r}: chunks and ledger must be lists"
+        where = f"exports[{json.dumps(name)}]"
+        if not name or "\x00" in name:
+            return f"{where} is no export name"
+        problem = _object_problem(where, one, "export")
+        if problem is not None:
+            return problem
+        checks.append((f"{where}.cursor", one["cursor"], "cursor"))
+        for kind in ("chunks", "ledger", "runs"):
+            rows = one.get(kind, [])
+            if not isinstance(rows, list):
+                return f"{where}.{kind} is not a list"
+            checks += [(f"{where}.{kind}[{i}]", row, kind) for i, row in enumerate(rows)]
+    aggregates = doc.get("run_aggregates", [])
+    if not isinstance(aggregates, list):
+        return "its 'run_aggregates' is not a list"
+    checks += [(f"run_aggregates[{i}]", row, "run_aggregates") for i, row in enumerate(aggregates)]
+    problem = next((p for p in (_object_problem(*check) for check in checks) if p is not None), None)
+    return problem or _key_problem(doc)
+
+
+def _key_problem(doc: dict[str, Any]) -> str | None:
+    """A value the document holds twice where a state holds it once (a chunk's run and
+    index, a run id, a ledger id), or a serial below 1; None when there is none."""
+    serial = doc["state"]["serial"]
+    if serial is not None and serial < 1:
+        return f"state.serial is {serial}: a serial counts writes from 1"
+    seen: dict[str, set[object]] = {"runs": set(), "ledger": set(), "run_aggregates": set()}
+    for name, one in doc["exports"].items():
+        where = f"exports[{json.dumps(name)}]"
+        chunks: set[object] = set()
+        for i, chunk in enumerate(one["chunks"]):
+            key = (chunk["run_id"], chunk["chunk_index"])
+            if key in chunks:
+                return f"{where}.chunks[{i}] repeats the chunk {chunk['run_id']}#{chunk['chunk_index']}"
+            chunks.add(key)
+        rows = [(f"{where}.runs[{i}]", "runs", run["run_id"]) for i, run in enumerate(one.get("runs", []))]
+        rows += [(f"{where}.ledger[{i}]", "ledger", row["id"]) for i, row in enumerate(one["ledger"])
+                 if row["id"] is not None]
+        for at, kind, key in rows:
+            if key in seen[kind]:
+                return f"{at} repeats the {'run id' if kind == 'runs' else 'ledger id'} {key!r}"
+            seen[kind].add(key)
+    for i, aggregate in enumerate(doc.get("run_aggregates", [])):
+        if aggregate["run_id"] in seen["run_aggregates"]:
+            return f"run_aggregates[{i}] repeats the run id {aggregate['run_id']!r}"
+        seen["run_aggregates"].add(aggregate["run_id"])
     return None
 
 
@@ -219,6 +310,9 @@ def load_document(path: Path) -> dict[str, Any]:
     try:
         with open(path, "rb") as fh:
             raw = fh.read(MAX_DOCUMENT + 1)
+    except (FileNotFoundError, IsADirectoryError):
+        raise StateError("RIVET_CLI_USAGE", f"{path} is no file: name a {FORMAT} file that statetool export wrote",
+                         {"path": str(path)}) from None
     except OSError as err:
         raise os_fault(err) or err from None
     if len(raw) > MAX_DOCUMENT:
