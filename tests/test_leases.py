@@ -551,6 +551,53 @@ def test_release_refuses_a_live_holder_and_releases_a_stale_one_with_an_audit_ro
     assert row["actor"].endswith("@" + socket.gethostname()), row
 
 
+@pytest.mark.parametrize("closes_fds", [False, True], ids=["keeps its descriptors", "closes them"])
+def test_release_refuses_a_dead_wrapper_whose_command_group_works_on_naming_that_process(
+        state: State, tmp_path: Path, closes_fds: bool) -> None:
+    """``leases release`` of a lease whose ``leases run`` wrapper was SIGKILLed while a step
+    of its command (``sh -c 'python …; echo'``) works on: refused on both backends, as
+    ``leases list`` shows it live, naming the process that still works (not only the dead
+    wrapper) and changing nothing (no audit row; on SQLite no byte of the lease folder);
+    once the step ended, the same release succeeds, audited. On SQLite a step that keeps
+    its descriptors keeps the inherited lock; one that closes them (as daemons do) leaves
+    only the record, whose command group still lives."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    hold = ("import os; os.closerange(3, 65536)\n" if closes_fds else "") + HOLD
+    wrapper = state.popen("leases", "run", "--export", "orders", "--", "sh", "-c", '"$0" -c "$1" "$2" "$3" 0; echo',
+                          sys.executable, hold, str(ready), str(go))
+    step = 0
+    try:
+        wait_for(ready.exists, "the shell's step to start")
+        step = int(ready.read_text())
+        shell = state.leases()[RUN_KEY]["child_pid"]
+        os.kill(wrapper.pid, signal.SIGKILL)  # the wrapper alone: its group (the step) lives on
+        wrapper.wait(timeout=30)
+        wait_for(lambda: not alive(shell, None), f"the shell {shell} to die with its wrapper", timeout=10)
+        assert alive(step, None), "the step died too: this test shows nothing"
+        assert state.leases()[RUN_KEY]["state"] == "live"
+        before = tree_digest(state.leases_dir) if state.backend == "sqlite" else None
+        for dry in ((), ("--dry-run",)):
+            proc = state.cli_process("--json-errors", "leases", "release", RUN_KEY, *dry, "--reason", "looks stuck")
+            assert proc.returncode == 2, describe(proc)
+            err = error_object(proc)
+            assert err["code"] == "RIVET_STATE_RUN_IN_PROGRESS", err
+            assert f"pid {step} " in err["message"] and f"kill -TERM -- -{shell}" in err["message"], err
+        assert state.leases()[RUN_KEY]["state"] == "live"
+        assert state.audit_rows("leases.release") == []
+        if before is not None:
+            assert tree_digest(state.leases_dir) == before
+    finally:
+        go.touch()
+        if step:
+            wait_for(lambda: not alive(step, None), f"the step {step} to end", timeout=10)
+    proc = state.cli_process("--json", "leases", "release", RUN_KEY, "--reason", "the run's step has ended")
+    assert proc.returncode == 0, describe(proc)
+    assert json.loads(proc.stdout)["released"]["holder_pid"] == wrapper.pid
+    (row,) = state.audit_rows("leases.release")
+    assert (row["detail"]["removed"]["holder_pid"], row["detail"]["removed"]["child_pid"]) == (wrapper.pid, shell), row
+    assert state.leases().get(RUN_KEY, {"state": "free"})["state"] == "free"
+
+
 # -- leases without a pipeline config (issue 12 item 7) -----------------------------------
 
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from statetool.backends.base import HeldLease, Holder, LeaseInfo, Reader
 from statetool.backends.postgres_faults import driver_error, rights_problem
-from statetool.backends.processes import alive, command_alive, host_name
+from statetool.backends.processes import alive, command_alive, host_name, live_lease
 from statetool.backends.readers import CoreReader, pyformat
 from statetool.errors import StateError, moved_away
 from statetool.tables import LEASE_TABLE, RELOCATED_REVISION, VERSION_TABLE, retired_detail
@@ -488,7 +488,5 @@ class RowLeases:
             raise StateError("RIVET_STATE_LEASE_UNKNOWN", f"this state has no lease {key}", {"key": key})
         info = _info(row, self.here)
         if info.state == "live":
-            assert info.holder is not None
-            raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
-                             f"lease {key} is held by a live process: {info.holder.describe()}", {"key": key})
+            raise live_lease(key, info.holder)
         return info
