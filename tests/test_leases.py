@@ -860,6 +860,50 @@ def test_leases_run_forwards_the_signal_exits_with_the_command_code_and_releases
     assert proc.returncode == 0, describe(proc)
 
 
+#: Commands ``leases run`` cannot start: (how it is made in tmp_path, exit code, error code).
+UNSTARTABLE = {
+    "not on PATH": (None, 127, "RIVET_COMMAND_NOT_FOUND"),
+    "no such file": ("missing", 127, "RIVET_COMMAND_NOT_FOUND"),
+    "its #! interpreter is missing": ("#!/nonexistent/python3\n", 126, "RIVET_COMMAND_NOT_EXECUTABLE"),
+    "no execute bit": ("plain", 126, "RIVET_COMMAND_NOT_EXECUTABLE"),
+    "a directory": ("dir", 126, "RIVET_COMMAND_NOT_EXECUTABLE"),
+    "not a program": ("\x00\x01binary", 126, "RIVET_COMMAND_NOT_EXECUTABLE"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSTARTABLE))
+def test_leases_run_of_a_command_that_cannot_start_exits_as_a_shell_does_and_frees_the_lease(
+        state: State, tmp_path: Path, case: str) -> None:
+    """A command that is not found exits 127, one that is found but cannot be executed 126
+    (a shell's convention, which schedulers read), with the registered code and a message
+    naming the command on stderr; the lease it took is given back: no record claims a
+    holder, and the next run takes it at once."""
+    how, exit_code, code = UNSTARTABLE[case]
+    target = tmp_path / "cmd"
+    if how is None:
+        command = f"no-such-command-{uuid.uuid4().hex[:8]}"
+    else:
+        command = str(target)
+        if how == "dir":
+            target.mkdir()
+        elif how == "plain":
+            target.write_text("echo hi\n")
+        elif how != "missing":
+            target.write_text(how)
+            target.chmod(0o755)
+    proc = state.cli_process("--json-errors", "leases", "run", "--export", "orders", "--", command, "arg")
+    assert proc.returncode == exit_code, describe(proc)
+    err = error_object(proc)
+    assert (err["code"], err["exit_code"]) == (code, exit_code), err
+    assert command in err["message"] and "nothing ran" in err["message"], err
+    lease = state.leases().get(RUN_KEY, {"state": "free", "holder_pid": None})
+    assert (lease["state"], lease["holder_pid"]) == ("free", None), lease
+    if state.backend == "sqlite":
+        assert "pid" not in json.loads(state.sidecar.read_text()), state.sidecar.read_text()
+    proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 0, describe(proc)
+
+
 def test_leases_run_exits_with_the_command_exit_code(state: State) -> None:
     proc = state.cli_process("leases", "run", "--export", "orders", "--", sys.executable, "-c", "raise SystemExit(9)")
     assert proc.returncode == 9, describe(proc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import select
 import signal
@@ -192,6 +193,30 @@ def _stop(child: subprocess.Popen[bytes], grace: float) -> None:
         child.wait()
 
 
+def _on_path(name: str) -> bool:
+    """Whether ``name`` names an existing file: itself when it holds a ``/``, else in a
+    directory of ``PATH`` (:func:`os.get_exec_path`, the search ``subprocess`` makes)."""
+    if "/" in name:
+        return os.path.exists(name)
+    return any(os.path.exists(os.path.join(directory, name)) for directory in os.get_exec_path())
+
+
+def _unstartable(name: str, err: OSError, key: str) -> StateError:
+    """The error of a command ``name`` that the exec of ``leases run`` refused with ``err``,
+    as a shell tells them apart: ``RIVET_COMMAND_NOT_FOUND`` (exit 127) when no such file
+    is there (ENOENT), ``RIVET_COMMAND_NOT_EXECUTABLE`` (exit 126) for one that is there
+    but cannot be executed (no execute right, a directory, not a program, or a ``#!``
+    interpreter that is missing: ENOENT too, for a file that exists). ``key`` is the lease
+    that was given back."""
+    shown = redact_text(name)
+    after = f"nothing ran, and lease {key} was given back"
+    if err.errno == errno.ENOENT and not _on_path(name):
+        where = "there is no such file" if "/" in name else "no such command on PATH"
+        return StateError("RIVET_COMMAND_NOT_FOUND", f"cannot run {shown}: {where}; {after}", {"command": shown})
+    why = "its #! interpreter was not found" if err.errno == errno.ENOENT else err.strerror
+    return StateError("RIVET_COMMAND_NOT_EXECUTABLE", f"cannot run {shown}: {why}; {after}", {"command": shown})
+
+
 @contextlib.contextmanager
 def _exit_watch(child: subprocess.Popen[bytes]) -> Iterator[Callable[[float], int | None]]:
     """Yield ``ended(seconds)``: the command's exit status once it has ended, waited for up
@@ -237,8 +262,9 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
     next holder; one that leaves the group, setsid(2), is its own). When the lease is lost
     (taken over, or unconfirmed for a TTL), the group gets SIGTERM, SIGKILL after ``grace``
     seconds, and ``RIVET_STATE_LEASE_LOST`` is raised (exit 2), never a success. Returns the
-    command's exit code (128 + N when killed by signal N). Raises ``RIVET_CLI_USAGE`` when
-    the command cannot start, and ``RIVET_EXPORT_UNKNOWN`` before any lease is taken when
+    command's exit code (128 + N when killed by signal N). Raises ``RIVET_CLI_USAGE`` without
+    a command, ``RIVET_COMMAND_NOT_FOUND`` (exit 127) / ``RIVET_COMMAND_NOT_EXECUTABLE``
+    (exit 126) when it cannot start (the lease given back, :func:`_unstartable`), and ``RIVET_EXPORT_UNKNOWN`` before any lease is taken when
     a pipeline config is there and does not declare ``export`` (issue 12 fixB item 2;
     without a config any export name is accepted).
     """
@@ -274,7 +300,7 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
                 child = subprocess.Popen(list(argv), pass_fds=lease.inheritable_fds(),
                                          preexec_fn=_child_setup(terminal))
             except OSError as err:
-                raise StateError("RIVET_CLI_USAGE", f"cannot start {argv[0]}: {err.strerror}") from None
+                raise _unstartable(argv[0], err, key) from None
             started.append(child)
             for signum in held:
                 _signal_group(child.pid, signum)
