@@ -904,6 +904,69 @@ def test_leases_run_of_a_command_that_cannot_start_exits_as_a_shell_does_and_fre
     assert proc.returncode == 0, describe(proc)
 
 
+#: A command that forks one process and writes "LEADER CHILD" to READY once both are set
+#: up, then both wait up to 120 s. IGNORES ("child" or "both") says which ignore SIGTERM.
+STUBBORN = textwrap.dedent("""\
+    import os, pathlib, signal, sys, time
+    ready, ignores = pathlib.Path(sys.argv[1]), sys.argv[2]
+    set_up, told = os.pipe()
+    child = os.fork()
+    if child == 0:
+        if ignores in ("child", "both"):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.write(told, b"x")  # READY only once the child ignores what it should
+        time.sleep(120)
+        os._exit(0)
+    os.read(set_up, 1)
+    if ignores == "both":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    tmp = pathlib.Path(sys.argv[1] + ".tmp")
+    tmp.write_text(f"{os.getpid()} {child}")
+    tmp.rename(ready)
+    time.sleep(120)
+    """)
+
+
+@pytest.mark.parametrize("ignores", ["both", "child"], ids=["the command ignores it", "what it started ignores it"])
+def test_sigterm_to_leases_run_escalates_to_sigkill_after_kill_after_and_only_then_frees_the_lease(
+        state: State, tmp_path: Path, ignores: str) -> None:
+    """A scheduler stops the task: SIGTERM to ``leases run``, whose command (or a process the
+    command started) ignores it. After ``--kill-after`` seconds the command's whole process
+    group gets SIGKILL, a line on stderr says so, and the wrapper ends (137 when SIGKILL
+    ended the command, 143 when SIGTERM did). At no moment is the lease free while a
+    process of the group is alive."""
+    ready = tmp_path / "ready"
+    log = tmp_path / "wrapper.err"
+    with open(log, "w") as err:  # not a pipe: a process of the group would hold it open
+        wrapper = state.popen("leases", "run", "--kill-after", "1.5", "--export", "orders", "--",
+                              sys.executable, "-c", STUBBORN, str(ready), ignores, stdout=subprocess.DEVNULL, stderr=err)
+    wait_for(ready.exists, "the command to start")
+    leader, child = (int(pid) for pid in ready.read_text().split())
+    try:
+        sent = time.monotonic()
+        os.kill(wrapper.pid, signal.SIGTERM)
+        deadline = sent + 30
+        while wrapper.poll() is None:
+            assert time.monotonic() < deadline, f"leases run did not end 30 s after SIGTERM:\n{log.read_text()}"
+            if state.leases().get(RUN_KEY, {"state": "free"})["state"] != "live":  # the lease first, then who lives
+                living = [pid for pid in (leader, child) if alive(pid, None)]
+                assert not living, f"the lease was free while {living} of the command's group lived"
+            time.sleep(0.05)
+        waited = time.monotonic() - sent
+    finally:
+        try:
+            os.killpg(leader, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert wrapper.returncode == 128 + (signal.SIGKILL if ignores == "both" else signal.SIGTERM), log.read_text()
+    assert waited >= 1.5, f"SIGKILL came {waited:.2f} s after SIGTERM, before --kill-after"
+    assert "(--kill-after) of SIGTERM: SIGKILL sent to process group" in log.read_text(), log.read_text()
+    assert not alive(leader, None) and not alive(child, None)
+    assert state.leases().get(RUN_KEY, {"state": "free"})["state"] == "free"
+    proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 0, describe(proc)
+
+
 def test_leases_run_exits_with_the_command_exit_code(state: State) -> None:
     proc = state.cli_process("leases", "run", "--export", "orders", "--", sys.executable, "-c", "raise SystemExit(9)")
     assert proc.returncode == 9, describe(proc)
