@@ -439,7 +439,8 @@ def transfer(
     else:
         _warn_password_in_argv("--to", to or "")
     assert to is not None
-    _emit(g, op(context, to, dry_run=dry_run).as_dict(), render.transfer)
+    setting = "--to" if to_env is None else f"--to-env {to_env}"
+    _emit(g, op(context, to, dry_run=dry_run, to_setting=setting).as_dict(), render.transfer)
 
 
 @app.command()
