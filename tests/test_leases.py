@@ -27,6 +27,7 @@ import time
 import types
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -551,29 +552,53 @@ def test_release_refuses_a_live_holder_and_releases_a_stale_one_with_an_audit_ro
     assert row["actor"].endswith("@" + socket.gethostname()), row
 
 
-@pytest.mark.parametrize("closes_fds", [False, True], ids=["keeps its descriptors", "closes them"])
-def test_release_refuses_a_dead_wrapper_whose_command_group_works_on_naming_that_process(
-        state: State, tmp_path: Path, closes_fds: bool) -> None:
-    """``leases release`` of a lease whose ``leases run`` wrapper was SIGKILLed while a step
-    of its command (``sh -c 'python …; echo'``) works on: refused on both backends, as
-    ``leases list`` shows it live, naming the process that still works (not only the dead
-    wrapper) and changing nothing (no audit row; on SQLite no byte of the lease folder);
-    once the step ended, the same release succeeds, audited. On SQLite a step that keeps
-    its descriptors keeps the inherited lock; one that closes them (as daemons do) leaves
-    only the record, whose command group still lives."""
+@dataclass
+class OrphanedStep:
+    """A ``leases run -- sh -c '<step>; …'`` whose wrapper was SIGKILLed alone: the shell
+    (the command) died with it, the step it started (``HOLD``) works on in its group."""
+
+    wrapper: Forked
+    shell: int
+    step: int
+
+
+@contextmanager
+def orphaned_step(state: State, tmp_path: Path, closes_fds: bool) -> Iterator[OrphanedStep]:
+    """Start the run, SIGKILL its wrapper alone, and yield once only its step lives (the
+    step closes its inherited descriptors first when ``closes_fds``); on the way out the
+    step is told to end and waited for."""
     ready, go = tmp_path / "ready", tmp_path / "go"
     hold = ("import os; os.closerange(3, 65536)\n" if closes_fds else "") + HOLD
-    wrapper = state.popen("leases", "run", "--export", "orders", "--", "sh", "-c", '"$0" -c "$1" "$2" "$3" 0; echo',
+    wrapper = state.popen("leases", "run", "--export", "orders", "--", "sh", "-c", '"$0" -c "$1" "$2" "$3" 0; true',
                           sys.executable, hold, str(ready), str(go))
     step = 0
     try:
         wait_for(ready.exists, "the shell's step to start")
         step = int(ready.read_text())
         shell = state.leases()[RUN_KEY]["child_pid"]
-        os.kill(wrapper.pid, signal.SIGKILL)  # the wrapper alone: its group (the step) lives on
-        wrapper.wait(timeout=30)
+        assert shell not in (None, step), (shell, step, state.leases()[RUN_KEY])
+        os.kill(wrapper.pid, signal.SIGKILL)  # the wrapper alone
+        wrapper.wait(timeout=30)  # its output pipes stay open: the step holds them
         wait_for(lambda: not alive(shell, None), f"the shell {shell} to die with its wrapper", timeout=10)
         assert alive(step, None), "the step died too: this test shows nothing"
+        yield OrphanedStep(wrapper, shell, step)
+    finally:
+        go.touch()
+        if step:
+            wait_for(lambda: not alive(step, None), f"the step {step} to end", timeout=10)
+
+
+@pytest.mark.parametrize("closes_fds", [False, True], ids=["keeps its descriptors", "closes them"])
+def test_release_refuses_a_dead_wrapper_whose_command_group_works_on_naming_that_process(
+        state: State, tmp_path: Path, closes_fds: bool) -> None:
+    """``leases release`` of a lease whose ``leases run`` wrapper was SIGKILLed while a step
+    of its command (``sh -c 'python …; true'``) works on: refused on both backends, as
+    ``leases list`` shows it live, naming the process that still works (not only the dead
+    wrapper) and changing nothing (no audit row; on SQLite no byte of the lease folder);
+    once the step ended, the same release succeeds, audited. On SQLite a step that keeps
+    its descriptors keeps the inherited lock; one that closes them (as daemons do) leaves
+    only the record, whose command group still lives."""
+    with orphaned_step(state, tmp_path, closes_fds) as run:
         assert state.leases()[RUN_KEY]["state"] == "live"
         before = tree_digest(state.leases_dir) if state.backend == "sqlite" else None
         for dry in ((), ("--dry-run",)):
@@ -581,20 +606,17 @@ def test_release_refuses_a_dead_wrapper_whose_command_group_works_on_naming_that
             assert proc.returncode == 2, describe(proc)
             err = error_object(proc)
             assert err["code"] == "RIVET_STATE_RUN_IN_PROGRESS", err
-            assert f"pid {step} " in err["message"] and f"kill -TERM -- -{shell}" in err["message"], err
+            assert f"pid {run.step} " in err["message"] and f"kill -TERM -- -{run.shell}" in err["message"], err
         assert state.leases()[RUN_KEY]["state"] == "live"
         assert state.audit_rows("leases.release") == []
         if before is not None:
             assert tree_digest(state.leases_dir) == before
-    finally:
-        go.touch()
-        if step:
-            wait_for(lambda: not alive(step, None), f"the step {step} to end", timeout=10)
     proc = state.cli_process("--json", "leases", "release", RUN_KEY, "--reason", "the run's step has ended")
     assert proc.returncode == 0, describe(proc)
-    assert json.loads(proc.stdout)["released"]["holder_pid"] == wrapper.pid
+    assert json.loads(proc.stdout)["released"]["holder_pid"] == run.wrapper.pid
     (row,) = state.audit_rows("leases.release")
-    assert (row["detail"]["removed"]["holder_pid"], row["detail"]["removed"]["child_pid"]) == (wrapper.pid, shell), row
+    removed = row["detail"]["removed"]
+    assert (removed["holder_pid"], removed["child_pid"]) == (run.wrapper.pid, run.shell), row
     assert state.leases().get(RUN_KEY, {"state": "free"})["state"] == "free"
 
 
@@ -1026,28 +1048,11 @@ def test_what_the_command_started_keeps_the_lease_live_after_its_wrapper_and_com
     PostgreSQL the lease read stale at once (holder and command dead) and a second run started
     beside the first one's work. On SQLite a step that keeps its descriptors keeps the
     inherited lock; one that closes them (as daemons do) must not free the lease either."""
-    ready, go = tmp_path / "ready", tmp_path / "go"
-    hold = ("import os; os.closerange(3, 65536)\n" if closes_fds else "") + HOLD
-    wrapper = state.popen("leases", "run", "--export", "orders", "--", "sh", "-c", '"$0" -c "$1" "$2" "$3" 0; true',
-                          sys.executable, hold, str(ready), str(go))
-    step = 0
-    try:
-        wait_for(ready.exists, "the shell's step to start")
-        step = int(ready.read_text())
-        shell = state.leases()[RUN_KEY]["child_pid"]
-        assert shell not in (None, step), (shell, step, state.leases()[RUN_KEY])
-        os.kill(wrapper.pid, signal.SIGKILL)  # the wrapper alone
-        wrapper.wait(timeout=30)  # its output pipes stay open: the step holds them
-        wait_for(lambda: not alive(shell, None), f"the shell {shell} to die with its wrapper", timeout=10)
-        assert alive(step, None), "the step died too: this test shows nothing"
+    with orphaned_step(state, tmp_path, closes_fds):
         assert state.leases()[RUN_KEY]["state"] == "live"
         proc = state.cli_process("--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders", "--",
                                  "true")
         assert proc.returncode == 2 and error_object(proc)["code"] == "RIVET_STATE_RUN_IN_PROGRESS", describe(proc)
-    finally:
-        go.touch()
-        if step:
-            wait_for(lambda: not alive(step, None), f"the step {step} to end", timeout=10)
     assert state.leases()[RUN_KEY]["state"] in {"stale", "free"}
     proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
     assert proc.returncode == 0, describe(proc)

@@ -6,6 +6,7 @@ import json
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -366,6 +367,15 @@ COMMANDS_AT_A_DIRECTORY = [("info",), ("init",), ("leases", "run", "--export", "
                            ("doctor",), ("check",), ("exports", "list")]
 
 
+def run_at(config: Path, url: str, given_as: str, command: tuple[str, ...]) -> tuple[Any, dict[str, Any], str]:
+    """``statetool --json-errors COMMAND`` with the location ``url`` given as ``--state-url``
+    (``given_as`` "flag") or ``RIVET_STATE_URL`` ("env"): (the run, its error object, the
+    setting's name as a refusal names it)."""
+    args, env = (("--state-url", url), {}) if given_as == "flag" else ((), {"RIVET_STATE_URL": url})
+    proc = run_cli("-c", str(config), "--json-errors", *args, *command, env=env)
+    return proc, error_object(proc), "--state-url" if given_as == "flag" else "RIVET_STATE_URL"
+
+
 @pytest.mark.parametrize("command", COMMANDS_AT_A_DIRECTORY)
 @pytest.mark.parametrize("given_as", ["env", "flag"])
 def test_a_declared_directory_that_does_not_exist_is_named_with_its_setting(tmp_path: Path, command: tuple[str, ...],
@@ -376,11 +386,8 @@ def test_a_declared_directory_that_does_not_exist_is_named_with_its_setting(tmp_
     config = write_config(tmp_path / "pipeline")
     missing = tmp_path / "not-mounted"
     url = f"sqlite:{missing}"
-    args, env = (("--state-url", url), {}) if given_as == "flag" else ((), {"RIVET_STATE_URL": url})
-    proc = run_cli("-c", str(config), "--json-errors", *args, *command, env=env)
-    error = error_object(proc)
+    proc, error, named = run_at(config, url, given_as, command)
     assert proc.returncode == 1 and error["code"] == "RIVET_STATE_DIR_MISSING", describe(proc)
-    named = "--state-url" if given_as == "flag" else "RIVET_STATE_URL"
     assert error["message"].startswith(f"{named}: the declared state directory {missing} does not exist"), \
         describe(proc)
     assert not missing.exists(), describe(proc)
@@ -426,12 +433,9 @@ def test_a_postgres_server_that_cannot_be_reached_is_named_with_its_setting(tmp_
     lease path alike; the password is never shown, and nothing is created."""
     config = write_config(tmp_path / "pipeline")
     url = f"postgresql://ops:s3cretpw@127.0.0.1:{_closed_port()}/rivet?schema=sales"
-    args, env = (("--state-url", url), {}) if given_as == "flag" else ((), {"RIVET_STATE_URL": url})
     before = tree_digest(tmp_path)
-    proc = run_cli("-c", str(config), "--json-errors", *args, *command, env=env)
-    error = error_object(proc)
+    proc, error, named = run_at(config, url, given_as, command)
     assert proc.returncode == 2 and error["code"] == "RIVET_STATE_UNREACHABLE", describe(proc)
-    named = "--state-url" if given_as == "flag" else "RIVET_STATE_URL"
     assert error["message"].startswith(f"{named}: the state database at postgresql://ops:***@127.0.0.1:"), \
         describe(proc)
     assert "s3cretpw" not in proc.stdout + proc.stderr, describe(proc)
