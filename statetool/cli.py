@@ -442,7 +442,8 @@ def transfer(
     else:
         _warn_password_in_argv("--to", to or "")
     assert to is not None
-    _emit(g, op(context, to, dry_run=dry_run).as_dict(), render.transfer)
+    setting = "--to" if to_env is None else f"--to-env {to_env}"
+    _emit(g, op(context, to, dry_run=dry_run, to_setting=setting).as_dict(), render.transfer)
 
 
 @app.command(epilog="""
@@ -682,11 +683,16 @@ def leases_run(
                                                         help="The command and its arguments, after --.")] = None,
     lease_ttl: Annotated[int, typer.Option("--lease-ttl", metavar="SECONDS", min=1, max=86400,
                                            help="Seconds a PostgreSQL lease lives without a heartbeat.")] = 30,
+    kill_after: Annotated[float, typer.Option("--kill-after", metavar="SECONDS", min=0, max=86400,
+                                              help="Seconds between SIGTERM and SIGKILL of the command's process "
+                                                   "group.")] = 10.0,
 ) -> None:
     """Hold an export's run lease while a command runs (like flock).
 
     The command never outlives the lease: a lost lease stops it, and the exit is 2
-    (RIVET_STATE_LEASE_LOST); otherwise the exit is the command's.
+    (RIVET_STATE_LEASE_LOST); otherwise the exit is the command's. SIGTERM is forwarded
+    to the command's process group; what of it has not ended --kill-after seconds later
+    gets SIGKILL, and the lease is released only once none of it is left.
     """
     from statetool.operations.leases import run_under_lease
 
@@ -700,7 +706,7 @@ def leases_run(
     # an in-process caller of main() would keep its garbage of the moment for good, and
     # the tests run `leases run` as a process (tests/support/cli.py).
     gc.freeze()
-    raise typer.Exit(run_under_lease(context, export, command or []))
+    raise typer.Exit(run_under_lease(context, export, command or [], kill_after=kill_after))
 
 
 @functools.cache

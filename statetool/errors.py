@@ -35,9 +35,12 @@ STOP_RANK: dict[str, int] = {
 }
 
 
-class Entry(tuple[str, str, str]):
-    """One registered code: its kind (what happened), class (what to do) and action; a
-    ``(kind, exit_class, action)`` tuple, immutable and equal by value.
+class Entry(tuple[str, str, str, int]):
+    """One registered code: its kind (what happened), class (what to do), action and exit
+    code; a ``(kind, exit_class, action, exit_code)`` tuple, immutable and equal by value.
+    The exit code is the class's (:data:`EXIT_CODES`), except for a code whose exit a
+    convention older than statetool fixes (a command ``leases run`` cannot start: 126 or
+    127, as a shell exits; docs/decisions.md, "A command that cannot start").
 
     The registry's classes are plain (no ``dataclasses``, and no ``NamedTuple``, whose class
     costs more to create than the registry itself: it compiles its ``__new__``): this module
@@ -45,11 +48,13 @@ class Entry(tuple[str, str, str]):
 
     __slots__ = ()
 
-    def __new__(cls, kind: str, exit_class: str, action: str) -> "Entry":
-        return super().__new__(cls, (kind, exit_class, action))
+    def __new__(cls, kind: str, exit_class: str, action: str, exit_code: int | None = None) -> "Entry":
+        return super().__new__(cls, (kind, exit_class, action,
+                                     EXIT_CODES[exit_class] if exit_code is None else exit_code))
 
     def __repr__(self) -> str:
-        return f"Entry(kind={self.kind!r}, exit_class={self.exit_class!r}, action={self.action!r})"
+        return (f"Entry(kind={self.kind!r}, exit_class={self.exit_class!r}, action={self.action!r}, "
+                f"exit_code={self.exit_code!r})")
 
     @property
     def kind(self) -> str:
@@ -68,8 +73,8 @@ class Entry(tuple[str, str, str]):
 
     @property
     def exit_code(self) -> int:
-        """The process exit code of this entry's class (1-6)."""
-        return EXIT_CODES[self.exit_class]
+        """The process exit code: the class's (1-6), or the one the entry fixes (126, 127)."""
+        return self[3]
 
     @property
     def retryable(self) -> bool:
@@ -77,8 +82,14 @@ class Entry(tuple[str, str, str]):
         return self.exit_class == "retryable"
 
 
-def _e(kind: str, exit_class: str, action: str) -> Entry:
-    return Entry(kind, exit_class, action)
+def _e(kind: str, exit_class: str, action: str, exit_code: int | None = None) -> Entry:
+    return Entry(kind, exit_class, action, exit_code)
+
+
+#: The exit codes of a command that cannot be started, as a shell gives them (POSIX,
+#: "Consequences of Shell Errors"; coreutils' env, nohup and timeout too): found but not
+#: executable, and not found.
+EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND = 126, 127
 
 
 REGISTRY: dict[str, Entry] = {
@@ -147,6 +158,19 @@ REGISTRY: dict[str, Entry] = {
     "RIVET_STATE_BACKUP_UNKNOWN": _e(
         "usage", "generic", "statetool backups list names every backup and keep beside the state; name one of those, "
         "or give the path of a state file",
+    ),
+    # generic (fix the input), with a shell's exit codes: `leases run` exits as its command would
+    "RIVET_COMMAND_NOT_FOUND": _e(
+        "usage", "generic",
+        "check the command after --: give its path, or put its directory on the PATH of the task that runs "
+        "statetool",
+        EXIT_NOT_FOUND,
+    ),
+    "RIVET_COMMAND_NOT_EXECUTABLE": _e(
+        "usage", "generic",
+        "make the file after -- executable (chmod +x), fix its #! line, or name its interpreter first "
+        "(-- sh job.sh)",
+        EXIT_NOT_EXECUTABLE,
     ),
     # generic, not retryable: the database itself refuses, the same way on every re-run.
     "RIVET_STATE_WRITE_REFUSED": _e(
@@ -468,8 +492,9 @@ def failure_class(code: str) -> str:
 
 
 def failure_exit_code(code: str) -> int:
-    """The process exit code (1-6) of a failure with ``code`` (:func:`failure_class`)."""
-    return EXIT_CODES[failure_class(code)]
+    """The process exit code of a failure with ``code``: a registered error's own
+    (:attr:`Entry.exit_code`), a warning made to fail its class's (:func:`failure_class`)."""
+    return REGISTRY[code].exit_code if code in REGISTRY else EXIT_CODES[failure_class(code)]
 
 
 def worst(codes: list[str]) -> str | None:

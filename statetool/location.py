@@ -81,6 +81,9 @@ class Location(NamedTuple):
     #: The state file itself when ``path`` is a symlink (resolved once, by the resolver);
     #: else equal to ``path``. Relocate and transfer retire this file (SPEC §9, issue 10).
     real_path: Path | None = None
+    #: The setting that gave the location when it is neither ``--state-url`` nor
+    #: ``RIVET_STATE_URL`` (a transfer's ``--to``, ``--to-env NAME``); see :attr:`setting`.
+    named_by: str | None = None
 
     @property
     def display(self) -> str:
@@ -118,7 +121,7 @@ class Location(NamedTuple):
         naming the setting that declared it (``--state-url`` or ``RIVET_STATE_URL``), as every
         refusal of a location does; ``hint`` ends the sentence (a likely misspelling)."""
         return StateError("RIVET_STATE_DIR_MISSING",
-                          f"{self._setting}: the declared state directory {self.directory} does not exist (a volume "
+                          f"{self.setting}: the declared state directory {self.directory} does not exist (a volume "
                           f"that did not mount?){hint or self._spelling_hint()}", {"path": str(self.directory)})
 
     def directory_problem(self) -> StateError | None:
@@ -145,13 +148,16 @@ class Location(NamedTuple):
         """``RIVET_STATE_DIR_MISSING`` for a state directory that is a file, or has a file
         where a directory of its path belongs (ENOTDIR)."""
         hint = self._spelling_hint() or f"; a sqlite: location names the directory that holds {STATE_FILE}"
-        origin = f"{self._setting}: " if self.scope == "declared_dir" else ""
+        origin = f"{self.setting}: " if self.scope == "declared_dir" else ""
         return StateError("RIVET_STATE_DIR_MISSING", f"{origin}{self.directory} is a file, not a directory{hint}",
                           {"path": str(self.directory)})
 
     @property
-    def _setting(self) -> str:
-        return "--state-url" if self.origin == "flag" else ENV_VAR
+    def setting(self) -> str:
+        """The setting that gave this location, as a refusal of it names it first:
+        ``--state-url``, ``RIVET_STATE_URL`` (also for the default beside the config, which
+        an empty or unset variable gives), or :attr:`named_by`."""
+        return self.named_by or ("--state-url" if self.origin == "flag" else ENV_VAR)
 
     def _spelling_hint(self) -> str:
         directory = self.directory
@@ -173,15 +179,18 @@ class Location(NamedTuple):
         }
 
 
-def resolve_location(env_value: str | None, flag_value: str | None, config_path: str | os.PathLike[str]) -> Location:
+def resolve_location(env_value: str | None, flag_value: str | None, config_path: str | os.PathLike[str], *,
+                     setting: str | None = None) -> Location:
     """Resolve the state location from ``--state-url`` (wins when given) or ``RIVET_STATE_URL``.
 
     ``config_path`` is the pipeline config; the default state lives in its directory.
     Raises ``RIVET_STATE_URL_INVALID`` for an unknown form or ``sqlite:///x`` (with the
     right spelling as a hint) and ``RIVET_STATE_DIR_RELATIVE`` for ``sqlite:`` with a
     relative directory; every message starts with the setting refused (``--state-url`` or
-    ``RIVET_STATE_URL``). Touches no file; for SQLite it reads one link: a state file that
-    is a symlink is resolved here, once, into :attr:`Location.real_path`.
+    ``RIVET_STATE_URL``; ``setting`` names another one that gave ``flag_value``, such as a
+    transfer's ``--to``, and is kept as :attr:`Location.named_by`). Touches no file; for
+    SQLite it reads one link: a state file that is a symlink is resolved here, once, into
+    :attr:`Location.real_path`.
     """
     if flag_value is not None:
         raw, origin = flag_value, "flag"
@@ -194,12 +203,12 @@ def resolve_location(env_value: str | None, flag_value: str | None, config_path:
         return Location("sqlite", "beside_config", "default" if origin == "env" else origin,
                         directory=directory, path=directory / STATE_FILE, real_path=_real_file(directory / STATE_FILE))
     scheme = raw.split(":", 1)[0].lower() if ":" in raw else ""
-    source = "--state-url" if origin == "flag" else ENV_VAR
+    source = setting or ("--state-url" if origin == "flag" else ENV_VAR)
     try:
         if scheme == "sqlite":
-            return _sqlite_dir(raw, origin)
+            return _sqlite_dir(raw, origin)._replace(named_by=setting)
         if scheme in _PG_SCHEMES and raw[len(scheme):].startswith("://"):
-            return _postgres(raw, origin)
+            return _postgres(raw, origin)._replace(named_by=setting)
     except StateError as err:  # every refusal names the setting it refuses: flag or environment
         raise StateError(err.code, f"{source}: {err.message}", err.details) from None
     raise StateError(

@@ -198,7 +198,7 @@ def test_every_error_code_is_documented_with_its_entry(code: str) -> None:
                  f"retryable {'yes' if entry.retryable else 'no'}"):
         assert fact in body, f"{code}: docs/errors.md should say '{fact}'"
     assert collapse(entry.action) in body, f"{code}: docs/errors.md does not quote the registered action"
-    row = re.search(rf"^\| `{code}` \| (\w+) \| (\d) \| (yes|no) \| (yes|added) \|$", ERRORS_MD.read_text(), re.M)
+    row = re.search(rf"^\| `{code}` \| (\w+) \| (\d+) \| (yes|no) \| (yes|added) \|$", ERRORS_MD.read_text(), re.M)
     assert row, f"{code}: no row in the 'Codes at a glance' table"
     assert (row.group(1), int(row.group(2))) == (entry.exit_class, entry.exit_code), f"{code}: glance row is stale"
     if row.group(4) == "added":

@@ -27,6 +27,7 @@ import time
 import types
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -551,6 +552,74 @@ def test_release_refuses_a_live_holder_and_releases_a_stale_one_with_an_audit_ro
     assert row["actor"].endswith("@" + socket.gethostname()), row
 
 
+@dataclass
+class OrphanedStep:
+    """A ``leases run -- sh -c '<step>; …'`` whose wrapper was SIGKILLed alone: the shell
+    (the command) died with it, the step it started (``HOLD``) works on in its group."""
+
+    wrapper: Forked
+    shell: int
+    step: int
+
+
+@contextmanager
+def orphaned_step(state: State, tmp_path: Path, closes_fds: bool) -> Iterator[OrphanedStep]:
+    """Start the run, SIGKILL its wrapper alone, and yield once only its step lives (the
+    step closes its inherited descriptors first when ``closes_fds``); on the way out the
+    step is told to end and waited for."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    hold = ("import os; os.closerange(3, 65536)\n" if closes_fds else "") + HOLD
+    wrapper = state.popen("leases", "run", "--export", "orders", "--", "sh", "-c", '"$0" -c "$1" "$2" "$3" 0; true',
+                          sys.executable, hold, str(ready), str(go))
+    step = 0
+    try:
+        wait_for(ready.exists, "the shell's step to start")
+        step = int(ready.read_text())
+        shell = state.leases()[RUN_KEY]["child_pid"]
+        assert shell not in (None, step), (shell, step, state.leases()[RUN_KEY])
+        os.kill(wrapper.pid, signal.SIGKILL)  # the wrapper alone
+        wrapper.wait(timeout=30)  # its output pipes stay open: the step holds them
+        wait_for(lambda: not alive(shell, None), f"the shell {shell} to die with its wrapper", timeout=10)
+        assert alive(step, None), "the step died too: this test shows nothing"
+        yield OrphanedStep(wrapper, shell, step)
+    finally:
+        go.touch()
+        if step:
+            wait_for(lambda: not alive(step, None), f"the step {step} to end", timeout=10)
+
+
+@pytest.mark.parametrize("closes_fds", [False, True], ids=["keeps its descriptors", "closes them"])
+def test_release_refuses_a_dead_wrapper_whose_command_group_works_on_naming_that_process(
+        state: State, tmp_path: Path, closes_fds: bool) -> None:
+    """``leases release`` of a lease whose ``leases run`` wrapper was SIGKILLed while a step
+    of its command (``sh -c 'python …; true'``) works on: refused on both backends, as
+    ``leases list`` shows it live, naming the process that still works (not only the dead
+    wrapper) and changing nothing (no audit row; on SQLite no byte of the lease folder);
+    once the step ended, the same release succeeds, audited. On SQLite a step that keeps
+    its descriptors keeps the inherited lock; one that closes them (as daemons do) leaves
+    only the record, whose command group still lives."""
+    with orphaned_step(state, tmp_path, closes_fds) as run:
+        assert state.leases()[RUN_KEY]["state"] == "live"
+        before = tree_digest(state.leases_dir) if state.backend == "sqlite" else None
+        for dry in ((), ("--dry-run",)):
+            proc = state.cli_process("--json-errors", "leases", "release", RUN_KEY, *dry, "--reason", "looks stuck")
+            assert proc.returncode == 2, describe(proc)
+            err = error_object(proc)
+            assert err["code"] == "RIVET_STATE_RUN_IN_PROGRESS", err
+            assert f"pid {run.step} " in err["message"] and f"kill -TERM -- -{run.shell}" in err["message"], err
+        assert state.leases()[RUN_KEY]["state"] == "live"
+        assert state.audit_rows("leases.release") == []
+        if before is not None:
+            assert tree_digest(state.leases_dir) == before
+    proc = state.cli_process("--json", "leases", "release", RUN_KEY, "--reason", "the run's step has ended")
+    assert proc.returncode == 0, describe(proc)
+    assert json.loads(proc.stdout)["released"]["holder_pid"] == run.wrapper.pid
+    (row,) = state.audit_rows("leases.release")
+    removed = row["detail"]["removed"]
+    assert (removed["holder_pid"], removed["child_pid"]) == (run.wrapper.pid, run.shell), row
+    assert state.leases().get(RUN_KEY, {"state": "free"})["state"] == "free"
+
+
 # -- leases without a pipeline config (issue 12 item 7) -----------------------------------
 
 
@@ -813,6 +882,113 @@ def test_leases_run_forwards_the_signal_exits_with_the_command_code_and_releases
     assert proc.returncode == 0, describe(proc)
 
 
+#: Commands ``leases run`` cannot start: (how it is made in tmp_path, exit code, error code).
+UNSTARTABLE = {
+    "not on PATH": (None, 127, "RIVET_COMMAND_NOT_FOUND"),
+    "no such file": ("missing", 127, "RIVET_COMMAND_NOT_FOUND"),
+    "its #! interpreter is missing": ("#!/nonexistent/python3\n", 126, "RIVET_COMMAND_NOT_EXECUTABLE"),
+    "no execute bit": ("plain", 126, "RIVET_COMMAND_NOT_EXECUTABLE"),
+    "a directory": ("dir", 126, "RIVET_COMMAND_NOT_EXECUTABLE"),
+    "not a program": ("\x00\x01binary", 126, "RIVET_COMMAND_NOT_EXECUTABLE"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSTARTABLE))
+def test_leases_run_of_a_command_that_cannot_start_exits_as_a_shell_does_and_frees_the_lease(
+        state: State, tmp_path: Path, case: str) -> None:
+    """A command that is not found exits 127, one that is found but cannot be executed 126
+    (a shell's convention, which schedulers read), with the registered code and a message
+    naming the command on stderr; the lease it took is given back: no record claims a
+    holder, and the next run takes it at once."""
+    how, exit_code, code = UNSTARTABLE[case]
+    target = tmp_path / "cmd"
+    if how is None:
+        command = f"no-such-command-{uuid.uuid4().hex[:8]}"
+    else:
+        command = str(target)
+        if how == "dir":
+            target.mkdir()
+        elif how == "plain":
+            target.write_text("echo hi\n")
+        elif how != "missing":
+            target.write_text(how)
+            target.chmod(0o755)
+    proc = state.cli_process("--json-errors", "leases", "run", "--export", "orders", "--", command, "arg")
+    assert proc.returncode == exit_code, describe(proc)
+    err = error_object(proc)
+    assert (err["code"], err["exit_code"]) == (code, exit_code), err
+    assert command in err["message"] and "nothing ran" in err["message"], err
+    lease = state.leases().get(RUN_KEY, {"state": "free", "holder_pid": None})
+    assert (lease["state"], lease["holder_pid"]) == ("free", None), lease
+    if state.backend == "sqlite":
+        assert "pid" not in json.loads(state.sidecar.read_text()), state.sidecar.read_text()
+    proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 0, describe(proc)
+
+
+#: A command that forks one process and writes "LEADER CHILD" to READY once both are set
+#: up, then both wait up to 120 s. IGNORES ("child" or "both") says which ignore SIGTERM.
+STUBBORN = textwrap.dedent("""\
+    import os, pathlib, signal, sys, time
+    ready, ignores = pathlib.Path(sys.argv[1]), sys.argv[2]
+    set_up, told = os.pipe()
+    child = os.fork()
+    if child == 0:
+        if ignores in ("child", "both"):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.write(told, b"x")  # READY only once the child ignores what it should
+        time.sleep(120)
+        os._exit(0)
+    os.read(set_up, 1)
+    if ignores == "both":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    tmp = pathlib.Path(sys.argv[1] + ".tmp")
+    tmp.write_text(f"{os.getpid()} {child}")
+    tmp.rename(ready)
+    time.sleep(120)
+    """)
+
+
+@pytest.mark.parametrize("ignores", ["both", "child"], ids=["the command ignores it", "what it started ignores it"])
+def test_sigterm_to_leases_run_escalates_to_sigkill_after_kill_after_and_only_then_frees_the_lease(
+        state: State, tmp_path: Path, ignores: str) -> None:
+    """A scheduler stops the task: SIGTERM to ``leases run``, whose command (or a process the
+    command started) ignores it. After ``--kill-after`` seconds the command's whole process
+    group gets SIGKILL, a line on stderr says so, and the wrapper ends (137 when SIGKILL
+    ended the command, 143 when SIGTERM did). At no moment is the lease free while a
+    process of the group is alive."""
+    ready = tmp_path / "ready"
+    log = tmp_path / "wrapper.err"
+    with open(log, "w") as err:  # not a pipe: a process of the group would hold it open
+        wrapper = state.popen("leases", "run", "--kill-after", "1.5", "--export", "orders", "--",
+                              sys.executable, "-c", STUBBORN, str(ready), ignores, stdout=subprocess.DEVNULL, stderr=err)
+    wait_for(ready.exists, "the command to start")
+    leader, child = (int(pid) for pid in ready.read_text().split())
+    try:
+        sent = time.monotonic()
+        os.kill(wrapper.pid, signal.SIGTERM)
+        deadline = sent + 30
+        while wrapper.poll() is None:
+            assert time.monotonic() < deadline, f"leases run did not end 30 s after SIGTERM:\n{log.read_text()}"
+            if state.leases().get(RUN_KEY, {"state": "free"})["state"] != "live":  # the lease first, then who lives
+                living = [pid for pid in (leader, child) if alive(pid, None)]
+                assert not living, f"the lease was free while {living} of the command's group lived"
+            time.sleep(0.05)
+        waited = time.monotonic() - sent
+    finally:
+        try:
+            os.killpg(leader, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert wrapper.returncode == 128 + (signal.SIGKILL if ignores == "both" else signal.SIGTERM), log.read_text()
+    assert waited >= 1.5, f"SIGKILL came {waited:.2f} s after SIGTERM, before --kill-after"
+    assert "(--kill-after) of SIGTERM: SIGKILL sent to process group" in log.read_text(), log.read_text()
+    assert not alive(leader, None) and not alive(child, None)
+    assert state.leases().get(RUN_KEY, {"state": "free"})["state"] == "free"
+    proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
+    assert proc.returncode == 0, describe(proc)
+
+
 def test_leases_run_exits_with_the_command_exit_code(state: State) -> None:
     proc = state.cli_process("leases", "run", "--export", "orders", "--", sys.executable, "-c", "raise SystemExit(9)")
     assert proc.returncode == 9, describe(proc)
@@ -872,28 +1048,11 @@ def test_what_the_command_started_keeps_the_lease_live_after_its_wrapper_and_com
     PostgreSQL the lease read stale at once (holder and command dead) and a second run started
     beside the first one's work. On SQLite a step that keeps its descriptors keeps the
     inherited lock; one that closes them (as daemons do) must not free the lease either."""
-    ready, go = tmp_path / "ready", tmp_path / "go"
-    hold = ("import os; os.closerange(3, 65536)\n" if closes_fds else "") + HOLD
-    wrapper = state.popen("leases", "run", "--export", "orders", "--", "sh", "-c", '"$0" -c "$1" "$2" "$3" 0; true',
-                          sys.executable, hold, str(ready), str(go))
-    step = 0
-    try:
-        wait_for(ready.exists, "the shell's step to start")
-        step = int(ready.read_text())
-        shell = state.leases()[RUN_KEY]["child_pid"]
-        assert shell not in (None, step), (shell, step, state.leases()[RUN_KEY])
-        os.kill(wrapper.pid, signal.SIGKILL)  # the wrapper alone
-        wrapper.wait(timeout=30)  # its output pipes stay open: the step holds them
-        wait_for(lambda: not alive(shell, None), f"the shell {shell} to die with its wrapper", timeout=10)
-        assert alive(step, None), "the step died too: this test shows nothing"
+    with orphaned_step(state, tmp_path, closes_fds):
         assert state.leases()[RUN_KEY]["state"] == "live"
         proc = state.cli_process("--json-errors", "--lock-wait", "0", "leases", "run", "--export", "orders", "--",
                                  "true")
         assert proc.returncode == 2 and error_object(proc)["code"] == "RIVET_STATE_RUN_IN_PROGRESS", describe(proc)
-    finally:
-        go.touch()
-        if step:
-            wait_for(lambda: not alive(step, None), f"the step {step} to end", timeout=10)
     assert state.leases()[RUN_KEY]["state"] in {"stale", "free"}
     proc = state.cli_process("--lock-wait", "0", "leases", "run", "--export", "orders", "--", "true")
     assert proc.returncode == 0, describe(proc)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -365,6 +367,15 @@ COMMANDS_AT_A_DIRECTORY = [("info",), ("init",), ("leases", "run", "--export", "
                            ("doctor",), ("check",), ("exports", "list")]
 
 
+def run_at(config: Path, url: str, given_as: str, command: tuple[str, ...]) -> tuple[Any, dict[str, Any], str]:
+    """``statetool --json-errors COMMAND`` with the location ``url`` given as ``--state-url``
+    (``given_as`` "flag") or ``RIVET_STATE_URL`` ("env"): (the run, its error object, the
+    setting's name as a refusal names it)."""
+    args, env = (("--state-url", url), {}) if given_as == "flag" else ((), {"RIVET_STATE_URL": url})
+    proc = run_cli("-c", str(config), "--json-errors", *args, *command, env=env)
+    return proc, error_object(proc), "--state-url" if given_as == "flag" else "RIVET_STATE_URL"
+
+
 @pytest.mark.parametrize("command", COMMANDS_AT_A_DIRECTORY)
 @pytest.mark.parametrize("given_as", ["env", "flag"])
 def test_a_declared_directory_that_does_not_exist_is_named_with_its_setting(tmp_path: Path, command: tuple[str, ...],
@@ -375,11 +386,8 @@ def test_a_declared_directory_that_does_not_exist_is_named_with_its_setting(tmp_
     config = write_config(tmp_path / "pipeline")
     missing = tmp_path / "not-mounted"
     url = f"sqlite:{missing}"
-    args, env = (("--state-url", url), {}) if given_as == "flag" else ((), {"RIVET_STATE_URL": url})
-    proc = run_cli("-c", str(config), "--json-errors", *args, *command, env=env)
-    error = error_object(proc)
+    proc, error, named = run_at(config, url, given_as, command)
     assert proc.returncode == 1 and error["code"] == "RIVET_STATE_DIR_MISSING", describe(proc)
-    named = "--state-url" if given_as == "flag" else "RIVET_STATE_URL"
     assert error["message"].startswith(f"{named}: the declared state directory {missing} does not exist"), \
         describe(proc)
     assert not missing.exists(), describe(proc)
@@ -402,4 +410,51 @@ def test_a_location_naming_the_state_file_is_refused_alike_with_the_directory_to
     assert proc.returncode == 1 and error["code"] == "RIVET_STATE_DIR_MISSING", describe(proc)
     assert error["message"] == (f"--state-url: {directory / STATE_FILE} is a file, not a directory; a sqlite: location "
                                 f"names the directory that holds {STATE_FILE}: sqlite:{directory}"), describe(proc)
+    assert tree_digest(tmp_path) == before
+
+
+def _closed_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on: bound once to be handed a free one,
+    then closed (a connection to it is refused at once)."""
+    probe = socket.socket()
+    try:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+    finally:
+        probe.close()
+
+
+@pytest.mark.parametrize("command", [*COMMANDS_AT_A_DIRECTORY, ("migrate",), ("leases", "release", "chunk-run:orders")])
+@pytest.mark.parametrize("given_as", ["env", "flag"])
+def test_a_postgres_server_that_cannot_be_reached_is_named_with_its_setting(tmp_path: Path, command: tuple[str, ...],
+                                                                            given_as: str) -> None:
+    """``RIVET_STATE_UNREACHABLE`` (a closed port on 127.0.0.1) names the setting that gave
+    the URL, as every other refusal of a location does, from a read, init, a write and the
+    lease path alike; the password is never shown, and nothing is created."""
+    config = write_config(tmp_path / "pipeline")
+    url = f"postgresql://ops:s3cretpw@127.0.0.1:{_closed_port()}/rivet?schema=sales"
+    before = tree_digest(tmp_path)
+    proc, error, named = run_at(config, url, given_as, command)
+    assert proc.returncode == 2 and error["code"] == "RIVET_STATE_UNREACHABLE", describe(proc)
+    assert error["message"].startswith(f"{named}: the state database at postgresql://ops:***@127.0.0.1:"), \
+        describe(proc)
+    assert "s3cretpw" not in proc.stdout + proc.stderr, describe(proc)
+    assert tree_digest(tmp_path) == before
+
+
+@pytest.mark.parametrize("given_as", ["--to", "--to-env"])
+def test_a_transfer_destination_that_cannot_be_reached_is_named_with_its_own_setting(tmp_path: Path,
+                                                                                    given_as: str) -> None:
+    """The destination of a transfer is given by ``--to`` or ``--to-env NAME``, not by
+    ``--state-url``: its refusals name that setting, and the source is left as it was."""
+    config = write_config(tmp_path / "pipeline")
+    assert run_cli("-c", str(config), "init").returncode == 0
+    url = f"postgresql://ops@127.0.0.1:{_closed_port()}/rivet?schema=sales"
+    args, env = (("--to", url), {}) if given_as == "--to" else (("--to-env", "DEST_URL"), {"DEST_URL": url})
+    before = tree_digest(tmp_path)
+    proc = run_cli("-c", str(config), "--json-errors", "transfer", *args, env=env)
+    error = error_object(proc)
+    assert proc.returncode == 2 and error["code"] == "RIVET_STATE_UNREACHABLE", describe(proc)
+    named = "--to" if given_as == "--to" else "--to-env DEST_URL"
+    assert error["message"].startswith(f"{named}: the state database at postgresql://ops@127.0.0.1:"), describe(proc)
     assert tree_digest(tmp_path) == before

@@ -140,7 +140,7 @@ class PostgresBackend:
         import psycopg
 
         def translated(err: BaseException) -> StateError:
-            return translate(err) if translate is not None else driver_error(err, self.location.display)
+            return translate(err) if translate is not None else self._fault(err)
 
         rest = self.location.url.split("://", 1)[1]
         query = {k: v[0] if len(v) == 1 else tuple(v) for k, v in parse_qs(urlsplit("x://" + rest).query).items()}
@@ -180,13 +180,18 @@ class PostgresBackend:
             with engine.connect() as conn:
                 yield conn
         except sa.exc.DBAPIError as err:
-            raise driver_error(err, self.location.display) from None
+            raise self._fault(err) from None
         finally:
             engine.dispose()
 
+    def _fault(self, err: BaseException) -> StateError:
+        """``err``, a driver error met on this state, as :func:`driver_error` names it
+        (a fault of the URL names the setting that gave it)."""
+        return driver_error(err, self.location.display, self.location.setting)
+
     def reader(self, conn: Connection) -> CoreReader:
         """The reader over ``conn``, a connection of :meth:`writing` or :meth:`receiving`."""
-        return CoreReader(conn, lambda err: driver_error(err, self.location.display))
+        return CoreReader(conn, self._fault)
 
     def check_rights(self, purpose: str, conn: Reader) -> None:
         """Raise ``RIVET_STATE_PERMISSION_DENIED`` (see :func:`rights_problem`) unless the
@@ -379,7 +384,7 @@ class PostgresBackend:
 
         return RowLeases(lambda: self._engine(read_only=False, autocommit=True),
                          lambda translate: self._session(autocommit=True, read_only=False, translate=translate),
-                         ttl, where=self.location.display, schema=self.schema)
+                         ttl, where=self.location.display, setting=self.location.setting, schema=self.schema)
 
 
 class InTransaction:

@@ -30,6 +30,8 @@ _AUTH_TEXT = re.compile(r'FATAL:\s+(role "[^"]*" (does not exist|is not permitte
 #: connection exceptions, insufficient resources, operator intervention; serialization failure, deadlock,
 #: lock_not_available. disk_full (53100) is not among them: it stays until someone frees space.
 _TRANSIENT_CLASSES = {"08", "53", "57"}
+#: connection_exception: the server was not reached, or the connection to it failed.
+_CONNECTION_CLASS = "08"
 _TRANSIENT_STATES = {"40001", "40P01", "55P03"}
 _DISK_FULL = "53100"
 #: insufficient_privilege (a missing GRANT, or "must be owner of"), read_only_sql_transaction.
@@ -48,12 +50,16 @@ def _first_line(orig: BaseException) -> str:
     return text.splitlines()[0] if text else type(orig).__name__
 
 
-def driver_error(err: BaseException, where: str) -> StateError:
+def driver_error(err: BaseException, where: str, setting: str | None = None) -> StateError:
     """The one translation of a PostgreSQL driver error (docs/decisions.md, "PostgreSQL rights
     and faults"), the same wherever it was met: connecting, locking, committing, or inside an
     operation's own SQL. ``err`` is psycopg's own error (a read session's) or SQLAlchemy's
     wrapper of it (a write's: its ``orig``, and whether it invalidated the connection);
-    ``where`` names the state (its display URL).
+    ``where`` names the state (its display URL); ``setting`` the setting that gave its URL
+    (``--state-url``, ``RIVET_STATE_URL``, a transfer's ``--to``: :attr:`Location.setting
+    <statetool.location.Location.setting>`), which a fault of the URL itself names first,
+    as every refusal of a location does: a server that cannot be reached (no SQLSTATE, or
+    class 08), a refused login, no such database.
 
     Faults of the environment keep their code everywhere: ``RIVET_STATE_AUTH_FAILED``
     (28P01, 28000, and a connection the server refused with their texts: no such role, a
@@ -73,10 +79,11 @@ def driver_error(err: BaseException, where: str) -> StateError:
     sqlstate = getattr(orig, "sqlstate", None)
     text = _first_line(orig)
     details = {"sqlstate": sqlstate} if sqlstate else {}
+    named = f"{setting}: " if setting else ""
     if sqlstate in _AUTH_STATES or sqlstate is None and _AUTH_TEXT.search(text):
-        return StateError("RIVET_STATE_AUTH_FAILED", f"the state database at {where} refused the login: {text}")
+        return StateError("RIVET_STATE_AUTH_FAILED", f"{named}the state database at {where} refused the login: {text}")
     if sqlstate == "3D000" or sqlstate is None and "does not exist" in text and "database" in text:
-        return StateError("RIVET_STATE_URL_INVALID", f"the state database named in {where} does not exist "
+        return StateError("RIVET_STATE_URL_INVALID", f"{named}the state database named in {where} does not exist "
                           f"on that server: {text}")
     if sqlstate == _PRIVILEGE:
         return StateError("RIVET_STATE_PERMISSION_DENIED",
@@ -91,8 +98,9 @@ def driver_error(err: BaseException, where: str) -> StateError:
                           f"on its disk (SQLSTATE 53100): {text}; the transaction was rolled back", details)
     lost = sqlstate is None and (invalidated or isinstance(orig, psycopg.OperationalError))
     if lost or sqlstate is not None and (sqlstate[:2] in _TRANSIENT_CLASSES or sqlstate in _TRANSIENT_STATES):
-        return StateError("RIVET_STATE_UNREACHABLE", f"the state database at {where} is unreachable or busy: {text}",
-                          details)
+        unreached = named if lost or sqlstate is not None and sqlstate[:2] == _CONNECTION_CLASS else ""
+        return StateError("RIVET_STATE_UNREACHABLE", f"{unreached}the state database at {where} is unreachable or "
+                          f"busy: {text}", details)
     if sqlstate is not None and sqlstate[:2] in _REFUSING_CLASSES:
         return StateError("RIVET_STATE_WRITE_REFUSED", f"the state database at {where} refused the write "
                           f"(SQLSTATE {sqlstate}): {text}", details)

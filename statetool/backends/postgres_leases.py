@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from statetool.backends.base import HeldLease, Holder, LeaseInfo, Reader
 from statetool.backends.postgres_faults import driver_error, rights_problem
-from statetool.backends.processes import alive, command_alive, host_name
+from statetool.backends.processes import alive, command_alive, host_name, live_lease
 from statetool.backends.readers import CoreReader, pyformat
 from statetool.errors import StateError, moved_away
 from statetool.tables import LEASE_TABLE, RELOCATED_REVISION, VERSION_TABLE, retired_detail
@@ -92,7 +92,7 @@ def _run(conn: Connection, sql: str, params: Mapping[str, object] | None = None)
     return conn.exec_driver_sql(pyformat(sql), dict(params or {}))
 
 
-def _lease_error(orig: BaseException, where: str) -> StateError:
+def _lease_error(orig: BaseException, where: str, setting: str | None = None) -> StateError:
     """A driver error of a lease statement (psycopg's, or SQLAlchemy's wrapper of it): a
     missing lease table (a state below revision 0002) is ``RIVET_STATE_MIGRATION_PENDING``,
     found by the query itself, not a probe; a lease table locked past the lock timeout (a
@@ -106,7 +106,7 @@ def _lease_error(orig: BaseException, where: str) -> StateError:
     if sqlstate == _LOCK_NOT_AVAILABLE:
         return StateError("RIVET_STATE_MIGRATION_LOCKED",
                           "the lease table is locked by a migration or another write under way")
-    return driver_error(orig, where)
+    return driver_error(orig, where, setting)
 
 
 @dataclass
@@ -193,15 +193,17 @@ Looking = Callable[[Callable[[BaseException], StateError]], AbstractContextManag
 class RowLeases:
     """The lease store of a PostgreSQL state schema: ``engine`` (made by ``make_engine``
     when a lease is first taken) runs in autocommit; ``looking`` opens the psycopg session
-    that lists and reads leases."""
+    that lists and reads leases; ``where`` names the state in messages, ``setting`` the
+    setting that gave its URL (:func:`~statetool.backends.postgres_faults.driver_error`)."""
 
     def __init__(self, make_engine: Callable[[], sa.Engine], looking: Looking, ttl: int = DEFAULT_TTL, *,
-                 where: str = "the state database", schema: str | None = None) -> None:
+                 where: str = "the state database", setting: str | None = None, schema: str | None = None) -> None:
         self._make_engine = make_engine
         self._engine: sa.Engine | None = None
         self._looking = looking
         self.ttl = ttl
         self.where = where
+        self.setting = setting
         self.schema = schema
         self.here = host_name()
         self._fenced: bool | None = None
@@ -227,7 +229,7 @@ class RowLeases:
             with self.engine.connect() as conn:
                 yield conn
         except sa.exc.DBAPIError as err:
-            raise _lease_error(err, self.where) from None
+            raise _lease_error(err, self.where, self.setting) from None
 
     @contextlib.contextmanager
     def looking(self) -> Iterator[Reader]:
@@ -236,7 +238,7 @@ class RowLeases:
         taken no lease, else a pooled connection of :attr:`engine` (a holder looks at leases
         between its acquisitions: no connection is opened for each look)."""
         def translate(err: BaseException) -> StateError:
-            return _lease_error(err, self.where)
+            return _lease_error(err, self.where, self.setting)
 
         if self._engine is None:
             with self._looking(translate) as conn:
@@ -488,7 +490,5 @@ class RowLeases:
             raise StateError("RIVET_STATE_LEASE_UNKNOWN", f"this state has no lease {key}", {"key": key})
         info = _info(row, self.here)
         if info.state == "live":
-            assert info.holder is not None
-            raise StateError("RIVET_STATE_RUN_IN_PROGRESS",
-                             f"lease {key} is held by a live process: {info.holder.describe()}", {"key": key})
+            raise live_lease(key, info.holder)
         return info

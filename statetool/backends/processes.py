@@ -10,6 +10,13 @@ falls back to the pid alone.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+from statetool.errors import StateError
+from statetool.moments import moment
+
+if TYPE_CHECKING:
+    from statetool.backends.base import Holder
 
 
 def host_name() -> str:
@@ -103,9 +110,9 @@ def group_alive(group: int) -> bool:
     A killpg(2) probe first: a group it finds no process of (not even a zombie) has none
     alive, which is the common answer once a command has ended, and costs one system call
     instead of a read of every process's ``stat``. A group it finds is read from ``/proc``
-    (field 5 of each ``stat`` is the process group): a zombie's group still answers the
-    probe until something reaps it, and the reaper of an orphan (pid 1 of a container) may
-    never do so. Without ``/proc``, the probe's answer."""
+    (:func:`group_member`): a zombie's group still answers the probe until something reaps
+    it, and the reaper of an orphan (pid 1 of a container) may never do so. Without
+    ``/proc``, the probe's answer."""
     try:
         os.killpg(group, 0)
     except ProcessLookupError:
@@ -113,11 +120,59 @@ def group_alive(group: int) -> bool:
     except PermissionError:
         pass  # a process of the group runs as another user: it exists
     try:
-        pids = [name for name in os.listdir("/proc") if name.isdigit()]
+        return group_member(group) is not None
     except OSError:
         return True
-    for name in pids:
-        fields = _stat_fields(int(name))
-        if fields and len(fields) > 2 and fields[2] == str(group).encode() and _working(fields):
-            return True
-    return False
+
+
+def group_member(group: int) -> int | None:
+    """The lowest pid of a live process (not a zombie, not exiting) of process group
+    ``group`` on this host, read from ``/proc`` (field 5 of each ``stat`` is the process
+    group); None when it has none. Raises ``OSError`` when ``/proc`` cannot be listed."""
+    wanted = str(group).encode()
+    for pid in sorted(int(name) for name in os.listdir("/proc") if name.isdigit()):
+        fields = _stat_fields(pid)
+        if fields and len(fields) > 2 and fields[2] == wanted and _working(fields):
+            return pid
+    return None
+
+
+def working_pid(pid: int | None, started: int | None, child_pid: int | None, child_started: int | None) -> int | None:
+    """The pid of the process on this host that does a lease holder's work: the holder
+    (``pid``, started at ``started``) while it is alive, else the command a ``leases run``
+    wrapper started (``child_pid``, ``child_started``), else the lowest pid of a live
+    process of that command's process group (a shell's step that outlived a SIGKILLed
+    wrapper, SPEC §5); None when none of them lives (or ``/proc`` cannot be listed)."""
+    if alive(pid, started):
+        return pid
+    if child_pid is None:
+        return None
+    if alive(child_pid, child_started):
+        return child_pid
+    try:
+        return group_member(child_pid)
+    except OSError:
+        return None
+
+
+def live_lease(key: str, holder: Holder | None) -> StateError:
+    """``RIVET_STATE_RUN_IN_PROGRESS`` for lease ``key``, whose holder record is ``holder``
+    (None: not written yet), read as live: the refusal of ``leases release`` on either
+    backend. It names the process that keeps the lease live on this host
+    (:func:`working_pid`): the holder, or, once a ``leases run`` wrapper is gone, the
+    process of its command's group that still works, with the command to end that group
+    (SPEC §5: a holder's child still alive on this host keeps the lease live)."""
+    if holder is None:
+        return StateError("RIVET_STATE_RUN_IN_PROGRESS",
+                          f"lease {key} is held by a live process: holder record not written yet", {"key": key})
+    working = working_pid(holder.pid, holder.started, holder.child_pid, holder.child_started) \
+        if holder.host == host_name() else holder.pid
+    if working is None or working == holder.pid or holder.child_pid is None:
+        return StateError("RIVET_STATE_RUN_IN_PROGRESS",
+                          f"lease {key} is held by a live process: {holder.describe()}", {"key": key})
+    return StateError("RIVET_STATE_RUN_IN_PROGRESS",
+                      f"lease {key} is held by a live process: pid {working} on {holder.host}, of the process "
+                      f"group of the command that `leases run` pid {holder.pid} (gone) started as {holder.user} "
+                      f"since {moment(holder.acquired_at)}: {holder.command}; it still does that run's work. Wait "
+                      f"for it to end, or end the whole group (kill -TERM -- -{holder.child_pid})",
+                      {"key": key, "pid": working})

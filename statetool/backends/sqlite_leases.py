@@ -42,7 +42,7 @@ from urllib.parse import unquote
 from statetool.backends.base import HeldLease, Holder, LeaseInfo
 from statetool.backends.durable import directory_mode, give_owner, mode_of
 from statetool.backends.faults import fault, refuse_unwritable
-from statetool.backends.processes import command_alive, host_name
+from statetool.backends.processes import command_alive, host_name, live_lease
 from statetool.backends.proclocks import lock_holders_of
 from statetool.backends.sqlite_file import foreign_companions, read_header, refuse_unsafe_companions
 from statetool.errors import StateError
@@ -428,7 +428,7 @@ class FlockLeases:
         finally:
             os.close(fd)
         if info.state == "live":
-            raise _live_lease(key, info.holder)
+            raise live_lease(key, info.holder)
         return info
 
     def claim_stale(self, key: str, conn: object) -> FlockStaleClaim:
@@ -438,21 +438,15 @@ class FlockLeases:
         except BlockingIOError:
             holder = _holder(_read_doc(fd))
             os.close(fd)
-            raise _live_lease(key, holder) from None
+            raise live_lease(key, holder) from None
         record = _holder(_read_doc(fd))
         if _work_goes_on(record):  # its holder died, the work of its run did not: live, as info() reads it
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
-            raise _live_lease(key, record)
+            raise live_lease(key, record)
         return FlockStaleClaim(LeaseInfo(key, "stale" if record else "free", record), fd)
 
 
 def _unknown_lease(key: str) -> StateError:
     """``RIVET_STATE_LEASE_UNKNOWN``: no sidecar of ``key``."""
     return StateError("RIVET_STATE_LEASE_UNKNOWN", f"this state has no lease {key}", {"key": key})
-
-
-def _live_lease(key: str, holder: Holder | None) -> StateError:
-    """``RIVET_STATE_RUN_IN_PROGRESS``: the lease ``key`` has a live holder (a release refuses it)."""
-    return StateError("RIVET_STATE_RUN_IN_PROGRESS", f"lease {key} is held by a live process: "
-                      f"{holder.describe() if holder else 'holder record not written yet'}", {"key": key})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import select
 import signal
@@ -19,8 +20,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from statetool.backends.base import LeaseInfo
-from statetool.backends.processes import group_alive, process_started
+from statetool.backends.base import HeldLease, LeaseInfo
+from statetool.backends.processes import group_alive, group_member, process_started
 from statetool.errors import StateError
 from statetool.operations.context import Context
 from statetool.operations.leasing import (
@@ -36,8 +37,13 @@ from statetool.redact import command_line, redact_text
 
 __all__ = ["LeasesResult", "list_leases", "release", "run_under_lease", "show_leases"]
 
-#: Seconds a command whose lease was lost gets between SIGTERM and SIGKILL.
-GRACE_SECONDS = 10.0
+#: Seconds the command's process group gets between SIGTERM and SIGKILL (``--kill-after``):
+#: after the wrapper got SIGTERM, after its lease was lost, or, once the command ended,
+#: what is left of its group (docs/decisions.md, "Stopping the command").
+KILL_AFTER_SECONDS, MAX_KILL_AFTER = 10.0, 86400.0
+#: Seconds between two SIGKILLs of a group that is still alive, and between two lines
+#: naming a process that outlives them.
+KILL_AGAIN_SECONDS, KILL_LOG_SECONDS = 1.0, 30.0
 #: Seconds between two looks at a running command's lease.
 WATCH_SECONDS = 0.2
 _PR_SET_PDEATHSIG = 1
@@ -158,18 +164,39 @@ def _signal_group(group: int, signum: int) -> None:
         pass
 
 
-def _end_group(group: int, grace: float) -> None:
+def _end_group(group: int, kill_at: float | None, kill_after: float, log: Callable[[str], None]) -> None:
     """End what is left of the command's process group once the command has ended (a
     process it started in the background, or one that ignored the signal that ended the
-    command): SIGTERM, SIGKILL after ``grace`` seconds, so that no process of the run
-    outlives its lease. Returns when no live process of the group is left (a zombie does
-    no work: :func:`group_alive`), at most 2 s after the SIGKILL."""
+    command), so that no process of the run outlives its lease: SIGTERM (unless the group
+    got one already: ``kill_at`` is then the monotonic time its grace ends), SIGKILL once
+    ``kill_after`` seconds have passed (:func:`_kill_until_gone`). Returns only when no
+    live process of the group is left (a zombie does no work: :func:`group_alive`)."""
     if not group_alive(group):
         return
-    _signal_group(group, signal.SIGTERM)
-    if not _gone_within(group, grace):
+    if kill_at is None:
+        _signal_group(group, signal.SIGTERM)
+        kill_at = time.monotonic() + kill_after
+    if not _gone_within(group, kill_at - time.monotonic()):
+        _kill_until_gone(group, log, f"process {group_member(group)} of the command's group outlived it and did "
+                         f"not end within {kill_after:g} s (--kill-after) of SIGTERM")
+
+
+def _kill_until_gone(group: int, log: Callable[[str], None], why: str) -> None:
+    """SIGKILL process ``group``, again every second, until it has no live process: the lease
+    is released only then. Logs ``why`` (who did not end in time) first. A process SIGKILL cannot
+    end at once (in uninterruptible sleep on a hung mount) is waited for, with a line every
+    30 s naming it, never left behind."""
+    log(f"{why}: SIGKILL sent to process group {group}")
+    since = last_log = time.monotonic()
+    while True:
         _signal_group(group, signal.SIGKILL)
-        _gone_within(group, 2.0)
+        if _gone_within(group, KILL_AGAIN_SECONDS):
+            return
+        now = time.monotonic()
+        if now - last_log >= KILL_LOG_SECONDS:
+            last_log = now
+            log(f"process group {group} still has a live process (pid {group_member(group)}) {now - since:.0f} s "
+                "after SIGKILL; the lease is held until it ends")
 
 
 def _gone_within(group: int, seconds: float) -> bool:
@@ -182,14 +209,48 @@ def _gone_within(group: int, seconds: float) -> bool:
     return True
 
 
-def _stop(child: subprocess.Popen[bytes], grace: float) -> None:
-    """SIGTERM the command's whole process group, SIGKILL after ``grace`` seconds."""
-    _signal_group(child.pid, signal.SIGTERM)
-    try:
-        child.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        _signal_group(child.pid, signal.SIGKILL)
-        child.wait()
+def _on_path(name: str) -> bool:
+    """Whether ``name`` names an existing file: itself when it holds a ``/``, else in a
+    directory of ``PATH`` (:func:`os.get_exec_path`, the search ``subprocess`` makes)."""
+    if "/" in name:
+        return os.path.exists(name)
+    return any(os.path.exists(os.path.join(directory, name)) for directory in os.get_exec_path())
+
+
+def _unstartable(name: str, err: OSError, key: str) -> StateError:
+    """The error of a command ``name`` that the exec of ``leases run`` refused with ``err``,
+    as a shell tells them apart: ``RIVET_COMMAND_NOT_FOUND`` (exit 127) when no such file
+    is there (ENOENT), ``RIVET_COMMAND_NOT_EXECUTABLE`` (exit 126) for one that is there
+    but cannot be executed (no execute right, a directory, not a program, or a ``#!``
+    interpreter that is missing: ENOENT too, for a file that exists). ``key`` is the lease
+    that was given back."""
+    shown = redact_text(name)
+    after = f"nothing ran, and lease {key} was given back"
+    if err.errno == errno.ENOENT and not _on_path(name):
+        where = "there is no such file" if "/" in name else "no such command on PATH"
+        return StateError("RIVET_COMMAND_NOT_FOUND", f"cannot run {shown}: {where}; {after}", {"command": shown})
+    why = "its #! interpreter was not found" if err.errno == errno.ENOENT else err.strerror
+    return StateError("RIVET_COMMAND_NOT_EXECUTABLE", f"cannot run {shown}: {why}; {after}", {"command": shown})
+
+
+def _watch(child: subprocess.Popen[bytes], lease: HeldLease, kill_at: list[float], terminate: Callable[[], None],
+           log: Callable[[str], None], kill_after: float) -> int:
+    """Wait for ``child``, the command, to end; returns its exit status (``-N`` when signal
+    N ended it). A lost ``lease`` sends its group SIGTERM (and starts the grace,
+    ``terminate``); once the grace of a SIGTERM runs out (``kill_at[0]``, monotonic) the
+    group gets SIGKILL until none of it is left (:func:`_kill_until_gone`), and the wait
+    goes on until the command has ended."""
+    killed = False
+    with _exit_watch(child) as ended:
+        while (code := ended(WATCH_SECONDS)) is None:
+            if lease.lost and not kill_at:
+                terminate()
+                _signal_group(child.pid, signal.SIGTERM)
+            if kill_at and not killed and time.monotonic() >= kill_at[0]:
+                killed = True
+                _kill_until_gone(child.pid, log, f"the command (pid {child.pid}) did not end within {kill_after:g} s "
+                                 "(--kill-after) of SIGTERM")
+    return code
 
 
 @contextlib.contextmanager
@@ -222,7 +283,8 @@ def _exit_watch(child: subprocess.Popen[bytes]) -> Iterator[Callable[[float], in
             os.close(pidfd)
 
 
-def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: float = GRACE_SECONDS) -> int:
+def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *,
+                    kill_after: float = KILL_AFTER_SECONDS) -> int:
     """Run ``argv`` while holding export's run lease (like ``flock(1)`` for rivet state).
 
     The state must exist where it is resolved (``RIVET_STATE_MISSING``, and
@@ -231,19 +293,26 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
     ``PR_SET_PDEATHSIG``), and its pid and start time are recorded with the lease, so on
     PostgreSQL a wrapper that died while its command lives still holds the lease on this
     host; on SQLite the command inherits the lock. The command leads a process group of
-    its own: SIGINT and SIGTERM are forwarded to the whole group, and once the command has
-    ended, what is left of its group gets SIGTERM, then SIGKILL after ``grace`` seconds,
-    before the lease is released (a process the command started cannot run on beside the
-    next holder; one that leaves the group, setsid(2), is its own). When the lease is lost
-    (taken over, or unconfirmed for a TTL), the group gets SIGTERM, SIGKILL after ``grace``
-    seconds, and ``RIVET_STATE_LEASE_LOST`` is raised (exit 2), never a success. Returns the
-    command's exit code (128 + N when killed by signal N). Raises ``RIVET_CLI_USAGE`` when
-    the command cannot start, and ``RIVET_EXPORT_UNKNOWN`` before any lease is taken when
+    its own: SIGINT and SIGTERM are forwarded to the whole group; ``kill_after`` seconds
+    after a SIGTERM the wrapper got, a group that has not ended gets SIGKILL (SIGINT is not
+    escalated: an interactive command may catch Ctrl-C and go on). Once the command has
+    ended, what is left of its group gets SIGTERM, then SIGKILL after ``kill_after``
+    seconds, and the lease is released only when no live process of the group is left (a
+    process the command started cannot run on beside the next holder; one that leaves the
+    group, setsid(2), is its own). When the lease is lost (taken over, or unconfirmed for a
+    TTL), the group gets SIGTERM, SIGKILL after ``kill_after`` seconds, and
+    ``RIVET_STATE_LEASE_LOST`` is raised (exit 2), never a success. Returns the
+    command's exit code (128 + N when killed by signal N). Raises ``RIVET_CLI_USAGE`` without
+    a command, ``RIVET_COMMAND_NOT_FOUND`` (exit 127) / ``RIVET_COMMAND_NOT_EXECUTABLE``
+    (exit 126) when it cannot start (the lease given back, :func:`_unstartable`), ``RIVET_CLI_USAGE`` for a
+    ``kill_after`` outside 0 to 86400 seconds, and ``RIVET_EXPORT_UNKNOWN`` before any lease is taken when
     a pipeline config is there and does not declare ``export`` (issue 12 fixB item 2;
     without a config any export name is accepted).
     """
     if not argv:
         raise StateError("RIVET_CLI_USAGE", "give the command to run after --")
+    if not 0 <= kill_after <= MAX_KILL_AFTER:
+        raise StateError("RIVET_CLI_USAGE", f"--kill-after {kill_after:g} is outside 0 to {MAX_KILL_AFTER:g} seconds")
     command = command_line(argv)  # shell-quoted, each argument redacted: the holder record is readable by all
     key = valid_key(run_lease_key(export))  # the name is the operator's input: no control characters
     store = lease_store(ctx)
@@ -258,8 +327,15 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
     with holding(ctx, key, command) as lease:
         started: list[subprocess.Popen[bytes]] = []
         held: list[int] = []  # signals that came before the command started: it gets them first thing
+        kill_at: list[float] = []  # when the group gets SIGKILL: kill_after seconds after the first SIGTERM
+
+        def terminate() -> None:
+            if not kill_at:
+                kill_at.append(time.monotonic() + kill_after)
 
         def forward(signum: int, _frame: object) -> None:
+            if signum == signal.SIGTERM:
+                terminate()  # a scheduler stopping the task: it gets its grace, then SIGKILL
             if started:
                 _signal_group(started[0].pid, signum)
             else:
@@ -274,17 +350,16 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *, grace: fl
                 child = subprocess.Popen(list(argv), pass_fds=lease.inheritable_fds(),
                                          preexec_fn=_child_setup(terminal))
             except OSError as err:
-                raise StateError("RIVET_CLI_USAGE", f"cannot start {argv[0]}: {err.strerror}") from None
+                raise _unstartable(argv[0], err, key) from None
             started.append(child)
-            for signum in held:
-                _signal_group(child.pid, signum)
-            lease.set_child(child.pid, process_started(child.pid))
-            with _exit_watch(child) as ended:
-                while (code := ended(WATCH_SECONDS)) is None:
-                    if lease.lost:
-                        _stop(child, grace)
-                        break
-            _end_group(child.pid, grace)  # before the lease goes: no process of the run outlives it
+            try:
+                for signum in held:
+                    _signal_group(child.pid, signum)
+                lease.set_child(child.pid, process_started(child.pid))
+                code = _watch(child, lease, kill_at, terminate, ctx.log, kill_after)
+            finally:
+                # before the lease goes, on every way out: no process of the run outlives it
+                _end_group(child.pid, kill_at[0] if kill_at else None, kill_after, ctx.log)
         finally:
             if terminal is not None:
                 _set_foreground(terminal, os.getpgrp())

@@ -132,7 +132,7 @@ class TransferResult:
         return asdict(self)
 
 
-def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
+def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = "--to") -> TransferResult:
     """Move the state at the resolved location into the state at ``to``: SQLite into
     PostgreSQL, PostgreSQL into SQLite (``sqlite:/dir``: ``/dir/.rivet_state.db``), or
     PostgreSQL into another database or schema (SPEC §9).
@@ -151,9 +151,11 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False) -> TransferResult:
     pre-flight code of the source. ``dry_run`` runs the same checks and writes nothing
     anywhere (a source on a read-only mount gives its plan with warning
     ``RIVET_STATE_READ_ONLY_DRY_RUN``). The re-run of a completed transfer answers "already transferred" (exit 0).
+    ``to_setting`` is the setting that gave ``to`` (``--to``, ``--to-env NAME``), which a
+    refusal of the destination's URL names first.
     """
     source = _source(ctx)
-    dest = _destination(ctx, source, to)
+    dest = _destination(ctx, source, to, to_setting)
     old = retirement(source)  # the source's old place, retired at the switch
     tomb = old.moved_to()
     if tomb is not None and tomb.get("to") == dest.location.display:
@@ -229,11 +231,11 @@ def _source(ctx: Context) -> TransferSource:
     return cast("TransferSource", backend)
 
 
-def _destination(ctx: Context, source: TransferSource, url: str) -> TransferDestination:
-    """The backend at ``url`` (resolved as a state location); ``RIVET_STATE_BACKEND_UNSUPPORTED``
+def _destination(ctx: Context, source: TransferSource, url: str, setting: str) -> TransferDestination:
+    """The backend at ``url`` (resolved as a state location that ``setting`` gave); ``RIVET_STATE_BACKEND_UNSUPPORTED``
     unless it accepts a transfer, is not the source itself, and the move is not one between
     two files (``relocatable`` both: relocate's, page for page, with the checkpoints)."""
-    backend = open_backend(resolve_location(None, url, ctx.config_path), ctx.lock_wait)
+    backend = open_backend(resolve_location(None, url, ctx.config_path, setting=setting), ctx.lock_wait)
     if not backend.accepts_transfer:
         raise StateError("RIVET_STATE_BACKEND_UNSUPPORTED",
                          f"transfer cannot move a state into '{backend.location.display}'")
