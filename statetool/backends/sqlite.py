@@ -51,7 +51,7 @@ from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.readers import CoreReader, DriverReader
 from statetool.backends.sqlite_rows import copy_blocks, insert_blocks
-from statetool.backends.sqlite_file import foreign_companions, read_header, refuse_unsafe_companions
+from statetool.backends.sqlite_file import applied_journal, foreign_companions, read_header, refuse_unsafe_companions
 from statetool.backends.tombstone import remove_companions, wait_for_openers
 from statetool.errors import StateError, internal_error
 from statetool.location import LEASE_DIR, Location
@@ -464,6 +464,7 @@ class SqliteBackend:
             if start_from is not None:
                 try:
                     copy_file_exclusively(start_from, tmp)
+                    _carry_journal(start_from, tmp)
                 except OSError as err:
                     raise fault(directory, err) or err from None
             engine = self._writer_engine(tmp)
@@ -872,6 +873,17 @@ def _written_behind(path: Path) -> Iterator[None]:
         worker.join()
 
 
+def _carry_journal(source: Path, copy: Path) -> None:
+    """Copy the journal SQLite applies to the file ``source`` (:func:`applied_journal`)
+    beside ``copy``, a byte copy of it, under the same suffix: the first open of ``copy``
+    then applies it as a read of ``source`` does (the committed frames of its ``-wal``, the
+    roll-back of a hot ``-journal``), so the copy holds what ``source`` was verified to
+    hold. Raises the ``OSError`` of the copy."""
+    journal = applied_journal(source)
+    if journal is not None:
+        copy_file_exclusively(journal, Path(f"{copy}{journal.name[len(source.name):]}"))
+
+
 class CopyMigration:
     """A migration of a SQLite state built in a copy of it, which then replaces it whole
     (a :class:`~statetool.backends.base.Migration`; decisions.md, "Revisions and
@@ -929,6 +941,8 @@ class CopyMigration:
                 raise unownable(self.real, st, "a migration") from None
             with open(self.source, "rb") as src:
                 copy_bytes(src.fileno(), fd, os.fstat(src.fileno()).st_size, progress)
+            if self.source != self.real:  # the live state's own WAL was checkpointed, and it is frozen
+                _carry_journal(self.source, self.copy)
         except OSError as err:
             raise fault(self.real.parent, err) or err from None
         finally:
