@@ -359,3 +359,83 @@ def test_a_copy_is_restored_with_the_journal_its_verification_read(
     assert now["serial"] == 14 == json.loads(proc.stdout)["after"]["serial"]
     assert _exported(config, *args[2:])[1]["orders"] == "150"
     assert not [p for p in state.parent.iterdir() if p.name.endswith((".tmp", "-journal"))]
+
+
+@pytest.mark.parametrize("point", CREATE_POINTS)
+def test_a_restore_where_no_state_is_killed_at_each_step_leaves_nothing_or_the_whole_state(
+        template: Path, tmp_path: Path, point: str) -> None:
+    """``restore PATH --if-absent`` into an empty declared directory (a container's boot),
+    killed at each step of the atomic create: nothing is at the state's path, or the whole
+    restored state is (serial the copy's + 1, one ``restore`` audit row); the re-run exits 0
+    and leaves the restored state and nothing else in the directory."""
+    source, copy_name = _pipeline(template, tmp_path / "source")
+    copy = tmp_path / "backups" / "rivet_state.db"
+    copy.parent.mkdir()
+    shutil.copyfile(source.parent / copy_name, copy)
+    scratch = tmp_path / "scratch"
+    expected = _look(copy, scratch)
+    config, volume = _volume(tmp_path / "boot")
+    args = ("-c", str(config), "--state-url", f"sqlite:{volume}", "restore", str(copy), "--if-absent")
+    state = volume / STATE
+
+    proc = run_killed_at(point, *args)
+    assert proc.returncode == -signal.SIGKILL, f"not killed at {point}: {describe(proc)}"
+    if point == "linked":
+        now = _look(state, scratch)
+        assert now["integrity"] == ["ok"]
+        assert (now["serial"], now["cursors"], now["rows"]) == (COPY_SERIAL + 1, expected["cursors"], expected["rows"])
+        assert now["audit"][:-1] == expected["audit"] and now["audit"][-1][0] == "restore"
+        assert sorted(p.name for p in volume.iterdir()) == [STATE], f"killed at {point}"
+    else:
+        assert not os.path.lexists(state), f"a state is at its path after a kill at {point}"
+        assert [p.name for p in volume.iterdir() if p.name != ".rivet_state.leases"] and all(
+            p.name.startswith(f"{STATE}.init-") and p.name.endswith(".tmp") for p in volume.iterdir()), \
+            f"killed at {point}: {sorted(p.name for p in volume.iterdir())}"
+        gone = run_cli("-c", str(config), "--state-url", f"sqlite:{volume}", "info", "--json")
+        assert gone.returncode == 0 and json.loads(gone.stdout)["revision"]["status"] == "missing", describe(gone)
+
+    rerun = run_cli(*args, "--json")
+    assert rerun.returncode == 0, f"re-run after a kill at {point}: {describe(rerun)}"
+    assert json.loads(rerun.stdout)["action"] == ("none" if point == "linked" else "created"), describe(rerun)
+    now = _look(state, scratch)
+    assert now["integrity"] == ["ok"]
+    assert (now["serial"], now["cursors"], now["rows"]) == (COPY_SERIAL + 1, expected["cursors"], expected["rows"])
+    assert [a for a, _ in now["audit"]] == [a for a, _ in expected["audit"]] + ["restore"]
+    assert now["audit"][-1][1]["copy"] == str(copy)
+    assert sorted(p.name for p in volume.iterdir()) == [STATE], f"after the re-run of a kill at {point}"
+    assert _exported(config, "--state-url", f"sqlite:{volume}") == (COPY_SERIAL + 1, expected["cursors"])
+
+
+def test_a_create_removes_what_a_killed_create_left_never_what_another_is_building(
+        template: Path, tmp_path: Path) -> None:
+    """The private directories new states are built in: one whose lock nobody holds (a
+    killed create's) is removed by the next create; one another create holds (here the test,
+    by ``flock``) is left alone. And two ``restore --if-absent`` at once at one empty
+    directory (two containers booting): both exit 0, one restored, the other found it done,
+    and nothing but the state is left."""
+    import fcntl
+
+    source, copy_name = _pipeline(template, tmp_path / "source")
+    copy = source.parent / copy_name
+    config, volume = _volume(tmp_path / "boot")
+    abandoned, building = volume / f"{STATE}.init-abandoned.tmp", volume / f"{STATE}.init-building.tmp"
+    for made in (abandoned, building):
+        made.mkdir(mode=0o700)
+        (made / STATE).write_bytes(copy.read_bytes())
+    held = os.open(building, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = run_cli("-c", str(config), "--state-url", f"sqlite:{volume}", "restore", str(copy), "--if-absent")
+        assert proc.returncode == 0, describe(proc)
+        assert sorted(p.name for p in volume.iterdir()) == sorted([STATE, building.name])
+    finally:
+        os.close(held)
+
+    config, volume = _volume(tmp_path / "twice")
+    args = ("-c", str(config), "--state-url", f"sqlite:{volume}", "--json", "restore", str(copy), "--if-absent")
+    procs = [fork_cli(*args, env=process_env()) for _ in range(2)]
+    outs = [(p.communicate(120), p.wait()) for p in procs]
+    assert [status for _, status in outs] == [0, 0], outs
+    assert sorted(json.loads(out)["action"] for (out, _err), _ in outs) == ["created", "none"], outs
+    assert sorted(p.name for p in volume.iterdir()) == [STATE]
+    assert _look(volume / STATE, tmp_path / "scratch")["serial"] == COPY_SERIAL + 1
