@@ -24,7 +24,6 @@ import re
 import shutil
 import signal
 import sqlite3
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,10 @@ import pytest
 
 from support import describe, fork_cli, process_env, run_cli, run_cli_forked, tree_digest, write_config
 from statetool.operations.restore import CRASH_POINTS, CREATE_POINTS
+from statetool.runtime import StateStore
 from support.crash_driver import run_killed_at
+from support.states import add_runs
+from test_move_crashes import _kill_when
 
 STATE = ".rivet_state.db"
 EXPORTS_YAML = """\
@@ -53,7 +55,6 @@ WRITTEN = ("rivet_lineage", "rivet_audit")
 RESTORE_BACKUP = re.compile(rf"^{re.escape(STATE)}\.backup-restore-\d{{8}}T\d{{6}}Z$")
 #: Blind kills: evenly over the measured run time, and one at twice it.
 KILLS = 8
-POLL = 0.0005
 
 
 def _cli(config: Path, *args: str) -> None:
@@ -70,14 +71,7 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("restores") / "pipeline"
     config = write_config(directory, exports=EXPORTS_YAML)
     _cli(config, "init")
-    db = sqlite3.connect(directory / STATE)
-    with db:
-        db.executemany("INSERT INTO rivet_runs (run_id, export_name, mode, status, started_at, finished_at, rows) "
-                       "VALUES (?, 'orders', 'incremental', 'succeeded', ?, ?, ?)",
-                       ((f"r{i:07d}", f"2026-01-01T00:00:{i % 60:02d}Z", "2026-01-01T01:00:00Z", i)
-                        for i in range(RUNS)))
-    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    db.close()
+    add_runs(directory / STATE, RUNS)
     for export, value in (("orders", "100"), ("order_lines", "10"), ("orders", "200"), ("order_lines", "20")):
         _cli(config, "exports", "set-cursor", export, value)
     db = sqlite3.connect(directory / STATE)
@@ -233,25 +227,13 @@ def test_a_restore_killed_at_each_step_leaves_one_whole_state_and_a_rerun_conver
     info = run_cli("-c", str(config), "--json", "info")
     assert info.returncode == 0, describe(info)
     assert tree_digest(config.parent) == digest, f"a read changed a file after a kill at {point}"
+    StateStore.open(config, state_url=None, env={}, lock_wait=0)  # a pipeline's next run opens it
 
     rerun = run_cli("-c", str(config), "restore", copy_name, "--allow-older", "--json")
     assert rerun.returncode == 0, f"re-run after a kill at {point}: {describe(rerun)}"
     _assert_converged(config, before, old, copy, scratch, f"re-run after a kill at {point}",
                       restores=2 if point == "swapped" else 1)
     assert json.loads(rerun.stdout)["after"]["serial"] == _look(config.parent / STATE, scratch)["serial"]
-
-
-def _kill_after(args: tuple[str, ...], delay: float) -> int:
-    """Start the CLI (forked: :mod:`support.forked`), SIGKILL it ``delay`` seconds later
-    unless it ended first; its exit status. The wait sleeps: a spinning test takes a core
-    from the process it is about to kill."""
-    proc = fork_cli(*args, env=process_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    end = time.monotonic() + delay
-    while proc.poll() is None and (left := end - time.monotonic()) > 0:
-        time.sleep(min(left, POLL))
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-    return proc.wait(timeout=120)
 
 
 def test_a_restore_killed_blind_at_any_instant_leaves_one_whole_state_and_a_rerun_converges(
@@ -272,7 +254,7 @@ def test_a_restore_killed_blind_at_any_instant_leaves_one_whole_state_and_a_reru
         before = {p.name for p in directory.iterdir()}
         old, copy = _look(directory / STATE, scratch), _look(directory / copy_name, scratch)
         args = ("-c", str(config), "restore", copy_name, "--allow-older")
-        status = _kill_after(args, delay)
+        status = _kill_when(args, lambda: True, delay)
         where = f"kill {i} ({delay * 1000:.1f} ms of {total * 1000:.1f} ms, exit {status})"
         assert status in (0, -signal.SIGKILL), where
         which = _after_a_kill(config, before, old, copy, scratch, where)
