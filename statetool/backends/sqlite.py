@@ -610,8 +610,10 @@ class SqliteBackend:
         return found
 
     def _remove_stale_temps(self) -> None:
-        """Remove :meth:`_stale_temps` and :meth:`_second_names`. Runs under the write lock,
-        so no backup or migration copy is being made."""
+        """Remove :meth:`_stale_temps`, :meth:`_second_names` and what a killed create left
+        (:meth:`_remove_abandoned_builds`). Runs under the write lock, so no backup or
+        migration copy is being made."""
+        self._remove_abandoned_builds()
         for path in self._stale_temps():
             if path.is_dir():
                 shutil.rmtree(path)
