@@ -32,6 +32,7 @@ from statetool.backends.tombstone import MAGIC as TOMBSTONE_MAGIC
 from statetool.errors import StateError
 from statetool.runtime import StateStore
 from statetool.schema import IN_FLIGHT_REVISION
+from support.states import add_runs
 
 STATE = ".rivet_state.db"
 CHECKPOINT = Path("checkpoints") / "order_events.json"
@@ -59,12 +60,9 @@ def _build_template(directory: Path, rows: int) -> Path:
     config = write_config(directory)
     proc = run_cli("-c", str(config), "init")
     assert proc.returncode == 0, describe(proc)
+    add_runs(directory / STATE, rows)
     db = sqlite3.connect(directory / STATE)
     with db:
-        db.executemany("INSERT INTO rivet_runs (run_id, export_name, mode, status, started_at, finished_at, rows) "
-                       "VALUES (?, 'orders', 'incremental', 'succeeded', ?, ?, ?)",
-                       ((f"r{i:07d}", f"2026-01-01T00:00:{i % 60:02d}Z", "2026-01-01T01:00:00Z", i)
-                        for i in range(rows)))
         db.executemany("INSERT INTO rivet_chunks VALUES ('order_lines', 'r0000001', ?, ?, ?, 'done', 1000, ?)",
                        ((k, str(k * 1000), str((k + 1) * 1000), "2026-01-01T00:00:00Z") for k in range(rows)))
         db.execute("UPDATE rivet_exports SET cursor_value = '2026-06-01' WHERE export_name = 'orders'")

@@ -288,11 +288,13 @@ class Backend(Protocol):
         Waits up to ``lock_wait`` seconds for the write lock, then raises ``lock_code``.
         """
 
-    def create(self, build: Callable[[Connection], None], start_from: Path | None = None) -> None:
+    def create(self, build: Callable[[Connection], None], start_from: Path | None = None,
+               on_step: Step | None = None) -> None:
         """Create a new state atomically: ``build`` runs in one transaction; on SQLite on a
-        temporary file renamed into place only when complete, which starts as a byte copy of
-        the state file ``start_from`` when given (a restore where no state is; only where
-        :attr:`keeps_copies`). Refuses nothing itself."""
+        temporary file linked into place only when complete, which starts as a copy of the
+        state file ``start_from`` when given (a restore where no state is; only where
+        :attr:`keeps_copies`), its steps told to ``on_step`` (``copied``, ``built``,
+        ``linked``). Refuses nothing itself."""
 
     def backup(self, conn: Connection, label: str, progress: Progress | None = None) -> Path | None:
         """A verified copy of the state beside it (SQLite), named with ``label``; None on

@@ -298,7 +298,8 @@ class PostgresBackend:
         with self._transaction("migrate" if lock_code == _MIGRATION_LOCK else "write", lock_code) as conn:
             yield conn
 
-    def create(self, build: Callable[[Connection], None], start_from: Path | None = None) -> None:
+    def create(self, build: Callable[[Connection], None], start_from: Path | None = None,
+               on_step: Step | None = None) -> None:
         assert start_from is None, "keeps_copies is False: no file to start from"
         with self._transaction("create", _MIGRATION_LOCK) as conn:
             conn.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {ident(self.schema)}")

@@ -51,7 +51,7 @@ from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.readers import CoreReader, DriverReader
 from statetool.backends.sqlite_rows import copy_blocks, insert_blocks
-from statetool.backends.sqlite_file import foreign_companions, read_header, refuse_unsafe_companions
+from statetool.backends.sqlite_file import applied_journal, foreign_companions, read_header, refuse_unsafe_companions
 from statetool.backends.tombstone import remove_companions, wait_for_openers
 from statetool.errors import StateError, internal_error
 from statetool.location import LEASE_DIR, Location
@@ -428,8 +428,9 @@ class SqliteBackend:
         return [p for p in (Path(f"{self.path}{suffix}") for suffix in ("-wal", "-shm", "-journal"))
                 if os.path.lexists(p)]
 
-    def create(self, build: Callable[[Connection], None], start_from: Path | None = None) -> None:
-        with self._new_file(start_from) as conn:
+    def create(self, build: Callable[[Connection], None], start_from: Path | None = None,
+               on_step: Step | None = None) -> None:
+        with self._new_file(start_from, on_step) as conn:
             build(conn)
 
     def copies(self) -> list[Path]:
@@ -442,13 +443,17 @@ class SqliteBackend:
         return found
 
     @contextlib.contextmanager
-    def _new_file(self, start_from: Path | None = None) -> Iterator[Connection]:
+    def _new_file(self, start_from: Path | None = None, on_step: Step | None = None) -> Iterator[Connection]:
         """One writing transaction on a new state file in WAL mode (a byte copy of the state
-        file ``start_from`` when given, made exclusively, never through a link), built in a
-        private directory beside the state and linked into place only once committed, closed and
-        fsynced (a link never replaces what appeared meanwhile: ``RIVET_STATE_TARGET_NOT_EMPTY``);
-        a failure leaves nothing at the state's path. Raises ``RIVET_STATE_TARGET_NOT_EMPTY``
-        when journals of an earlier state lie there, and the directory's faults."""
+        file ``start_from`` when given, made exclusively, never through a link, with the
+        journal a read of it applies: :func:`_carry_journal`), built in a private directory
+        beside the state (:meth:`_building_dir`) and linked into place only once committed,
+        closed and fsynced (a link never replaces what appeared meanwhile:
+        ``RIVET_STATE_TARGET_NOT_EMPTY``); a failure leaves nothing at the state's path, a kill
+        leaves at most the private directory, which the next create removes. ``on_step`` is
+        told ``copied`` (from ``start_from`` only), ``built`` and ``linked``
+        (``restore.CREATE_POINTS``). Raises ``RIVET_STATE_TARGET_NOT_EMPTY`` when journals of
+        an earlier state lie there, and the directory's faults."""
         import sqlalchemy as sa
 
         leftovers = self._companions()
@@ -459,13 +464,16 @@ class SqliteBackend:
                              f"{', '.join(map(str, leftovers))} lie where the new state would be: files of a state "
                              "that was there before; nothing was created", {"path": str(self.path)})
         directory = self.path.parent
-        with self._private_dir(f"{self.path.name}.init-") as private:
+        step = on_step or (lambda _name: None)
+        with self._building_dir() as private:
             tmp = private / self.path.name
             if start_from is not None:
                 try:
                     copy_file_exclusively(start_from, tmp)
+                    _carry_journal(start_from, tmp)
                 except OSError as err:
                     raise fault(directory, err) or err from None
+                step("copied")
             engine = self._writer_engine(tmp)
 
             @sa.event.listens_for(engine, "connect")
@@ -484,12 +492,63 @@ class SqliteBackend:
             finally:
                 engine.dispose()  # the last connection's close folds the WAL into the file
             fsync_file(tmp)
+            step("built")
             try:
                 os.link(tmp, self.path)  # unlike rename, never replaces what appeared meanwhile
             except FileExistsError:
                 raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{self.path} appeared while the new state "
                                  "was being built; nothing was replaced", {"path": str(self.path)}) from None
-            fsync_dir(directory)
+        fsync_dir(directory)  # the link and the private directory's removal
+        step("linked")
+
+    #: The private directories new states are built in (:meth:`_building_dir`).
+    _BUILDING = ".init-"
+
+    @contextlib.contextmanager
+    def _building_dir(self) -> Iterator[Path]:
+        """:meth:`_private_dir` for a new state (``<state>.init-<random>.tmp``), locked
+        (``flock``) for as long as the state is built in it, so that one a killed create
+        left is told from one another create is building in: the abandoned ones are removed
+        first (:meth:`_remove_abandoned_builds`). A directory removed as abandoned between
+        its making and its lock is made again."""
+        import fcntl
+
+        self._remove_abandoned_builds()
+        while True:
+            with self._private_dir(f"{self.path.name}{self._BUILDING}") as made:
+                try:
+                    fd = os.open(made, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    if os.fstat(fd).st_nlink == 0:
+                        continue
+                    yield made
+                    return
+                finally:
+                    os.close(fd)
+
+    def _remove_abandoned_builds(self) -> None:
+        """Remove every ``<state>.init-….tmp`` directory beside the state whose lock nobody
+        holds: what a create (``init``, a transfer into this file, a restore where no state
+        was) SIGKILLed before its end left, a copy of a state that was never in place."""
+        import fcntl
+
+        for path in self.path.parent.glob(f"{self.path.name}{self._BUILDING}*.tmp"):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue  # gone meanwhile, or no directory of ours (a symlink is never followed)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # another create is building in it
+            try:
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                os.close(fd)
 
     def _make_private_dir(self, directory: Path, prefix: str) -> Path:
         """A new directory of this user's only (mode 0700, a name nobody can guess, ending
@@ -553,8 +612,10 @@ class SqliteBackend:
         return found
 
     def _remove_stale_temps(self) -> None:
-        """Remove :meth:`_stale_temps` and :meth:`_second_names`. Runs under the write lock,
-        so no backup or migration copy is being made."""
+        """Remove :meth:`_stale_temps`, :meth:`_second_names` and what a killed create left
+        (:meth:`_remove_abandoned_builds`). Runs under the write lock, so no backup or
+        migration copy is being made."""
+        self._remove_abandoned_builds()
         for path in self._stale_temps():
             if path.is_dir():
                 shutil.rmtree(path)
@@ -874,6 +935,17 @@ def _written_behind(path: Path) -> Iterator[None]:
         worker.join()
 
 
+def _carry_journal(source: Path, copy: Path) -> None:
+    """Copy the journal SQLite applies to the file ``source`` (:func:`applied_journal`)
+    beside ``copy``, a byte copy of it, under the same suffix: the first open of ``copy``
+    then applies it as a read of ``source`` does (the committed frames of its ``-wal``, the
+    roll-back of a hot ``-journal``), so the copy holds what ``source`` was verified to
+    hold. Raises the ``OSError`` of the copy."""
+    journal = applied_journal(source)
+    if journal is not None:
+        copy_file_exclusively(journal, Path(f"{copy}{journal.name[len(source.name):]}"))
+
+
 class CopyMigration:
     """A migration of a SQLite state built in a copy of it, which then replaces it whole
     (a :class:`~statetool.backends.base.Migration`; decisions.md, "Revisions and
@@ -931,6 +1003,8 @@ class CopyMigration:
                 raise unownable(self.real, st, "a migration") from None
             with open(self.source, "rb") as src:
                 copy_bytes(src.fileno(), fd, os.fstat(src.fileno()).st_size, progress)
+            if self.source != self.real:  # the live state's own WAL was checkpointed, and it is frozen
+                _carry_journal(self.source, self.copy)
         except OSError as err:
             raise fault(self.real.parent, err) or err from None
         finally:

@@ -204,3 +204,22 @@ def orphan_companions(path: Path) -> Orphans | None:
     if shm.exists() and not wal.exists():
         return Orphans(f"{shm.name} lies beside the state without its -wal", {"shm": str(shm)})
     return None
+
+
+def applied_journal(path: Path) -> Path | None:
+    """The journal beside the SQLite file at ``path`` that SQLite applies to it on opening it
+    there, and that a read of it applies too (``SqliteBackend.reading``): the ``-wal`` of a
+    WAL file when it fits (:func:`wal_mismatch`: its committed frames are part of the file's
+    content), the ``-journal`` of a rollback-journal file (a hot one is rolled back); None
+    when there is none, or it is empty or no regular file. A byte copy of ``path`` alone
+    lacks what it holds: a restore copies it beside its copy (docs/decisions.md, "Restore
+    starts from what it verified")."""
+    header = read_header(path)
+    journal = Path(f"{path}-wal" if header[18] == 2 else f"{path}-journal")
+    try:
+        st = os.lstat(journal)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        return None
+    return journal if header[18] != 2 or wal_mismatch(header, journal) is None else None

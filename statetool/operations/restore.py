@@ -38,6 +38,17 @@ _REPLACED_BY = "a restore"
 _COPIES = 1
 _PENDING = frozenset({"RIVET_STATE_MIGRATION_PENDING"})
 
+#: The steps a restore over a live state announces to :attr:`Context.on_step`, in the order
+#: it passes them (tests/test_restore_crashes.py kills it at each): every lease and the write
+#: lock held, the copy copied beside the state, the built copy verified (serial advanced,
+#: audit row written), the built copy committed and fsynced, the live state's transaction
+#: closed, the live state kept as the backup, the built copy renamed into place.
+CRASH_POINTS = ("locked", "copied", "verified", "built", "closed", "kept", "swapped")
+#: The steps a restore where no state is announces (the atomic create's,
+#: :meth:`~statetool.backends.base.Backend.create`): the copy copied into the create's
+#: private directory, the new state committed, closed and fsynced, linked into place.
+CREATE_POINTS = ("copied", "built", "linked")
+
 
 class RestoreResult(NamedTuple):
     """What ``restore`` did (or, in a dry run, would do). ``action`` is ``restored`` (over a

@@ -469,5 +469,5 @@ def create_from_copy(ctx: Context, source: Path, detail: dict[str, object]) -> i
             _write_audit(conn, ctx, "restore", {**detail, "serial": serial})
 
     require_writable(ctx)
-    backend.create(whole, start_from=source)
+    backend.create(whole, start_from=source, on_step=ctx.on_step)
     return serial

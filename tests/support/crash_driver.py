@@ -1,10 +1,11 @@
-"""Run ``relocate``, ``transfer`` or ``migrate`` in a real process that SIGKILLs itself at one
-named step (the crash tests of tests/test_relocate.py, tests/test_transfer.py and
-tests/test_migrate_crashes.py), forked from the test process's fork server
+"""Run ``relocate``, ``transfer``, ``migrate`` or ``restore`` in a real process that SIGKILLs
+itself at one named step (the crash tests of tests/test_relocate.py, tests/test_transfer.py,
+tests/test_migrate_crashes.py and tests/test_restore_crashes.py), forked from the test process's fork server
 (:mod:`support.forked`) so that it starts with statetool imported.
 
 The hook is the operation's own: :attr:`statetool.operations.context.Context.on_step` is
-told each step's name (``relocate.CRASH_POINTS``, ``copy-page-<n>``, ``migrate.CRASH_POINTS``); this driver builds
+told each step's name (``relocate.CRASH_POINTS``, ``copy-page-<n>``, ``migrate.CRASH_POINTS``,
+``restore.CRASH_POINTS``, ``restore.CREATE_POINTS``); this driver builds
 the Context the CLI would, with an ``on_step`` that kills the process at ``POINT``.
 Nothing in statetool reads the environment for it. As a script::
 
@@ -12,6 +13,7 @@ Nothing in statetool reads the environment for it. As a script::
         relocate --to DIR [--full-verify] [--create-dir]
     python tests/support/crash_driver.py POINT -c CONFIG transfer --to URL
     python tests/support/crash_driver.py POINT -c CONFIG migrate
+    python tests/support/crash_driver.py POINT -c CONFIG [--state-url URL] restore WHAT [--allow-older] [--if-absent]
 
 It exits 3 when the operation ended without passing ``POINT`` (a wrong name, or a path that
 does not pass there); a failure of the operation is its traceback and exit 1.
@@ -74,6 +76,10 @@ def main(argv: list[str]) -> int:
     relocate.add_argument("--create-dir", action="store_true")
     verbs.add_parser("transfer").add_argument("--to", required=True)
     verbs.add_parser("migrate")
+    restore = verbs.add_parser("restore")
+    restore.add_argument("what")
+    restore.add_argument("--allow-older", action="store_true")
+    restore.add_argument("--if-absent", action="store_true")
     options = parser.parse_args(args)
 
     fault, _, step = point.rpartition("@")
@@ -119,6 +125,10 @@ def main(argv: list[str]) -> int:
         from statetool.operations.migrate import migrate
 
         migrate(ctx)
+    elif options.verb == "restore":
+        from statetool.operations.restore import restore as put_back
+
+        put_back(ctx, options.what, allow_older=options.allow_older, if_absent=options.if_absent)
     else:
         from statetool.operations.transfer import transfer
 
