@@ -311,6 +311,11 @@ REGISTRY: dict[str, Entry] = {
         "refusal", "refusal",
         "read the recorded key with statetool identity show and name it exactly as --old",
     ),
+    "RIVET_STATE_COPY_DIVERGED": _e(
+        "refusal", "refusal",
+        "the copy and the live state went apart at the same serial; compare them (statetool diff COPY sqlite:/dir), "
+        "keep the one that holds the progress to keep, and restore it on purpose with --allow-older (audited)",
+    ),
     "RIVET_STATE_COPY_OLDER": _e(
         "refusal", "refusal",
         "the copy holds older progress than the live state; compare them (statetool diff), and if going back is "

@@ -1062,8 +1062,14 @@ def pruned(doc: dict[str, Any]) -> None:
                   "Nothing to remove.")
     for name in removed:
         page.line(f"  {name}")
-    page.para(f"Kept {_plural(len(doc['kept']), 'file')}, the newest one that verifies among them.")
+    kept = doc["kept"]
+    if kept:
+        page.para(f"Kept {_plural(len(kept), 'file')}: the newest good copy of this state's lineage, those the "
+                  "options keep, and every copy that did not verify or is of another lineage (never removed).")
+    else:
+        page.para("No copy is kept: there is none.")
     page.show()
+    print_warnings(doc.get("warnings", []))
 
 
 def restored(doc: dict[str, Any]) -> None:
@@ -1074,6 +1080,9 @@ def restored(doc: dict[str, Any]) -> None:
     elif doc["dry_run"] and doc["plan"]:
         page.para(f"{_sentence(doc['message'])}.")
         plan(page, doc["plan"])
+        page.show()
+        print_warnings(doc["plan"]["warnings"])
+        return
     else:
         before, after = doc["before"], doc["after"]
         page.para(f"{_sentence(doc['message'])}.")

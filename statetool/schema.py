@@ -101,5 +101,6 @@ lineage = sa.Table(
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
     sa.Column("lineage", sa.Text, nullable=False),
     sa.Column("serial", sa.BigInteger, nullable=False),
+    sa.Column("write_id", sa.Text, nullable=False),
     sa.Column("updated_at", sa.Text, nullable=False),
 )

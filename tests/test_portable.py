@@ -323,6 +323,12 @@ def test_import_refuses_a_file_of_another_identity_or_lineage_or_format(tmp_path
     before = tree_digest(sb.pipeline)
     proc = cli(sb, config, "import", str(other), "--export", "orders")
     assert proc.returncode == 5 and "RIVET_STATE_FOREIGN" in proc.stderr, describe(proc)
+    # where no state is, beside a config too, as restore refuses it (a fresh user imported
+    # another source's file there, exit 0, and the next check failed)
+    beside = write_config(tmp_path / "fresh")
+    proc = run_cli("-c", str(beside), "--json-errors", "import", str(other), env={})
+    assert proc.returncode == 5 and "RIVET_STATE_FOREIGN" in proc.stderr, describe(proc)
+    assert sorted(os.listdir(beside.parent)) == ["rivet.yaml"]
     empty = tmp_path / "empty"
     empty.mkdir()
     proc = run_cli("-c", str(config), "--state-url", f"sqlite:{empty}", "import", str(other))
@@ -389,3 +395,27 @@ def test_import_of_a_hand_edited_file_is_refused_naming_the_field_and_writes_not
     assert os.listdir(empty) == [] and tree_digest(sb.pipeline) == before
     missing = cli(sb, config, "import", str(tmp_path / "nosuch.json"))
     assert missing.returncode == 1 and "RIVET_CLI_USAGE" in missing.stderr, describe(missing)
+
+
+def test_diff_import_and_export_refuse_odd_paths_by_a_registered_code_and_never_block(tmp_path: Path) -> None:
+    """A fresh user's findings: a FIFO blocked diff and import for ever; a symlink to
+    nothing, a missing -o directory and 100,000 nested brackets were RIVET_INTERNAL."""
+    sb = StateBackend.sqlite(tmp_path)
+    config = built(sb)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    dangling = tmp_path / "dangling.db"
+    dangling.symlink_to(tmp_path / "nothing.db")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    cases = [(("diff", str(fifo), f"sqlite:{sb.pipeline}"), 5, "RIVET_STATE_UNSAFE_FILE"),
+             (("import", str(fifo), "--export", "orders"), 5, "RIVET_STATE_UNSAFE_FILE"),
+             (("diff", str(dangling), f"sqlite:{sb.pipeline}"), 1, "RIVET_CLI_USAGE"),
+             (("import", str(tmp_path)), 1, "RIVET_CLI_USAGE"),
+             (("import", str(deep), "--export", "orders"), 3, "RIVET_STATE_EXPORT_FORMAT"),
+             (("export", "-o", str(tmp_path / "nodir" / "x.json")), 1, "RIVET_CLI_USAGE")]
+    before = tree_digest(sb.pipeline)
+    for args, code, name in cases:
+        proc = run_cli("-c", str(config), "--json-errors", *args, env=sb.env, timeout=30)
+        assert proc.returncode == code and name in proc.stderr, describe(proc)
+    assert tree_digest(sb.pipeline) == before and not (tmp_path / "nodir").exists()

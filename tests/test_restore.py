@@ -194,22 +194,33 @@ def test_if_absent_restores_into_an_empty_directory_and_leaves_a_live_state_alon
     assert not missing.directory.exists()
 
 
-def test_prune_keeps_the_newest_good_copy_audits_and_its_dry_run_changes_nothing(place: Place) -> None:
+def test_prune_keeps_the_newest_good_copy_audits_and_its_dry_run_changes_nothing(place: Place,
+                                                                                 tmp_path: Path) -> None:
+    """Prune removes only verified copies of the live lineage, never the newest of them; a
+    damaged copy, a symlink and another lineage's copy stay (a fresh user's findings: it
+    removed the only copy of the lineage and kept a planted foreign one, and said it had
+    removed symlinks it left)."""
     first, second, third = place.backups()
     with open(third, "r+b") as damaged:
         damaged.seek(4096 * 2)
         damaged.write(b"\xff" * 4096)
+    other = Place(tmp_path, "other")
+    assert other.cli("init").returncode == 0
+    foreign = place.directory / ".rivet_state.db.backup-migrate-20991231T235959Z"
+    shutil.copy(other.file, foreign)
+    planted = place.directory / ".rivet_state.db.backup-planted-20000101T000000Z"
+    planted.symlink_to(first)
     before = tree_digest(place.directory)
     plan = place.doc("backups", "prune", "--keep", "0", "--dry-run")
-    assert [c["name"] for c in plan["removed"]] == [first.name, third.name], "the newest good copy stays"
+    assert [c["name"] for c in plan["removed"]] == [first.name], "the newest good copy of the lineage stays"
     assert tree_digest(place.directory) == before
     usage = place.cli("backups", "prune")
     assert usage.returncode == 1 and error_object(usage)["code"] == "RIVET_CLI_USAGE", describe(usage)
     done = place.doc("backups", "prune", "--keep", "0")
-    assert [c["name"] for c in done["removed"]] == [first.name, third.name]
-    assert place.backups() == [second]
+    assert [c["name"] for c in done["removed"]] == [first.name]
+    assert place.backups() == sorted([second, third, foreign, planted]) and planted.is_symlink()
     (row,) = place.audit("backups.prune")
-    assert row["removed"] == [first.name, third.name] and row["keep"] == 0
+    assert row["removed"] == [first.name] and row["failed"] == [] and row["keep"] == 0
     assert place.doc("backups", "prune", "--older-than", "1")["removed"] == [], "a copy of today is not old"
 
 
@@ -226,3 +237,39 @@ def test_a_postgresql_state_has_no_copy_of_ours_and_restore_says_what_to_use(tmp
     assert proc.returncode == 1, describe(proc)
     err = error_object(proc)
     assert err["code"] == "RIVET_STATE_BACKEND_UNSUPPORTED" and "import" in err["message"], err
+
+
+def test_a_rollback_written_over_up_to_the_copys_serial_is_still_told_apart(place: Place) -> None:
+    """A fresh user's finding: roll the state back by hand to a copy at serial 2, write it
+    twice, and it is at serial 4 again, as the backup of serial 4 (taken before the last
+    change) is, with other progress; the rollback warning went quiet and the backup
+    restored without --allow-older, taking the newer cursor back."""
+    assert place.cli("exports", "set-cursor", "orders", "4").returncode == 0  # backup at serial 4, live at 5
+    at_four = place.backups()[-1]
+    shutil.copy(place.backups()[1], place.file)  # serial 2 (cursor 1)
+    for wal in place.directory.glob(".rivet_state.db-*"):
+        wal.unlink()
+    for value in ("a", "b"):
+        assert place.cli("exports", "set-cursor", "orders", value).returncode == 0
+    assert place.serial() == 4
+    rows = [c for c in place.doc("check")["checks"] if c["code"] == "RIVET_STATE_ROLLED_BACK"]
+    assert rows and "went apart" in rows[0]["message"], place.doc("check")["checks"]
+    before = tree_digest(place.directory)
+    for extra in ((), ("--dry-run",)):
+        proc = place.cli("restore", at_four.name, *extra)
+        assert proc.returncode == 5 and error_object(proc)["code"] == "RIVET_STATE_COPY_DIVERGED", describe(proc)
+    assert tree_digest(place.directory) == before
+    done = place.doc("restore", at_four.name, "--allow-older")
+    assert place.cursor() == "3" and done["after"]["serial"] == 5
+
+
+def test_a_symlinked_state_file_whose_target_is_gone_is_missing_with_where_it_pointed(tmp_path: Path) -> None:
+    """A fresh user's finding: every command was RIVET_INTERNAL on a symlink to nothing."""
+    p = Place(tmp_path)
+    p.file.symlink_to(tmp_path / "unmounted" / ".rivet_state.db")
+    for args, code in ((("check",), 5), (("leases",), 5), (("exports", "list"), 0), (("info",), 0)):
+        proc = p.cli(*args)  # info and exports list describe a missing state; the others refuse it
+        assert proc.returncode == code and "RIVET_INTERNAL" not in proc.stderr, describe(proc)
+    proc = p.cli("--json", "check")
+    (row,) = [c for c in json.loads(proc.stdout)["checks"] if c["code"] == "RIVET_STATE_MISSING"]
+    assert "is a symlink to" in row["message"] and "unmounted" in row["message"], row

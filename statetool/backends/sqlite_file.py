@@ -53,6 +53,9 @@ def read_header(path: Path) -> bytes:
     try:
         # O_NONBLOCK: a FIFO is never waited on; it is refused by what fstat says below.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:  # a symlink to nothing: the file it names is not there (an unmounted volume?)
+        raise StateError("RIVET_STATE_MISSING", f"{path} is a symlink to {os.readlink(path)}, which does not exist "
+                         "(a volume that is not mounted?)", {"path": str(path), "target": os.readlink(path)}) from None
     except OSError as err:
         raise unsafe_state_file(path, os.strerror(err.errno or 0)) if err.errno == errno.ENXIO else err from None
     try:

@@ -52,6 +52,8 @@ class Copy(NamedTuple):
     problem: str | None = None
     code: str | None = None
     checked: bool = False
+    #: The id of the write that gave the copy its serial (None before revision 0005).
+    write_id: str | None = None
 
     @property
     def usable(self) -> bool:
@@ -60,11 +62,11 @@ class Copy(NamedTuple):
 
     def as_dict(self) -> dict[str, object]:
         """``{name, path, kind, label, taken_at, size, revision, state_key, lineage, serial,
-        problem, code, checked}``."""
+        problem, code, checked, write_id}``."""
         return {"name": self.name, "path": str(self.path), "kind": self.kind, "label": self.label,
                 "taken_at": self.taken_at, "size": self.size, "revision": self.revision, "state_key": self.state_key,
                 "lineage": self.lineage, "serial": self.serial, "problem": self.problem, "code": self.code,
-                "checked": self.checked}
+                "checked": self.checked, "write_id": self.write_id}
 
 
 def _named(path: Path, state_name: str) -> tuple[str, str | None, str | None]:
@@ -108,7 +110,7 @@ def read_copy(path: Path, *, state_name: str = ".rivet_state.db", full: bool = F
     unknown = snap.unknown_revision()
     return Copy(path.name, path, kind, label, taken, st.st_size, snap.revision or "legacy", snap.recorded_key,
                 snap.lineage, snap.serial, unknown.message if unknown else None, unknown.code if unknown else None,
-                checked=full)
+                checked=full, write_id=snap.write_id)
 
 
 def copies(ctx: Context, *, full: bool = False) -> list[Copy]:
@@ -179,12 +181,20 @@ def unknown_copy(ctx: Context, name: str) -> StateError:
                       {"name": name})
 
 
+def diverged(copy: Copy, serial: int | None, write_id: str | None) -> bool:
+    """True when ``copy`` and a state of its lineage at ``serial`` and ``write_id`` are at
+    one serial by two different writes: they went apart from one earlier state."""
+    return copy.serial == serial and copy.write_id is not None and write_id is not None and copy.write_id != write_id
+
+
 def newer_copies(ctx: Context, snap: Snapshot) -> list[Copy]:
-    """The copies of the live state's own lineage with a higher serial than it has: the live
-    state was rolled back or replaced by an older copy (SPEC §9). Empty without a lineage."""
+    """The copies of the live state's own lineage with a higher serial than it has, or the
+    same serial by another write (:func:`diverged`): the live state was rolled back or
+    replaced by an older copy, and maybe written since (SPEC §9). Empty without a lineage."""
     if snap.lineage is None or snap.serial is None:
         return []
-    return [c for c in copies(ctx) if c.lineage == snap.lineage and (c.serial or 0) > snap.serial]
+    return [c for c in copies(ctx) if c.lineage == snap.lineage and
+            ((c.serial or 0) > snap.serial or diverged(c, snap.serial, snap.write_id))]
 
 
 def rolled_back(snap: Snapshot, ahead: list[Copy]) -> StateWarning | None:
@@ -193,37 +203,48 @@ def rolled_back(snap: Snapshot, ahead: list[Copy]) -> StateWarning | None:
     if not ahead:
         return None
     newest = max(ahead, key=lambda c: c.serial or 0)
+    where = f"{newest.path} is a copy of this state (lineage {snap.lineage}) at serial {newest.serial}"
+    if newest.serial == snap.serial:
+        return StateWarning("RIVET_STATE_ROLLED_BACK",
+                            f"{where}, as the live state is, but written by another write: the live state was rolled "
+                            "back and written again since, and the two went apart; its exports resume from the "
+                            "progress of one of them only")
     return StateWarning("RIVET_STATE_ROLLED_BACK",
-                        f"{newest.path} is a copy of this state (lineage {snap.lineage}) at serial {newest.serial}, "
-                        f"ahead of the live state's {snap.serial}: the live state was rolled back or replaced by an "
-                        f"older copy, and its exports would resume from older progress")
+                        f"{where}, ahead of the live state's {snap.serial}: the live state was rolled back or replaced "
+                        f"by an older copy, and its exports would resume from older progress")
 
 
 class PruneResult(NamedTuple):
-    """``backups prune``: the copies removed (or, in a dry run, that would be) and kept."""
+    """``backups prune``: the copies removed (or, in a dry run, that would be) and kept,
+    and the warnings (a dry run on a read-only mount: ``RIVET_STATE_READ_ONLY_DRY_RUN``)."""
 
     location: dict[str, object]
     removed: list[Copy]
     kept: list[Copy]
     dry_run: bool
+    warnings: list[StateWarning]
 
     def as_dict(self) -> dict[str, object]:
-        """``{location, removed: [...], kept: [...], dry_run}``."""
+        """``{location, removed: [...], kept: [...], dry_run, warnings}``."""
         return {"location": self.location, "removed": [c.as_dict() for c in self.removed],
-                "kept": [c.as_dict() for c in self.kept], "dry_run": self.dry_run}
+                "kept": [c.as_dict() for c in self.kept], "dry_run": self.dry_run,
+                "warnings": [w.as_dict() for w in self.warnings]}
 
 
-def _to_prune(found: list[Copy], keep: int | None, older_than: float | None) -> list[Copy]:
-    """The copies ``prune`` removes: beyond the ``keep`` newest, and (with ``older_than``,
-    days) taken longer ago than that; never the newest copy that verified."""
-    newest_good = next((c for c in reversed(found) if c.usable), None)
-    doomed: list[Copy] = []
+def _to_prune(found: list[Copy], keep: int | None, older_than: float | None, live: str | None) -> list[Copy]:
+    """The copies ``prune`` removes: of those that verified and are of the live state's
+    lineage ``live``, beyond the ``keep`` newest, and (with ``older_than``, days) taken
+    longer ago than that; never the newest of them. A copy that did not verify, could not
+    be read, is no regular file or is of another lineage is never removed: prune cannot
+    tell what it holds (a fresh user's finding: one lost the only copy of its lineage)."""
+    ours = [c for c in found if c.usable and c.lineage == live]
     cutoff = time.time() - older_than * 86_400 if older_than is not None else None
-    for index, copy in enumerate(found):
-        beyond = keep is not None and index < len(found) - keep
+    doomed: list[Copy] = []
+    for index, copy in enumerate(ours[:-1]):
+        beyond = keep is not None and index < len(ours) - keep
         old = cutoff is not None and copy.taken_at is not None and \
             calendar.timegm(time.strptime(copy.taken_at, "%Y-%m-%dT%H:%M:%SZ")) < cutoff
-        if (beyond or old) and copy is not newest_good:
+        if beyond or old:
             doomed.append(copy)
     return doomed
 
@@ -245,44 +266,47 @@ def prune(ctx: Context, *, keep: int | None = None, older_than: float | None = N
                          "--older-than DAYS")
     if (keep is not None and keep < 0) or (older_than is not None and older_than < 0):
         raise StateError("RIVET_CLI_USAGE", "--keep and --older-than take numbers of zero or more")
+    from statetool.operations.writes import NO_LEASE, guarded_write, require_writable
+
+    live = _live(ctx)
+    if live is None:
+        raise StateError("RIVET_STATE_MISSING", f"no live state at {ctx.location.display} to record the prune in "
+                         "(statetool info says what is there)", {"path": ctx.location.display})
+    warnings = require_writable(ctx, dry_run=dry_run)
     found = copies(ctx, full=True)
-    doomed = _to_prune(found, keep, older_than)
-    kept = [c for c in found if c not in doomed]
-    result = PruneResult(ctx.location.as_dict(), doomed, kept, dry_run)
+    doomed = _to_prune(found, keep, older_than, live.lineage)
     if dry_run or not doomed:
-        _live_or_refuse(ctx)
-        return result
-    from statetool.operations.writes import NO_LEASE, guarded_write
-
+        return PruneResult(ctx.location.as_dict(), doomed, [c for c in found if c not in doomed], dry_run, warnings)
     with guarded_write(ctx, NO_LEASE, claim=False) as session:
-        session.audit("backups.prune", {"removed": [c.name for c in doomed], "keep": keep, "older_than": older_than})
-        session.after_commit(lambda: _remove(doomed))
-    return result
+        removed, failed = _remove(doomed)
+        session.audit("backups.prune", {"removed": [c.name for c in removed],
+                                        "failed": [c.name for c, _err in failed], "keep": keep,
+                                        "older_than": older_than})
+    if failed:
+        copy, err = failed[0]
+        code = "RIVET_STATE_PERMISSION_DENIED" if isinstance(err, PermissionError) else "RIVET_STATE_WRITE_REFUSED"
+        raise StateError(code, f"{copy.path} could not be removed ({err.strerror}); "
+                         f"{len(removed)} other copies were, as the audit row records", {"path": str(copy.path)})
+    return PruneResult(ctx.location.as_dict(), removed, [c for c in found if c not in removed], False, warnings)
 
 
-def _live_or_refuse(ctx: Context) -> None:
-    if _live(ctx) is None:
-        raise StateError("RIVET_STATE_MISSING", f"no state at {ctx.location.display} to record the prune in: "
-                         "restore one first (statetool restore NAME)", {"path": ctx.location.display})
-
-
-def _remove(doomed: list[Copy]) -> None:
-    """Remove each copy of ``doomed`` that is still the regular file it was read as, then
-    fsync the directory; raises the first failure's registered code after the others went."""
+def _remove(doomed: list[Copy]) -> tuple[list[Copy], list[tuple[Copy, OSError]]]:
+    """Remove each copy of ``doomed`` that is still the regular file it was read as (one that
+    changed kind meanwhile is left, as failed), then fsync the directory. Returns the copies
+    removed and those that could not be, with their error."""
     from statetool.backends.durable import fsync_dir
-    from statetool.backends.faults import fault
 
-    failed: list[tuple[Path, OSError]] = []
+    removed: list[Copy] = []
+    failed: list[tuple[Copy, OSError]] = []
     for copy in doomed:
         try:
-            if stat.S_ISREG(os.lstat(copy.path).st_mode):
-                copy.path.unlink()
+            if not stat.S_ISREG(os.lstat(copy.path).st_mode):
+                raise IsADirectoryError(21, "no longer a regular file", str(copy.path))
+            copy.path.unlink()
+            removed.append(copy)
         except FileNotFoundError:
-            continue
+            removed.append(copy)  # gone already: what prune was to do
         except OSError as err:
-            failed.append((copy.path, err))
-    if doomed:
-        fsync_dir(doomed[0].path.parent)
-    if failed:
-        path, err = failed[0]
-        raise fault(path, err) or err
+            failed.append((copy, err))
+    fsync_dir(doomed[0].path.parent)
+    return removed, failed

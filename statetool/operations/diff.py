@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from statetool.backends import open_backend
-from statetool.backends.faults import os_fault
 from statetool.errors import StateError
 from statetool.location import file_location
 from statetool.operations.context import Context
-from statetool.operations.portable import load_document, read_state, state_document
+from statetool.operations.portable import load_document, read_input, read_state, state_document
 from statetool.redact import redact_text
 
 #: What a side argument that names a state location starts with (SPEC §1).
@@ -76,11 +75,7 @@ def open_side(ctx: Context, argument: str) -> Side:
                          f"sqlite:{os.path.abspath(path)}, or give a file (a state file, an export, a config)")
     if path.suffix in _CONFIG_SUFFIXES:
         return _state_side(argument, Context(path, None, ctx.env, ctx.lock_wait, ctx.command, config_given=True))
-    try:
-        with open(path, "rb") as fh:
-            start = fh.read(64).lstrip()
-    except OSError as err:
-        raise os_fault(err) or err from None
+    start = read_input(path, 64).lstrip(b" \t\r\n\xef\xbb\xbf")  # JSON may start with a BOM
     if start.startswith(b"{"):
         return Side(redact_text(argument), "export_file", os.path.abspath(path), load_document(path))
     backend = open_backend(file_location(path), ctx.lock_wait)

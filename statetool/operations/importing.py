@@ -12,6 +12,8 @@ and audited. A file of another identity or lineage is refused (``RIVET_STATE_FOR
 
 from __future__ import annotations
 
+import uuid
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,6 @@ from sqlalchemy.engine import Connection
 
 from statetool import migrations, schema
 from statetool.errors import StateError, StateWarning
-from statetool.identity import identity_verdict
 from statetool.operations.context import Context, now_iso
 from statetool.operations.portable import load_document, read_state, state_document
 from statetool.operations.probe import lineage
@@ -99,10 +100,9 @@ def _create(ctx: Context, doc: dict[str, Any], names: list[str], dry_run: bool) 
     except KeyError:
         raise StateError("RIVET_STATE_SCHEMA_NEWER", f"the file was exported from a state at revision "
                          f"{state['revision']}, unknown to this release") from None
-    key = state["state_key"] or ""
-    verdict = identity_verdict(key or None, _computed_key(ctx), location.scope, True)
-    if verdict.action == "refuse":
-        raise _foreign(str(location.directory or location.display), verdict.computed, key, "source")
+    key, computed = state["state_key"] or "", _computed_key(ctx)
+    if key and computed and key != computed:  # in any scope, as restore: a new state is never another source's
+        raise _foreign(str(location.directory or location.display), computed, key, "source")
     changes = [{"export": n, "before": None, "after": _progress(doc["exports"][n])} for n in names]
     warnings = require_writable(ctx, dry_run=True) if dry_run else []
     result = ImportResult("create", location.display, dry_run, changes, state, warnings=warnings)
@@ -116,7 +116,7 @@ def _create(ctx: Context, doc: dict[str, Any], names: list[str], dry_run: bool) 
         if state["lineage"] is not None and LINEAGE in backend.table_names(backend.reader(conn)):
             conn.execute(sa.delete(schema.lineage))  # the one the revision gave the new state
             conn.execute(sa.insert(schema.lineage).values(id=1, lineage=state["lineage"], serial=state["serial"] or 1,
-                                                          updated_at=now_iso()))
+                                                          write_id=str(uuid.uuid4()), updated_at=now_iso()))
 
     create_state(ctx, build, key, action="import", detail={"exports": names, "lineage": state["lineage"],
                                                             "serial": state["serial"]})

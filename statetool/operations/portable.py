@@ -139,6 +139,9 @@ def write_document(path: Path, doc: dict[str, Any], *, force: bool) -> None:
     ``RIVET_STATE_PERMISSION_DENIED``, ``RIVET_STATE_DISK_FULL``); no temporary file is
     left behind (SPEC §8a)."""
     path = Path(os.path.abspath(path))
+    if not os.path.isdir(path.parent):
+        raise StateError("RIVET_CLI_USAGE", f"-o {path}: {path.parent} is no directory; name a file in a directory "
+                         "that exists (export creates none)", {"path": str(path)})
     try:
         there = os.lstat(path)
     except FileNotFoundError:
@@ -302,24 +305,48 @@ def _key_problem(doc: dict[str, Any]) -> str | None:
     return None
 
 
+def read_input(path: Path, limit: int) -> bytes:
+    """Up to ``limit`` bytes of the regular file ``path`` that a command was given to read
+    (``import``, ``diff``): opened without waiting (a FIFO is never read from: it would
+    block), then checked to be a regular file. Raises ``RIVET_CLI_USAGE`` for nothing there
+    (a symlink to nothing too) or a directory, ``RIVET_STATE_UNSAFE_FILE`` for a FIFO, a
+    device or a socket, and the file's faults (``RIVET_STATE_PERMISSION_DENIED``, ...)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, IsADirectoryError):
+        raise StateError("RIVET_CLI_USAGE", f"{path} is no file: name a {FORMAT} file that statetool export wrote, "
+                         "or a state file", {"path": str(path)}) from None
+    except OSError as err:
+        raise os_fault(err) or err from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise StateError("RIVET_CLI_USAGE", f"{path} is a directory, not a file", {"path": str(path)})
+        if not stat.S_ISREG(mode):
+            raise StateError("RIVET_STATE_UNSAFE_FILE", f"{path} is not a regular file (a FIFO, a device or a "
+                             "socket): nothing was read from it", {"path": str(path)})
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            return fh.read(limit)
+    except OSError as err:
+        raise os_fault(err) or err from None
+    finally:
+        os.close(fd)
+
+
 def load_document(path: Path) -> dict[str, Any]:
     """Read the ``rivet-state/1`` document at ``path`` (``diff``, ``import``). Raises
     ``RIVET_STATE_EXPORT_FORMAT`` for a file that is not JSON, or not a document of this
     format (another ``format``, a missing field), and the file's faults
     (``RIVET_STATE_PERMISSION_DENIED``, ...)."""
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_DOCUMENT + 1)
-    except (FileNotFoundError, IsADirectoryError):
-        raise StateError("RIVET_CLI_USAGE", f"{path} is no file: name a {FORMAT} file that statetool export wrote",
-                         {"path": str(path)}) from None
-    except OSError as err:
-        raise os_fault(err) or err from None
+    raw = read_input(path, MAX_DOCUMENT + 1)
     if len(raw) > MAX_DOCUMENT:
         raise StateError("RIVET_STATE_EXPORT_FORMAT", f"{path} is larger than {MAX_DOCUMENT} bytes: not a "
                          f"{FORMAT} document statetool wrote", {"path": str(path)})
     try:
         doc = json.loads(raw)
+    except RecursionError:
+        raise StateError("RIVET_STATE_EXPORT_FORMAT", f"{path} nests its JSON deeper than any {FORMAT} document",
+                         {"path": str(path)}) from None
     except (UnicodeDecodeError, ValueError) as err:
         raise StateError("RIVET_STATE_EXPORT_FORMAT", f"{path} is not JSON ({err}): not a {FORMAT} document",
                          {"path": str(path)}) from None

@@ -81,6 +81,9 @@ class Snapshot:
     #: revision, or for a state whose lineage row was removed by hand.
     lineage: str | None = None
     serial: int | None = None
+    #: The id of the write that gave the state its serial (revision 0005): two states of one
+    #: lineage at one serial with other ids went apart.
+    write_id: str | None = None
 
     @property
     def effective_revision(self) -> str | None:
@@ -192,6 +195,8 @@ def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, pro
         if IDENTITY in tables:
             snap.recorded_key = recorded_key(conn)
         snap.lineage, snap.serial = lineage(conn, tables)
+        if snap.lineage is not None:
+            snap.write_id = conn.scalar(f"SELECT write_id FROM {LINEAGE} WHERE id = 1")
     return snap
 
 

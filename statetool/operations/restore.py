@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from statetool.errors import StateError
-from statetool.operations.backups import Copy, read_copy, unknown_copy
+from statetool.operations.backups import Copy, diverged, read_copy, unknown_copy
 from statetool.operations.context import Context
 from statetool.operations.probe import Snapshot, lineage, recorded_key
 
@@ -108,12 +108,14 @@ def _verified(ctx: Context, path: Path) -> Copy:
     return copy
 
 
-def judge(copy: Copy, key: str | None, line: str | None, serial: int | None, *, allow_older: bool) -> None:
-    """Refuse restoring ``copy`` over a state of identity ``key``, lineage ``line`` and
-    serial ``serial`` (all None where no state is, ``key`` then the config's computed key):
-    ``RIVET_STATE_FOREIGN`` for another source or another lineage, ``RIVET_STATE_COPY_OLDER``
-    for a lower serial (or a copy from before lineages, over a state that has one) unless
-    ``allow_older`` (SPEC §9)."""
+def judge(copy: Copy, key: str | None, line: str | None, serial: int | None, *, allow_older: bool,
+          write_id: str | None = None) -> None:
+    """Refuse restoring ``copy`` over a state of identity ``key``, lineage ``line``, serial
+    ``serial`` and ``write_id`` (all None where no state is, ``key`` then the config's
+    computed key): ``RIVET_STATE_FOREIGN`` for another source or another lineage;
+    ``RIVET_STATE_COPY_OLDER`` for a lower serial (or a copy from before lineages, over a
+    state that has one) and ``RIVET_STATE_COPY_DIVERGED`` for the same serial by another
+    write, both unless ``allow_older`` (SPEC §9)."""
     if copy.state_key and key and copy.state_key != key:
         raise StateError("RIVET_STATE_FOREIGN", f"the copy {copy.path} belongs to {copy.state_key}, the state here to "
                          f"{key}: a restore never puts another source's progress in place; nothing was changed",
@@ -124,6 +126,12 @@ def judge(copy: Copy, key: str | None, line: str | None, serial: int | None, *, 
                          "was changed", {"copy": str(copy.path), "recorded": line, "found": copy.lineage})
     if serial is None or allow_older:
         return
+    if diverged(copy, serial, write_id):
+        raise StateError("RIVET_STATE_COPY_DIVERGED", f"the copy {copy.path} and the live state are both at serial "
+                         f"{serial} of lineage {line}, written by two different writes: they went apart from one "
+                         "earlier state (a rollback written over, one copy restored twice), and either may hold "
+                         "progress the other lacks; nothing was changed",
+                         {"copy": str(copy.path), "serial": serial})
     if copy.serial is None or copy.serial < serial:
         held = "no serial (it predates lineages)" if copy.serial is None else f"serial {copy.serial}"
         raise StateError("RIVET_STATE_COPY_OLDER", f"the copy {copy.path} holds {held}, older than the live state's "
@@ -195,7 +203,8 @@ def _over_live(ctx: Context, copy: Copy, allow_older: bool, dry_run: bool) -> Re
     pf = run_preflight(ctx, for_write=True)
 
     def check(snap: Snapshot) -> None:
-        judge(copy, snap.recorded_key or ctx.computed_key or None, snap.lineage, snap.serial, allow_older=allow_older)
+        judge(copy, snap.recorded_key or ctx.computed_key or None, snap.lineage, snap.serial, allow_older=allow_older,
+              write_id=snap.write_id)
 
     plan = plan_write(ctx, WHOLE_STATE, "restore", claim=False, allow=_PENDING, check=check, preflight=pf,
                       copies=_COPIES, replaced_by=_REPLACED_BY, dry_run=dry_run)
@@ -231,7 +240,9 @@ def _replace(ctx: Context, copy: Copy, pf: Any, check: Any, before: dict[str, ob
         reader = session.reader
         tables = frozenset(backend.table_names(reader))
         line, serial = lineage(reader, tables)
-        judge(copy, recorded_key(reader) or ctx.computed_key or None, line, serial, allow_older=allow_older)
+        write_id = reader.scalar(f"SELECT write_id FROM {LINEAGE} WHERE id = 1") if LINEAGE in tables else None
+        judge(copy, recorded_key(reader) or ctx.computed_key or None, line, serial, allow_older=allow_older,
+              write_id=write_id)
         with ctx.progress("copying") as update:
             restoration = backend.restoration(session.conn, copy.path, update, ctx.on_step)
         session.on_abort(restoration.discard)

@@ -75,7 +75,8 @@ def _write_audit(into: Connection, ctx: Context, action: str, detail: dict[str, 
 
 
 def advance_serial(conn: Connection, past: int = 0) -> tuple[str, int]:
-    """Increment the state's serial in the writing transaction ``conn``, to one more than
+    """Increment the state's serial in the writing transaction ``conn`` (with a new
+    ``write_id``: this write's own, revision 0005), to one more than
     the greater of it and ``past`` (a restore's: the replaced state's serial, so the state
     restored is ahead of every copy), and return ``(lineage id, new serial)`` (SPEC §9,
     revision 0005). A state whose lineage row is gone (removed by hand) gets a new lineage
@@ -83,12 +84,13 @@ def advance_serial(conn: Connection, past: int = 0) -> tuple[str, int]:
     as of another lineage."""
     import uuid
 
-    at = now_iso()
+    at, write_id = now_iso(), str(uuid.uuid4())
     serial = schema.lineage.c.serial
     greater = sa.case((serial > past, serial), else_=sa.literal(past, sa.BigInteger))
     if conn.execute(sa.update(schema.lineage).where(schema.lineage.c.id == 1)
-                    .values(serial=greater + 1, updated_at=at)).rowcount == 0:
-        conn.execute(sa.insert(schema.lineage).values(id=1, lineage=str(uuid.uuid4()), serial=1, updated_at=at))
+                    .values(serial=greater + 1, write_id=write_id, updated_at=at)).rowcount == 0:
+        conn.execute(sa.insert(schema.lineage).values(id=1, lineage=str(uuid.uuid4()), serial=1, write_id=write_id,
+                                                      updated_at=at))
     row = conn.execute(sa.select(schema.lineage.c.lineage, schema.lineage.c.serial)).one()
     return str(row[0]), int(row[1])
 
