@@ -182,6 +182,7 @@ def test_if_absent_restores_into_an_empty_directory_and_leaves_a_live_state_alon
     done = empty.doc("restore", str(copy), "--if-absent")
     assert done["action"] == "created" and done["after"]["serial"] == 4
     assert empty.cursor() == "2" and empty.serial() == 4
+    assert empty.file.stat().st_mode & 0o777 == copy.stat().st_mode & 0o777, "the copy's mode, as init's state has"
     assert empty.doc("info")["lineage"]["id"] == place.doc("info")["lineage"]["id"]
     assert [row["copy"] for row in empty.audit("restore")] == [str(copy)]
     before = tree_digest(place.directory)

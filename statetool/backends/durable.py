@@ -63,11 +63,12 @@ def copy_bytes(src: int, dst: int, size: int, progress: Callable[[int, int], Non
 
 def copy_file_exclusively(source: Path, target: Path) -> None:
     """Copy the bytes of the file ``source`` into the new file ``target`` (created with
-    :data:`CREATE_FLAGS`: never through a link, never over a file), mode 0600, fsynced.
-    Raises the ``OSError`` of the copy (the caller names its fault)."""
+    :data:`CREATE_FLAGS`: never through a link, never over a file), with the source's mode
+    (not its owner), fsynced. Raises the ``OSError`` of the copy (the caller names its fault)."""
     with open(source, "rb") as src:
         fd = os.open(target, CREATE_FLAGS, 0o600)
         try:
+            like(fd, os.fstat(src.fileno()), owner=False)
             copy_bytes(src.fileno(), fd, os.fstat(src.fileno()).st_size, lambda _done, _size: None)
             os.fsync(fd)
         finally:
