@@ -370,12 +370,14 @@ def _edited(doc: dict[str, Any], edit: str) -> dict[str, Any]:
         doc["state"]["serial"] = -3
     elif edit == "a run id twice":
         orders["runs"] = orders["runs"] * 2
+    elif edit == "a lone surrogate":
+        orders["runs"][0]["run_id"] = "\ud800"
     return doc
 
 
 @pytest.mark.parametrize("edit", ["chunk of the wrong types", "a chunk twice", "no cursor", "exports a list",
                                   "a NUL in a cursor", "a serial beyond 64 bits", "a negative serial",
-                                  "a run id twice"])
+                                  "a run id twice", "a lone surrogate", "a key given twice"])
 def test_import_of_a_hand_edited_file_is_refused_naming_the_field_and_writes_nothing(tmp_path: Path,
                                                                                        edit: str) -> None:
     sb = StateBackend.sqlite(tmp_path)
@@ -384,7 +386,8 @@ def test_import_of_a_hand_edited_file_is_refused_naming_the_field_and_writes_not
     assert cli(sb, config, "export", "--with-history", "-o", str(out)).returncode == 0
     assert json.loads(out.read_text())["exports"]["orders"]["runs"], "the run-id case needs a run to repeat"
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps(_edited(json.loads(out.read_text()), edit)))
+    text = json.dumps(_edited(json.loads(out.read_text()), edit))
+    bad.write_text(text[:-1] + ', "exports": {}}' if edit == "a key given twice" else text)
     empty = tmp_path / "empty"
     empty.mkdir()
     before = tree_digest(sb.pipeline)

@@ -225,6 +225,22 @@ def test_prune_keeps_the_newest_good_copy_audits_and_its_dry_run_changes_nothing
     assert place.doc("backups", "prune", "--older-than", "1")["removed"] == [], "a copy of today is not old"
 
 
+def test_prune_never_removes_a_copy_ahead_of_a_rolled_back_state(place: Place) -> None:
+    """A fresh user's finding: after a rollback, prune removed the copies ahead of the live
+    state (the only record of the newer progress) and kept the newest by time, which was
+    the old one; check then said nothing."""
+    first, second, third = place.backups()  # serials 1, 2, 3
+    shutil.copy(first, place.file)
+    for wal in place.directory.glob(".rivet_state.db-*"):
+        wal.unlink()
+    assert place.cli("exports", "set-cursor", "orders", "r").returncode == 0  # live at 2, its backup at 1
+    done = place.doc("backups", "prune", "--keep", "0")
+    left = {p.name for p in place.backups()}
+    assert {second.name, third.name} <= left, "the copies ahead of (or gone apart from) the live state stay"
+    assert all(c["serial"] == 1 for c in done["removed"]), done["removed"]
+    assert [c for c in place.doc("check")["checks"] if c["code"] == "RIVET_STATE_ROLLED_BACK"]
+
+
 @pytest.mark.postgres
 def test_a_postgresql_state_has_no_copy_of_ours_and_restore_says_what_to_use(tmp_path: Path, pg_url: str) -> None:
     config = write_config(tmp_path / "pipeline")

@@ -231,13 +231,18 @@ class PruneResult(NamedTuple):
                 "warnings": [w.as_dict() for w in self.warnings]}
 
 
-def _to_prune(found: list[Copy], keep: int | None, older_than: float | None, live: str | None) -> list[Copy]:
-    """The copies ``prune`` removes: of those that verified and are of the live state's
-    lineage ``live``, beyond the ``keep`` newest, and (with ``older_than``, days) taken
-    longer ago than that; never the newest of them. A copy that did not verify, could not
-    be read, is no regular file or is of another lineage is never removed: prune cannot
-    tell what it holds (a fresh user's finding: one lost the only copy of its lineage)."""
-    ours = [c for c in found if c.usable and c.lineage == live]
+def _to_prune(found: list[Copy], keep: int | None, older_than: float | None, live: Snapshot) -> list[Copy]:
+    """The copies ``prune`` removes: of those that verified, are of the live state's lineage
+    and behind it, beyond the ``keep`` newest (by serial), and (with ``older_than``, days)
+    taken longer ago than that; never the newest of them. A copy that did not verify, could
+    not be read, is no regular file or is of another lineage is never removed: prune cannot
+    tell what it holds (a fresh user's finding: one lost the only copy of its lineage); nor
+    is one ahead of the live state or gone apart from it (:func:`newer_copies`): after a
+    rollback it is the only record of the newer progress (another fresh user's finding)."""
+    ahead = {c.path for c in found if c.lineage == live.lineage and live.serial is not None and
+             ((c.serial or 0) > live.serial or diverged(c, live.serial, live.write_id))}
+    ours = sorted((c for c in found if c.usable and c.lineage == live.lineage and c.path not in ahead),
+                  key=lambda c: (c.serial or 0, c.taken_at or "", c.name))
     cutoff = time.time() - older_than * 86_400 if older_than is not None else None
     doomed: list[Copy] = []
     for index, copy in enumerate(ours[:-1]):
@@ -274,7 +279,7 @@ def prune(ctx: Context, *, keep: int | None = None, older_than: float | None = N
                          "(statetool info says what is there)", {"path": ctx.location.display})
     warnings = require_writable(ctx, dry_run=dry_run)
     found = copies(ctx, full=True)
-    doomed = _to_prune(found, keep, older_than, live.lineage)
+    doomed = _to_prune(found, keep, older_than, live)
     if dry_run or not doomed:
         return PruneResult(ctx.location.as_dict(), doomed, [c for c in found if c not in doomed], dry_run, warnings)
     with guarded_write(ctx, NO_LEASE, claim=False) as session:

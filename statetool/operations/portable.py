@@ -226,6 +226,11 @@ def _value_problem(where: str, value: Any, types: tuple[type, ...]) -> str | Non
         return f"{where} is {value}, beyond a 64-bit integer"
     if isinstance(value, str) and "\x00" in value:
         return f"{where} holds a NUL character, which a state cannot store"
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return f"{where} holds a lone surrogate (\\ud800-\\udfff), which is no character of any text"
     return None
 
 
@@ -305,6 +310,17 @@ def _key_problem(doc: dict[str, Any]) -> str | None:
     return None
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose every key is given once: a key given twice would have the last
+    one win silently (a fresh user's ``"exports": {}`` appended after the real ones)."""
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _v in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"the key {twice!r} is given twice in one object")
+    return doc
+
+
 def read_input(path: Path, limit: int) -> bytes:
     """Up to ``limit`` bytes of the regular file ``path`` that a command was given to read
     (``import``, ``diff``): opened without waiting (a FIFO is never read from: it would
@@ -343,7 +359,7 @@ def load_document(path: Path) -> dict[str, Any]:
         raise StateError("RIVET_STATE_EXPORT_FORMAT", f"{path} is larger than {MAX_DOCUMENT} bytes: not a "
                          f"{FORMAT} document statetool wrote", {"path": str(path)})
     try:
-        doc = json.loads(raw)
+        doc = json.loads(raw, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise StateError("RIVET_STATE_EXPORT_FORMAT", f"{path} nests its JSON deeper than any {FORMAT} document",
                          {"path": str(path)}) from None
