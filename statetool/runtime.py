@@ -22,6 +22,7 @@ holds it (SPEC §5).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -43,6 +44,7 @@ from statetool.operations.create import init
 from statetool.operations.leasing import acquire, run_lease_key
 from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.writes import NO_LEASE, WHOLE_STATE, WriteSession, guarded_write
+from statetool.tables import CDC_POSITIONS
 
 #: Run statuses a runtime records.
 RUN_STATUSES = ("running", "succeeded", "failed", "skipped")
@@ -91,6 +93,20 @@ class Writer:
                 mode=mode, cursor_value=value, cursor_updated_at=at, updated_at=at)).rowcount:
             self.conn.execute(sa.insert(e).values(export_name=export, mode=mode, cursor_value=value,
                                                   cursor_updated_at=at, updated_at=at))
+
+    def commit_position(self, export: str, engine: str, value: object, *, run_id: str | None = None,
+                        token: int | None = None) -> None:
+        """Commit CDC export ``export``'s position ``value`` (any JSON value, as its engine's
+        checkpoint file holds it) into the state (revision 0006, SPEC §6), with the run that
+        committed it and the fencing token of the lease it was committed under. Raises
+        ``ValueError`` for a value that is not JSON."""
+        self.guard(export)
+        text = json.dumps(value, sort_keys=True, allow_nan=False)
+        p = schema.cdc_positions
+        values = {"engine": engine, "position": text, "committed_at": now_iso(), "run_id": run_id,
+                  "fencing_token": token}
+        if not self.conn.execute(sa.update(p).where(p.c.export_name == export).values(**values)).rowcount:
+            self.conn.execute(sa.insert(p).values(export_name=export, **values))
 
     def record_chunk(self, export: str, run_id: str, index: int, lower: str | None, upper: str | None,
                      status: str, *, rows: int = 0) -> None:
@@ -147,6 +163,41 @@ class Run:
         """Record (or update) chunk ``index`` of this run."""
         with self.transaction() as tx:
             tx.record_chunk(self.export, run_id, index, lower, upper, status, rows=rows)
+
+    def read_position(self) -> object | None:
+        """This CDC export's position: the state's (revision 0006) where it holds one, and
+        then the checkpoint file is never read again; else the checkpoint file's JSON where
+        the config names one and it exists; else None (a first run of the stream). Reads
+        the state read-only. Raises ``RIVET_STATE_CHECKPOINT_UNREADABLE`` for a file that is
+        not JSON, ``RIVET_CLI_USAGE`` for an export that is not CDC."""
+        self._engine()
+        stored = self.store.stored_position(self.export)
+        if stored is not None:
+            return stored
+        path = self.store.checkpoint_path(self.export)
+        if path is None or not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_bytes())
+        except ValueError as err:
+            raise StateError("RIVET_STATE_CHECKPOINT_UNREADABLE", f"{path} is not JSON ({err}): the position of "
+                             f"{self.export} cannot be read", {"path": str(path), "export": self.export}) from None
+
+    def commit_position(self, value: object) -> None:
+        """Commit this CDC export's position ``value`` into the state, fenced by this run's
+        lease (``RIVET_STATE_LEASE_LOST`` once another holder took it over: nothing is
+        written) and recorded with its fencing token. Raises ``RIVET_CLI_USAGE`` for an
+        export that is not CDC, ``ValueError`` for a value that is not JSON."""
+        engine = self._engine()
+        with self.transaction() as tx:
+            tx.commit_position(self.export, engine, value, token=self.token)
+
+    def _engine(self) -> str:
+        spec = self.store.ctx.config.export(self.export)
+        if spec is None or spec.cdc is None:
+            raise StateError("RIVET_CLI_USAGE", f"{self.export} is not a CDC export of {self.store.ctx.config.path}: "
+                             "it has no position", {"export": self.export})
+        return spec.cdc.engine
 
 
 class StateStore:
@@ -220,6 +271,16 @@ class StateStore:
             return None
         return resolve_checkpoint(spec.cdc.checkpoint, spec.cdc.engine, self.ctx.location,
                                   self.ctx.config.directory).path
+
+    def stored_position(self, export: str) -> object | None:
+        """The position the state holds for CDC export ``export`` (its JSON value), or None
+        where it holds none (or its revision has no position table). Read-only."""
+        backend = self.ctx.backend()
+        with backend.reading() as conn:
+            if CDC_POSITIONS not in backend.table_names(conn):
+                return None
+            text = conn.scalar(f"SELECT position FROM {CDC_POSITIONS} WHERE export_name = :e", {"e": export})
+        return None if text is None else json.loads(text)
 
     @contextmanager
     def guarded(self, held: list[HeldLease]) -> Iterator[WriteSession]:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from statetool.tables import (AUDIT, CHUNKS, EXPORTS, IDENTITY, IN_FLIGHT_REVISION, LEASE_TABLE, LEASE_TABLES,
-                              LEASE_TOKENS_TABLE, LEGACY_TABLES, LINEAGE, LOAD_LEDGER, RUN_AGGREGATES, RUNS, STATE_TABLES,
-                              VERSION_TABLE)
+from statetool.tables import (AUDIT, CDC_POSITIONS, CHUNKS, EXPORTS, IDENTITY, IN_FLIGHT_REVISION, LEASE_TABLE,
+                              LEASE_TABLES, LEASE_TOKENS_TABLE, LEGACY_TABLES, LINEAGE, LOAD_LEDGER, RUN_AGGREGATES,
+                              RUNS, STATE_TABLES, VERSION_TABLE)
 
 __all__ = ["IN_FLIGHT_REVISION", "LEASE_TABLE", "LEASE_TABLES", "LEASE_TOKENS_TABLE", "LEGACY_TABLES",
-           "STATE_TABLES", "VERSION_TABLE", "audit", "chunks", "exports", "identity", "lineage", "load_ledger", "metadata",
-           "run_aggregates", "runs"]
+           "STATE_TABLES", "VERSION_TABLE", "audit", "cdc_positions", "chunks", "exports", "identity", "lineage",
+           "load_ledger", "metadata", "run_aggregates", "runs"]
 
 metadata = sa.MetaData()
 
@@ -103,4 +103,14 @@ lineage = sa.Table(
     sa.Column("serial", sa.BigInteger, nullable=False),
     sa.Column("write_id", sa.Text, nullable=False),
     sa.Column("updated_at", sa.Text, nullable=False),
+)
+
+cdc_positions = sa.Table(
+    CDC_POSITIONS, metadata,
+    sa.Column("export_name", sa.Text, primary_key=True),
+    sa.Column("engine", sa.Text, nullable=False),
+    sa.Column("position", sa.Text, nullable=False),
+    sa.Column("committed_at", sa.Text, nullable=False),
+    sa.Column("run_id", sa.Text),
+    sa.Column("fencing_token", sa.BigInteger),
 )

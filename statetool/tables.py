@@ -46,12 +46,15 @@ IDENTITY = "rivet_identity"
 AUDIT = "rivet_audit"
 #: The one row of the state's lineage id and serial (revision 0005, SPEC §9).
 LINEAGE = "rivet_lineage"
+#: One row per CDC export: its position, kept in the state (revision 0006, SPEC §6).
+CDC_POSITIONS = "rivet_cdc_positions"
 
 #: The tables of the early state (revision 0001): their presence without a version
 #: table is what makes a *legacy* state (SPEC §4).
 LEGACY_TABLES = frozenset({EXPORTS, RUNS, CHUNKS})
 #: Every table name the state schema has ever had, for "a database of another application".
-STATE_TABLES = frozenset({EXPORTS, RUNS, CHUNKS, RUN_AGGREGATES, LOAD_LEDGER, IDENTITY, AUDIT, LINEAGE}) | LEASE_TABLES | {
+STATE_TABLES = frozenset({EXPORTS, RUNS, CHUNKS, RUN_AGGREGATES, LOAD_LEDGER, IDENTITY, AUDIT, LINEAGE,
+                          CDC_POSITIONS}) | LEASE_TABLES | {
     VERSION_TABLE}
 
 

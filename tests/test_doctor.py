@@ -556,7 +556,7 @@ def test_state_written_by_an_older_release_has_pending_revisions(config: Path) -
     proc, doc = doctor(config)
     pending = reason(doc["state"]["reasons"], "RIVET_STATE_MIGRATION_PENDING")
     assert pending["evidence"]["state"] == str(path)
-    assert pending["evidence"]["revision"] == "legacy" and pending["evidence"]["pending"] == ["0002", "0003", "0004", "0005"]
+    assert pending["evidence"]["revision"] == "legacy" and pending["evidence"]["pending"] == ["0002", "0003", "0004", "0005", "0006"]
     assert "statetool migrate" in pending["action"]
     assert doc["state"]["revision"] == "legacy"
     # The progress is there (a migration keeps it): no export first-runs because of the revision.

@@ -764,7 +764,7 @@ def test_a_migrate_dry_run_on_a_read_only_mount_gives_its_plan_and_says_the_real
         proc = run_cli("-c", str(ro_config), "--json", "migrate", "--dry-run")
         assert proc.returncode == 0, describe(proc)
         doc = json.loads(proc.stdout)
-        assert doc["dry_run"] and [s["id"] for s in doc["steps"]] == ["0003", "0004", "0005"], describe(proc)
+        assert doc["dry_run"] and [s["id"] for s in doc["steps"]] == ["0003", "0004", "0005", "0006"], describe(proc)
         assert [w["code"] for w in doc["warnings"]] == ["RIVET_STATE_READ_ONLY_DRY_RUN"], describe(proc)
         assert "read-only" in doc["warnings"][0]["message"], describe(proc)
         human = run_cli("-c", str(ro_config), "migrate", "--dry-run")

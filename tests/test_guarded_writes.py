@@ -567,14 +567,18 @@ def test_transfer_refused_by_a_live_lease_leaves_the_source_as_it_was_and_create
 # -- 4. fencing on SQLite ---------------------------------------------------------------------------
 
 
-def _replace_sidecar_under(st: State, spawn: Callable[..., LeaseRun]) -> LeaseRun:
-    """Delete the run lease's sidecar and let another process take the lease on a new inode."""
-    old = os.stat(st.sidecar)
-    st.sidecar.unlink()
-    taker = hold(st, spawn)
-    new = os.stat(st.sidecar)
+def _replace_sidecar_under(st: State, spawn: Callable[..., LeaseRun], export: str = "orders") -> LeaseRun:
+    """Delete export ``export``'s run lease sidecar and let another process take the lease
+    on a new inode."""
+    from statetool.location import lease_file_name
+
+    sidecar = st.leases_dir / lease_file_name(f"chunk-run:{export}")
+    old = os.stat(sidecar)
+    sidecar.unlink()
+    taker = hold(st, spawn, export)
+    new = os.stat(sidecar)
     assert (new.st_dev, new.st_ino) != (old.st_dev, old.st_ino), "the sidecar was not replaced by a new inode"
-    assert st.leases()[RUN_KEY]["holder_pid"] == taker.pid
+    assert st.leases()[f"chunk-run:{export}"]["holder_pid"] == taker.pid
     return taker
 
 
@@ -788,3 +792,22 @@ def test_whole_state_writes_and_runs_never_hold_at_once(state: State, tmp_path: 
             # overlapping holdings: allowed only for runs of two different exports
             assert "whole" not in (kind, other_kind) and kind != other_kind, \
                 f"{kind} (pid {pid}) and {other_kind} (pid {other_pid}) held at once"
+
+
+def test_a_run_whose_sidecar_was_replaced_cannot_commit_a_cdc_position(
+        sqlite_state: State, spawn: Callable[..., LeaseRun]) -> None:
+    """Issue 15: a position is committed under the run lease, like a cursor: once another
+    holder took the lease over, the old run's commit is RIVET_STATE_LEASE_LOST and the
+    state keeps the position the lease's holder last committed."""
+    store = open_store(sqlite_state.config, lock_wait=10)
+    with store.run("order_events", "cdc") as run:
+        run.commit_position({"file": "mysql-bin.000042", "pos": 4})
+        taker = _replace_sidecar_under(sqlite_state, spawn, "order_events")
+        before = tree_digest(sqlite_state.directory)
+        with pytest.raises(StateError) as caught:
+            run.commit_position({"file": "mysql-bin.000043", "pos": 9})
+        assert caught.value.code == "RIVET_STATE_LEASE_LOST", caught.value
+        assert tree_digest(sqlite_state.directory) == before
+    rows = query(sqlite_state, "SELECT position FROM rivet_cdc_positions WHERE export_name = 'order_events'")
+    assert [json.loads(r[0]) for r in rows] == [{"file": "mysql-bin.000042", "pos": 4}]
+    assert taker.finish().returncode == 0

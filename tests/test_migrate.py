@@ -33,7 +33,7 @@ from statetool.operations.context import Context
 from statetool.operations.migrate import migrate
 from support.backends import StateBackend
 
-HEAD = "0005"
+HEAD = "0006"
 SOURCE_KEY = "postgresql://db.internal:5432/sales"
 VERSION_TABLE = "rivet_state_version"
 BACKUP_NAME = re.compile(r"^\.rivet_state\.db\.backup-(?P<label>.+)-(?P<stamp>\d{8}T\d{6}Z)$")
@@ -437,7 +437,7 @@ def test_downgrade_with_allow_data_loss_then_upgrade_round_trips(target: Target)
     assert down.returncode == 0, describe(down)
     doc = json.loads(down.stdout)
     assert (doc["from_revision"], doc["to_revision"], doc["direction"]) == (HEAD, "0001", "down")
-    assert [s["id"] for s in doc["steps"]] == ["0005", "0004", "0003", "0002"]
+    assert [s["id"] for s in doc["steps"]] == ["0006", "0005", "0004", "0003", "0002"]
     lost = {table: rows for step in doc["steps"] for table, rows in step["loses"].items()}
     assert lost["rivet_load_ledger"] == 5 and lost["rivet_run_aggregates"] == 3
     assert lost["rivet_runs"] == 16  # the runs whose bytes_read/duration/error_code go
@@ -492,7 +492,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(target: Target) -> None:
     proc = cli(target, "migrate", "--dry-run")
     assert proc.returncode == 0, describe(proc)
     out = " ".join(proc.stdout.split())
-    assert "from legacy to 0005" in out, describe(proc)
+    assert "from legacy to 0006" in out, describe(proc)
     for rev in migrations.revisions()[1:]:
         assert rev.id in out and rev.description.split(";")[0] in out, describe(proc)
     # PostgreSQL rewrites rivet_runs to widen its counts; SQLite changes only their declared type
@@ -502,7 +502,8 @@ def test_dry_run_prints_the_plan_and_writes_nothing(target: Target) -> None:
 
     doc = migrate(target.context(), dry_run=True).as_dict()  # the --json document
     assert (doc["from_revision"], doc["to_revision"], doc["dry_run"], doc["applied"]) == ("legacy", HEAD, True, False)
-    assert [(s["id"], s["rebuilds"]) for s in doc["steps"]] == [("0002", rebuilt), ("0003", {}), ("0004", {}), ("0005", {})]
+    assert [(s["id"], s["rebuilds"]) for s in doc["steps"]] == [("0002", rebuilt), ("0003", {}), ("0004", {}), ("0005", {}),
+                                                                    ("0006", {})]
     assert doc["backup"] is None
 
     assert target.dump() == before
@@ -619,18 +620,18 @@ def test_migrate_at_head_does_nothing_and_takes_no_backup(target: Target) -> Non
 # 3. A migration that fails half way leaves the state exactly as it was
 # --------------------------------------------------------------------------------------
 
-FAILING_0006 = '''\
+FAILING_0007 = '''\
 """a revision that does real work and then fails
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0006"
-down_revision = "0005"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
@@ -643,7 +644,7 @@ def upgrade() -> None:
     op.execute("UPDATE rivet_exports SET cursor_value = 'clobbered'")
     op.execute("DELETE FROM rivet_chunks")
     op.execute("UPDATE rivet_identity SET state_key = 'clobbered'")
-    raise RuntimeError("revision 0006 failed half way")
+    raise RuntimeError("revision 0007 failed half way")
 
 
 def downgrade() -> None:
@@ -653,17 +654,17 @@ def downgrade() -> None:
 
 @pytest.fixture
 def add_failing_revision(tmp_path: Path) -> Any:
-    """A function that points statetool at a copy of its alembic scripts with a 0006 that
+    """A function that points statetool at a copy of its alembic scripts with a 0007 that
     fails half way (undone after the test)."""
-    copy = tmp_path / "alembic-with-0006"
+    copy = tmp_path / "alembic-with-0007"
     shutil.copytree(migrations.script_location(), copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "versions" / "0006_fails_half_way.py").write_text(FAILING_0006)
+    (copy / "versions" / "0007_fails_half_way.py").write_text(FAILING_0007)
     original = migrations.script_location
 
     def activate() -> None:
         migrations.script_location = lambda: copy  # type: ignore[assignment]
         migrations.revisions.cache_clear()
-        assert migrations.head() == "0006"
+        assert migrations.head() == "0007"
 
     try:
         yield activate
@@ -694,7 +695,7 @@ def test_migration_failing_half_way_leaves_the_state_exactly_as_before(
         bytes_before = target.path.read_bytes()
     add_failing_revision()
 
-    with pytest.raises(RuntimeError, match="revision 0006 failed half way"):
+    with pytest.raises(RuntimeError, match="revision 0007 failed half way"):
         migrate(target.context())
 
     assert without_lease_tokens(target.dump()) == before

@@ -354,7 +354,7 @@ def test_writes_say_what_they_did_in_sentences(tmp_path: Path) -> None:
         assert not any(re.fullmatch(r"\S+ +-", line) for line in lines[name]), describe(human)  # no raw "-" rows
     state = str(config.parent / STATE_FILE)
     assert lines["init"][0].startswith("Created a new, empty state at") and state in " ".join(lines["init"])
-    assert lines["at head"] == ["Already at 0005; nothing to do."]
+    assert lines["at head"] == ["Already at 0006; nothing to do."]
     said = " ".join(lines["set-cursor"])
     assert "from none to '2026-11-01'" in said and "Next run of orders: resumes from cursor '2026-11-01'" in said
     said = " ".join(lines["reset"])
@@ -428,7 +428,7 @@ def test_init_and_check_on_postgresql_say_it_in_plain_sentences(tmp_path: Path, 
     fresh = write_config(tmp_path / "fresh", exports=EXPORTS)
     init = run_cli("-c", str(fresh), "init", env={"RIVET_STATE_URL": pg_url})
     assert init.returncode == 0, describe(init)
-    assert ") (" not in init.stdout and ", at revision 0005." in init.stdout, describe(init)
+    assert ") (" not in init.stdout and ", at revision 0006." in init.stdout, describe(init)
     config = write_config(tmp_path / "pipeline", exports=EXPORTS)
     record_progress(StateStore.open(config, env={}, create=True))
     target = pg_url.replace(pg_url.rsplit("schema=", 1)[1], pg_url.rsplit("schema=", 1)[1] + "_moved")

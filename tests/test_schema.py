@@ -57,6 +57,6 @@ def test_the_names_of_tables_py_are_the_core_tables_and_every_table_the_state_ha
 
     core = {t.name for t in schema.metadata.sorted_tables}
     assert core == {tables.EXPORTS, tables.RUNS, tables.CHUNKS, tables.RUN_AGGREGATES, tables.LOAD_LEDGER,
-                    tables.IDENTITY, tables.AUDIT, tables.LINEAGE}
+                    tables.IDENTITY, tables.AUDIT, tables.LINEAGE, tables.CDC_POSITIONS}
     assert tables.STATE_TABLES == core | tables.LEASE_TABLES | {tables.VERSION_TABLE}
     assert tables.LEGACY_TABLES <= core

@@ -231,6 +231,7 @@ def build_template(directory: Path, runs: int) -> Path:
         tx.finish_run(run_id, "failed", rows=0, bytes_read=2**40, error=NASTY, error_code="E_NASTY")
         tx.commit_cursor("orders", "incremental", LITERAL_NULL_MARK)
         tx.record_chunk("order_lines", run_id, 0, None, NASTY, "pending", rows=7)
+        tx.commit_position("order_events", "mysql", {"file": "mysql-bin.000042", "pos": 91234, "note": NASTY})
     db = sqlite3.connect(directory / ".rivet_state.db")
     with db:
         db.executemany("INSERT INTO rivet_load_ledger (export_name, table_name, part, rows, loaded_at) "

@@ -31,7 +31,8 @@ STATE_FIELDS = ("state_key", "lineage", "serial", "revision")
 EXPORT_FIELDS = (("mode", ("mode",)), ("cursor.value", ("cursor", "value")),
                  ("cursor.updated_at", ("cursor", "updated_at")), ("runs.total", ("runs_summary", "total")),
                  ("runs.succeeded", ("runs_summary", "succeeded")), ("runs.failed", ("runs_summary", "failed")),
-                 ("last_success", ("runs_summary", "last_success")))
+                 ("last_success", ("runs_summary", "last_success")), ("cdc_position", ("cdc_position", "position")),
+                 ("cdc_position.engine", ("cdc_position", "engine")))
 
 
 @dataclass

@@ -12,6 +12,7 @@ and audited. A file of another identity or lineage is refused (``RIVET_STATE_FOR
 
 from __future__ import annotations
 
+import json
 import uuid
 
 from dataclasses import dataclass, field
@@ -53,7 +54,9 @@ def _progress(one: dict[str, Any] | None) -> dict[str, Any] | None:
     """The progress of one export object, as an import shows it before and after."""
     if one is None:
         return None
-    return {"cursor": one["cursor"]["value"], "chunks": len(one["chunks"]), "ledger": len(one["ledger"])}
+    position = one.get("cdc_position")
+    return {"cursor": one["cursor"]["value"], "chunks": len(one["chunks"]), "ledger": len(one["ledger"]),
+            "cdc_position": None if position is None else position["position"]}
 
 
 def _foreign(where: str, mine: Any, theirs: Any, what: str) -> StateError:
@@ -81,8 +84,21 @@ def _rows(conn: Connection, doc: dict[str, Any], names: list[str]) -> None:
         for run in one.get("runs", []):
             conn.execute(sa.insert(schema.runs).values(export_name=name, **{k: v for k, v in run.items()
                                                                             if v is not None}))
+        _put_position(conn, name, one["cdc_position"])
     for aggregate in doc.get("run_aggregates", []):
         conn.execute(sa.insert(schema.run_aggregates).values(**aggregate))
+
+
+def _put_position(conn: Connection, name: str, position: dict[str, Any] | None) -> None:
+    """Make export ``name``'s CDC position in the state the file's (revision 0006): the row
+    replaced, or removed where the file holds none."""
+    p = schema.cdc_positions
+    conn.execute(sa.delete(p).where(p.c.export_name == name))
+    if position is not None:
+        conn.execute(sa.insert(p).values(export_name=name, engine=position["engine"],
+                                         position=json.dumps(position["position"], sort_keys=True, allow_nan=False),
+                                         committed_at=position["committed_at"], run_id=position["run_id"],
+                                         fencing_token=position["fencing_token"]))
 
 
 def _create(ctx: Context, doc: dict[str, Any], names: list[str], dry_run: bool) -> ImportResult:
@@ -160,6 +176,7 @@ def _into_live(ctx: Context, doc: dict[str, Any], name: str, dry_run: bool) -> I
             wc.execute(sa.insert(c).values(export_name=name, **chunk))
         for row in one["ledger"]:
             wc.execute(sa.insert(ledger).values(export_name=name, **{k: v for k, v in row.items() if k != "id"}))
+        _put_position(wc, name, one["cdc_position"])
         session.audit("import", {"export": name, "before": change[0]["before"], "after": change[0]["after"]})
         backup, warnings = session.backup, session.warnings
     return ImportResult("export", where, False, change, live["state"], str(backup) if backup else None, warnings)

@@ -28,7 +28,7 @@ from statetool.backends.faults import fault, os_fault
 from statetool.errors import StateError
 from statetool.operations.context import Context, now_iso
 from statetool.operations.probe import (ExportProgress, Snapshot, aggregate_rows, chunk_rows, export_rows,
-                                        last_successes, ledger_rows, lineage, read_snapshot, run_rows)
+                                        last_successes, ledger_rows, lineage, position_rows, read_snapshot, run_rows)
 
 #: The ``format`` of every document this release writes and reads (docs/commands.md).
 FORMAT = "rivet-state/1"
@@ -67,7 +67,7 @@ def _export_doc(name: str, progress: ExportProgress, row: tuple[Any, ...] | None
         "cursor": {"value": progress.cursor, "updated_at": progress.cursor_updated_at},
         "chunks": found["chunks"].get(name, []),
         "ledger": found["ledger"].get(name, []),
-        "cdc_position": None,
+        "cdc_position": found["positions"].get(name),
         "runs_summary": {"total": progress.runs_total, "succeeded": progress.runs_succeeded,
                          "failed": progress.runs_failed, "last_success": found["successes"].get(name)},
     }
@@ -82,11 +82,14 @@ def state_document(backend: Backend, conn: Reader, snap: Snapshot, *, export: st
     ``{format, exported_at, statetool, with_history, exported_from, state, exports}`` and,
     with ``with_history``, each export's ``runs`` and the top-level ``run_aggregates``.
     ``export`` limits ``exports`` to that one (``RIVET_EXPORT_UNKNOWN`` when the state does
-    not know it). Times are the state's ISO-8601 UTC text; ``cdc_position`` is null: no
-    revision of the state holds a CDC position (SPEC §6: a checkpoint file or a server slot)."""
+    not know it). Times are the state's ISO-8601 UTC text; ``cdc_position`` is the position
+    the state holds for a CDC export (revision 0006: ``{engine, position, committed_at,
+    run_id, fencing_token}``), null where it holds none (the position is then in a
+    checkpoint file or a server slot, SPEC §6)."""
     tables = snap.tables
     rows = export_rows(conn)
-    names = sorted(set(snap.exports) | set(rows))
+    positions = position_rows(conn, tables)
+    names = sorted(set(snap.exports) | set(rows) | set(positions))
     if export is not None:
         if export not in names:
             raise StateError("RIVET_EXPORT_UNKNOWN", f"export '{export}' is not in the state at "
@@ -94,6 +97,7 @@ def state_document(backend: Backend, conn: Reader, snap: Snapshot, *, export: st
         names = [export]
     lineage_id, serial = lineage(conn, tables)
     found = {"chunks": chunk_rows(conn), "ledger": ledger_rows(conn, tables), "successes": last_successes(conn),
+             "positions": positions,
              "runs": run_rows(conn, tables) if with_history else None}
     doc: dict[str, Any] = {
         "format": FORMAT,
@@ -200,7 +204,9 @@ _TEXT, _NUMBER, _MAYBE_TEXT, _MAYBE_NUMBER = (str,), (int,), (str, type(None)), 
 _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "state": {"state_key": _MAYBE_TEXT, "lineage": _MAYBE_TEXT, "serial": _MAYBE_NUMBER, "revision": _MAYBE_TEXT},
     "export": {"mode": _MAYBE_TEXT, "registered": (bool,), "updated_at": _MAYBE_TEXT, "cursor": (dict,),
-               "chunks": (list,), "ledger": (list,), "runs_summary": (dict,)},
+               "chunks": (list,), "ledger": (list,), "runs_summary": (dict,), "cdc_position": (dict, type(None))},
+    "cdc_position": {"engine": _TEXT, "position": (dict, list, str, int, float, bool, type(None)),
+                     "committed_at": _TEXT, "run_id": _MAYBE_TEXT, "fencing_token": _MAYBE_NUMBER},
     "cursor": {"value": _MAYBE_TEXT, "updated_at": _MAYBE_TEXT},
     "chunks": {"run_id": _TEXT, "chunk_index": _NUMBER, "lower_bound": _MAYBE_TEXT, "upper_bound": _MAYBE_TEXT,
                "status": _TEXT, "rows": _NUMBER, "updated_at": _TEXT},
@@ -220,12 +226,18 @@ def _value_problem(where: str, value: Any, types: tuple[type, ...]) -> str | Non
     is no number, an integer fits 64 bits, a text holds no NUL (PostgreSQL stores none)."""
     if isinstance(value, bool) and bool not in types or not isinstance(value, types):
         kinds = " or ".join("null" if t is type(None) else {str: "text", int: "integer", bool: "true/false",
-                                                             dict: "object", list: "list"}[t] for t in types)
+                                                             dict: "object", list: "list", float: "number"}[t]
+                            for t in types)
         return f"{where} is {json.dumps(value)[:40]}, where {kinds} belongs"
     if isinstance(value, int) and not isinstance(value, bool) and not -_INT_LIMIT <= value < _INT_LIMIT:
         return f"{where} is {value}, beyond a 64-bit integer"
     if isinstance(value, str) and "\x00" in value:
         return f"{where} holds a NUL character, which a state cannot store"
+    if isinstance(value, (dict, list, float)):  # a CDC position: any JSON, stored as its text
+        try:
+            json.dumps(value, allow_nan=False).encode()
+        except (ValueError, UnicodeEncodeError):
+            return f"{where} holds NaN, an infinity or a lone surrogate, which no JSON text stores"
     if isinstance(value, str) and not value.isascii():
         try:
             value.encode()
@@ -268,6 +280,8 @@ def _problem(doc: Any) -> str | None:
         if problem is not None:
             return problem
         checks.append((f"{where}.cursor", one["cursor"], "cursor"))
+        if one["cdc_position"] is not None:
+            checks.append((f"{where}.cdc_position", one["cdc_position"], "cdc_position"))
         for kind in ("chunks", "ledger", "runs"):
             rows = one.get(kind, [])
             if not isinstance(rows, list):

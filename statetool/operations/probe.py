@@ -23,7 +23,7 @@ from typing import Any
 from statetool import migrations
 from statetool.backends.base import Backend, Reader
 from statetool.errors import StateError, moved_away
-from statetool.tables import (AUDIT, CHUNKS, IDENTITY, IN_FLIGHT_REVISION, LEGACY_TABLES, LINEAGE, LOAD_LEDGER,
+from statetool.tables import (AUDIT, CDC_POSITIONS, CHUNKS, IDENTITY, IN_FLIGHT_REVISION, LEGACY_TABLES, LINEAGE, LOAD_LEDGER,
                               RELOCATED_REVISION, RUN_AGGREGATES, RUNS, STATE_TABLES, VERSION_TABLE, retired_detail)
 
 
@@ -376,6 +376,16 @@ def lineage(conn: Reader, tables: frozenset[str]) -> tuple[str | None, int | Non
         return None, None
     row = conn.one(f"SELECT lineage, serial FROM {LINEAGE} WHERE id = 1")
     return (None, None) if row is None else (row[0], None if row[1] is None else int(row[1]))
+
+
+def position_rows(conn: Reader, tables: frozenset[str]) -> dict[str, dict[str, Any]]:
+    """``{export: {engine, position, committed_at, run_id, fencing_token}}``: the CDC
+    positions the state holds (revision 0006), each position its JSON value; ``{}`` before."""
+    if CDC_POSITIONS not in tables:
+        return {}
+    query = f"SELECT export_name, engine, position, committed_at, run_id, fencing_token FROM {CDC_POSITIONS}"
+    return {row[0]: {"engine": row[1], "position": json.loads(row[2]), "committed_at": row[3], "run_id": row[4],
+                     "fencing_token": None if row[5] is None else int(row[5])} for row in conn.rows(query)}
 
 
 def _by_export(conn: Reader, table: str, columns: tuple[str, ...], order: str,

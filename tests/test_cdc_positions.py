@@ -1,0 +1,89 @@
+"""CDC positions kept in the state (issue 15; SPEC §6, ADR-0039 D5), through the runtime
+API on both backends: a committed position is read back from the state, and then the
+checkpoint file is never read again; before it, the file is. The lease-loss case is in
+tests/test_guarded_writes.py (fencing on SQLite)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from support import process_env, write_config
+from support.backends import StateBackend
+from statetool.errors import StateError
+from statetool.runtime import StateStore
+
+POSITION = {"file": "mysql-bin.000042", "pos": 91234}
+
+
+def _store(backend: StateBackend) -> tuple[StateStore, Path]:
+    config = write_config(backend.pipeline)
+    store = StateStore.open(config, env=process_env(backend.env), create=True)
+    return store, config.parent / "checkpoints" / "order_events.json"
+
+
+def test_a_committed_position_is_read_from_the_state_and_the_file_never_again(state_backend: StateBackend) -> None:
+    store, checkpoint = _store(state_backend)
+    checkpoint.parent.mkdir()
+    checkpoint.write_text(json.dumps({"file": "mysql-bin.000007", "pos": 4}))
+    with store.run("order_events", "cdc") as run:
+        assert run.read_position() == {"file": "mysql-bin.000007", "pos": 4}, "no position in the state: the file's"
+        run.commit_position(POSITION)
+        checkpoint.write_text("{not json at all")  # a worker's stale or broken file: never read again
+        assert run.read_position() == POSITION
+        token = run.token
+    with store.run("order_events", "cdc") as run:
+        assert run.read_position() == POSITION
+    backend = store.ctx.backend()
+    with backend.reading() as conn:
+        row = conn.one("SELECT engine, position, fencing_token FROM rivet_cdc_positions WHERE export_name = :e",
+                       {"e": "order_events"})
+    assert row is not None and (row[0], json.loads(row[1])) == ("mysql", POSITION)
+    assert row[2] == token, "the position records the fencing token of the lease it was committed under"
+
+
+def test_a_position_is_only_for_a_cdc_export_and_only_json(state_backend: StateBackend) -> None:
+    store, _checkpoint = _store(state_backend)
+    with store.run("orders", "incremental") as run:
+        with pytest.raises(StateError) as caught:
+            run.commit_position(POSITION)
+        assert caught.value.code == "RIVET_CLI_USAGE"
+    with store.run("order_events", "cdc") as run:
+        assert run.read_position() is None, "no file and no position: a first run of the stream"
+        with pytest.raises(ValueError):
+            run.commit_position({"pos": float("nan")})
+        assert run.read_position() is None
+
+
+def test_a_position_in_the_state_travels_through_export_import_and_diff(state_backend: StateBackend,
+                                                                         tmp_path: Path) -> None:
+    """An export that dropped the state's positions would make an import a silent
+    re-anchor of every stream (SPEC §5a): the position is in the document, comes back in
+    the imported state, and diff sees a change of it."""
+    from support import describe, run_cli
+
+    store, _checkpoint = _store(state_backend)
+    with store.run("order_events", "cdc") as run:
+        run.commit_position(POSITION)
+    config = store.ctx.config.path
+    out = tmp_path / "state.json"
+    proc = run_cli("-c", str(config), "export", "--with-history", "-o", str(out), env=state_backend.env)
+    assert proc.returncode == 0, describe(proc)
+    carried = json.loads(out.read_text())["exports"]["order_events"]["cdc_position"]
+    assert carried["position"] == POSITION and carried["engine"] == "mysql", carried
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    proc = run_cli("-c", str(config), "--state-url", f"sqlite:{fresh}", "import", str(out), env={})
+    assert proc.returncode == 0, describe(proc)
+    proc = run_cli("-c", str(config), "diff", str(out), f"sqlite:{fresh}", env={})
+    assert proc.returncode == 0, describe(proc)
+    again = StateStore.open(config, state_url=f"sqlite:{fresh}", env=process_env({}))
+    with again.run("order_events", "cdc") as run:
+        assert run.read_position() == POSITION
+        run.commit_position({"file": "mysql-bin.000043", "pos": 1})
+    proc = run_cli("-c", str(config), "--json", "diff", str(out), f"sqlite:{fresh}", env={})
+    assert proc.returncode == 1, describe(proc)
+    fields = {(d["export"], d["field"]) for d in json.loads(proc.stdout)["differences"]}
+    assert ("order_events", "cdc_position") in fields, fields
