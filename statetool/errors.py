@@ -354,6 +354,9 @@ WARNINGS: dict[str, str] = {
         "the state is writable)",
     "RIVET_STATE_CREATED":
         "nothing to do for a new pipeline; otherwise stop it and find where its state went",
+    "RIVET_STATE_CHECKPOINT_FILE_NEWER":
+        "the state's position is the one runs resume from; stop whatever still writes the file (a worker of an "
+        "older release), then remove the file or move it aside",
     "RIVET_STATE_ROLLED_BACK":
         "compare the two (statetool diff COPY sqlite:/dir), then put the newer one back on purpose with statetool "
         "restore NAME; until then the exports resume from the older progress",

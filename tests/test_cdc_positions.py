@@ -87,3 +87,35 @@ def test_a_position_in_the_state_travels_through_export_import_and_diff(state_ba
     assert proc.returncode == 1, describe(proc)
     fields = {(d["export"], d["field"]) for d in json.loads(proc.stdout)["differences"]}
     assert ("order_events", "cdc_position") in fields, fields
+
+
+def test_doctor_and_checkpoints_say_the_position_is_in_the_state_with_no_file(state_backend: StateBackend) -> None:
+    """Issue 15: with the position in the state, a CDC export resumes with no file on disk
+    (a pod without a volume), no relative-path warning is given under PostgreSQL state,
+    and a file a worker wrote later is reported with both values, never merged."""
+    from support import describe, run_cli
+
+    store, checkpoint = _store(state_backend)
+    config = store.ctx.config.path
+    with store.run("order_events", "cdc") as run:
+        run_id = run.start_run()
+        run.commit_position(POSITION)
+        run.finish_run(run_id, "succeeded", rows=1)
+    assert not checkpoint.exists()
+    proc = run_cli("-c", str(config), "--json", "doctor", "--export", "order_events", env=state_backend.env)
+    assert proc.returncode == 0, describe(proc)
+    (events,) = json.loads(proc.stdout)["exports"]
+    assert events["verdict"] == "resumes" and "in the state" in events["resumes_from"], events
+    assert not [r for r in events["reasons"] if r["code"] == "RIVET_STATE_CHECKPOINT_RELATIVE"], events["reasons"]
+    doc = json.loads(run_cli("-c", str(config), "--json", "checkpoints", env=state_backend.env).stdout)
+    (row,) = doc["checkpoints"]
+    assert (row["stored_in"], row["position"], row["run_id"] is None) == ("state", POSITION, True), row
+    assert json.loads(run_cli("-c", str(config), "--json", "info", env=state_backend.env).stdout)[
+        "checkpoints"][0]["stored_in"] == "state"
+    checkpoint.parent.mkdir()
+    checkpoint.write_text(json.dumps({"file": "mysql-bin.000099", "pos": 1}))
+    doc = json.loads(run_cli("-c", str(config), "--json", "checkpoints", env=state_backend.env).stdout)
+    (warning,) = doc["checkpoints"][0]["warnings"]
+    assert warning["code"] == "RIVET_STATE_CHECKPOINT_FILE_NEWER" and "000099" in warning["message"] and \
+        "000042" in warning["message"], warning
+    assert doc["checkpoints"][0]["position"] == POSITION, "the state's position stays the one reported"

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
 
 from statetool.errors import StateWarning
 from statetool.location import checkpoint_relative_message, resolve_checkpoint
@@ -30,6 +33,12 @@ class CheckpointReport:
     position: object = None
     error: str | None = None
     warnings: list[StateWarning] = field(default_factory=list)
+    #: Where the position a run resumes from lives: ``state`` (revision 0006: the file is
+    #: not read for it), ``file`` or ``server_slot`` (issue 15 item 5).
+    stored_in: str = "file"
+    #: When the state's position was committed, and by which run (``stored_in`` ``state``).
+    committed_at: str | None = None
+    run_id: str | None = None
 
     def as_dict(self) -> dict[str, object]:
         """JSON shape of one checkpoint."""
@@ -66,10 +75,47 @@ def checkpoint_warning(code: str, export: str, path: object) -> StateWarning:
                               "directory so it lives and moves with the state")
 
 
+def file_newer_warning(export: str, path: Path | None, stored: dict[str, Any]) -> StateWarning | None:
+    """Warning ``RIVET_STATE_CHECKPOINT_FILE_NEWER`` when CDC export ``export``'s checkpoint
+    file at ``path`` holds another position than the state's ``stored`` one and was written
+    after it was committed (a worker that still writes the file): both values are named,
+    neither is merged into the other (issue 15 item 5). None otherwise."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        position = json.loads(path.read_bytes()[:MAX_READ])
+        written = datetime.fromtimestamp(path.stat().st_mtime, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    except (OSError, ValueError):
+        return None
+    if position == stored["position"] or written <= stored["committed_at"]:
+        return None
+    return StateWarning("RIVET_STATE_CHECKPOINT_FILE_NEWER",
+                        f"CDC export {export}: the state holds position {json.dumps(stored['position'])} (committed "
+                        f"{stored['committed_at']}), and {path}, written later ({written}), holds "
+                        f"{json.dumps(position)}; the state's is the one a run resumes from")
+
+
+def _stored_positions(ctx: Context) -> dict[str, dict[str, Any]]:
+    """The CDC positions the state holds (revision 0006), read read-only; ``{}`` where no
+    state can be read (the pre-flight rows say why)."""
+    from statetool.errors import StateError
+    from statetool.operations.probe import position_rows
+
+    backend = ctx.backend()
+    try:
+        if not backend.present():
+            return {}
+        with backend.reading() as conn:
+            return position_rows(conn, frozenset(backend.table_names(conn)))
+    except StateError:
+        return {}
+
+
 def checkpoints(ctx: Context) -> CheckpointsResult:
     """Resolve and read every CDC checkpoint of the config. Never writes. Raises the
     resolver's and config loader's codes only; an unreadable file is reported in ``error``."""
     location, config = ctx.location, ctx.config
+    stored = _stored_positions(ctx) if any(e.cdc is not None for e in config.exports) else {}
     out = []
     for export in config.exports:
         if export.cdc is None:
@@ -77,6 +123,16 @@ def checkpoints(ctx: Context) -> CheckpointsResult:
         place = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, location, config.directory)
         report = CheckpointReport(export.name, export.cdc.engine, export.cdc.checkpoint,
                                   str(place.path) if place.path else None, place.why, False)
+        if export.name in stored:
+            row = stored[export.name]
+            report.stored_in, report.present, report.position = "state", True, row["position"]
+            report.committed_at, report.run_id = row["committed_at"], row["run_id"]
+            newer = file_newer_warning(export.name, place.path, row)
+            report.warnings += [newer] if newer is not None else []
+            out.append(report)
+            continue
+        if place.path is None and export.cdc.engine == "postgres":
+            report.stored_in = "server_slot"
         if place.warning:
             report.warnings.append(checkpoint_warning(place.warning, export.name, place.path))
         if place.path is not None and place.path.is_file():

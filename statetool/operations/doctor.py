@@ -33,9 +33,10 @@ from statetool.errors import EXIT_CODES, REGISTRY, WARNINGS, StateError, StateWa
 from statetool.identity import identity_message, identity_verdict, identity_warning
 from statetool.location import ENV_VAR, Location, resolve_checkpoint
 from statetool.mounts import mount_of
-from statetool.operations.checkpoints import checkpoint_warning
+from statetool.operations.checkpoints import checkpoint_warning, file_newer_warning
 from statetool.operations.context import Context
-from statetool.operations.probe import ResumePoint, Snapshot, last_resets, read_snapshot, resume_points
+from statetool.operations.probe import (ResumePoint, Snapshot, last_resets, position_rows, read_snapshot,
+                                        resume_points)
 from statetool.operations.search import search
 
 #: The exit class of a diagnosis in which any export would first-run.
@@ -182,11 +183,20 @@ def _directory_reasons(location: Location) -> list[Reason]:
     return reasons
 
 
-def _checkpoint(ctx: Context, export: Export, has_progress: bool) -> tuple[list[Reason], str | None, float | None]:
-    """Reasons about a CDC export's checkpoint, and the position it resumes from."""
+def _checkpoint(ctx: Context, export: Export, has_progress: bool,
+                stored: dict[str, Any] | None) -> tuple[list[Reason], str | None, float | None]:
+    """Reasons about a CDC export's checkpoint, and the position it resumes from: the
+    state's where it holds one (``stored``, revision 0006: no file is needed, and the file
+    a worker may have left is only compared, :func:`file_newer_warning`), else the file's."""
     assert export.cdc is not None
     place = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, ctx.location, ctx.config.directory)
     reasons: list[Reason] = []
+    if stored is not None:
+        newer = file_newer_warning(export.name, place.path, stored)
+        if newer is not None:
+            reasons.append(Reason.of(newer, {"path": str(place.path), "state_position": stored["position"]}))
+        return (reasons, f"CDC position {json.dumps(stored['position'], sort_keys=True)} in the state (committed "
+                f"{stored['committed_at']})", _age(stored["committed_at"]))
     if place.warning:
         reasons.append(Reason.of(checkpoint_warning(place.warning, export.name, place.path), {"path": str(place.path)}))
     if place.path is None:
@@ -214,9 +224,10 @@ def _checkpoint(ctx: Context, export: Export, has_progress: bool) -> tuple[list[
 
 
 def _diagnose(ctx: Context, export: Export, progress: ResumePoint | None, state_reasons: list[Reason],
-              reset: dict[str, Any] | None) -> ExportDiagnosis:
+              reset: dict[str, Any] | None, stored: dict[str, Any] | None = None) -> ExportDiagnosis:
     """Step 7: one export's verdict from its resume point (None when the state could not be
-    read), the state's reasons, its last reset and its CDC checkpoint."""
+    read), the state's reasons, its last reset and its CDC position: ``stored``, the one the
+    state holds (revision 0006), is progress of its own, else its checkpoint file's."""
     reasons = list(state_reasons)
     resumes_from: str | None = None
     resumes_from_at: str | None = None
@@ -226,7 +237,7 @@ def _diagnose(ctx: Context, export: Export, progress: ResumePoint | None, state_
         # (history, not progress to resume from): nothing committed since the reset is no progress.
         reset_since = (reset is not None and export.cdc is None and progress.cursor is None
                        and not progress.chunks_total and (progress.last_success or "") <= str(reset["at"]))
-        if (not progress.has_progress or reset_since) and export.mode != "full":
+        if (not progress.has_progress or reset_since) and export.mode != "full" and stored is None:
             evidence: dict[str, Any] = {"export": export.name, "state": ctx.location.display}
             message = f"the state holds no progress for {export.name}"
             if reset is not None:
@@ -250,9 +261,10 @@ def _diagnose(ctx: Context, export: Export, progress: ResumePoint | None, state_
         if export.mode == "full":
             resumes_from, age, resumes_from_at = "a full read (by design: a full export keeps no position)", None, None
     if export.cdc is not None:
-        cdc_reasons, position, position_age = _checkpoint(ctx, export, bool(progress and progress.has_progress))
+        cdc_reasons, position, position_age = _checkpoint(ctx, export, bool(progress and progress.has_progress),
+                                                          stored)
         reasons += cdc_reasons
-        if position is not None and progress is not None and progress.has_progress:
+        if position is not None and progress is not None and (progress.has_progress or stored is not None):
             resumes_from, age, resumes_from_at = position, position_age, None
     first = any(r.code in FIRST_RUN_CODES for r in reasons)
     return ExportDiagnosis(export.name, export.mode, "first_run" if first else "resumes",
@@ -268,6 +280,8 @@ class _Read:
     snap: Snapshot | None = None
     progress: dict[str, ResumePoint] = field(default_factory=dict)
     resets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: The CDC positions the state holds (revision 0006), per export.
+    positions: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _where(location: Location) -> dict[str, Any]:
@@ -304,6 +318,7 @@ def _read_state(ctx: Context, names: list[str], state_reasons: list[Reason]) -> 
                 if read.snap.known:
                     read.progress = resume_points(conn, read.snap.tables, names)
                     read.resets = last_resets(conn, read.snap.tables)
+                    read.positions = position_rows(conn, read.snap.tables)
     except StateError as err:
         if err.code in {r.code for r in state_reasons}:
             present = False  # a declared directory that is missing, already a reason
@@ -380,5 +395,5 @@ def doctor(ctx: Context, export: str | None = None) -> DoctorResult:
     state["reasons"] = [r.as_dict() for r in state_reasons]
     known = read.snap is not None and read.snap.known
     diagnoses = [_diagnose(ctx, e, read.progress.get(e.name) if known else None, state_reasons,
-                           read.resets.get(e.name)) for e in exports]
+                           read.resets.get(e.name), read.positions.get(e.name)) for e in exports]
     return DoctorResult(diagnoses, state)

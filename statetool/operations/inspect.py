@@ -27,12 +27,16 @@ class InfoResult:
     #: ``{"id": lineage UUID, "serial": int}`` (SPEC §9; both null before revision 0005 or
     #: without a state).
     lineage: dict[str, object] = field(default_factory=dict)
+    #: Every CDC export's checkpoint as ``statetool checkpoints`` reports it, with
+    #: ``stored_in`` (SPEC §8 lists checkpoints among what info shows; issue 15 item 5).
+    checkpoints: list[dict[str, object]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
-        """``{location, revision, identity, exports, warnings, leases, lineage}`` (the first
-        five never change; later keys are only ever added)."""
+        """``{location, revision, identity, exports, warnings, leases, lineage, checkpoints}``
+        (the first five never change; later keys are only ever added)."""
         return {"location": self.location, "revision": self.revision, "identity": self.identity,
-                "exports": self.exports, "warnings": self.warnings, "leases": self.leases, "lineage": self.lineage}
+                "exports": self.exports, "warnings": self.warnings, "leases": self.leases, "lineage": self.lineage,
+                "checkpoints": self.checkpoints}
 
 
 def _revision_doc(snap: Snapshot | None) -> dict[str, object]:
@@ -80,13 +84,15 @@ def info(ctx: Context) -> InfoResult:
     }
     from statetool.operations.checkpoints import checkpoints
 
-    warnings = [w.as_dict() for w in pf.warnings + _companion_warnings(ctx, pf.warnings) + checkpoints(ctx).warnings]
+    cdc = checkpoints(ctx)
+    warnings = [w.as_dict() for w in pf.warnings + _companion_warnings(ctx, pf.warnings) + cdc.warnings]
     leases = list_leases(ctx).leases if snap is not None and snap.known else []
     location = ctx.location
     # A symlinked state file: the configured path and the file it resolves to, both shown.
     where = {**location.as_dict(), "real_path": str(location.real_path) if location.real_path else None}
     return InfoResult(where, _revision_doc(snap), identity, _export_rows(ctx, snap), warnings,
-                      leases, {"id": snap.lineage if snap else None, "serial": snap.serial if snap else None})
+                      leases, {"id": snap.lineage if snap else None, "serial": snap.serial if snap else None},
+                      [c.as_dict() for c in cdc.checkpoints])
 
 
 def _companion_warnings(ctx: Context, given: list[StateWarning]) -> list[StateWarning]:
