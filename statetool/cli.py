@@ -36,6 +36,9 @@ identity_app = App(no_args_is_help=True, rich_markup_mode=None,
                    help="Read, adopt or deliberately re-key the state's identity.")
 exports_app = App(no_args_is_help=True, rich_markup_mode=None,
                   help="Progress per export; deliberate cursor changes and resets.")
+checkpoints_app = App(rich_markup_mode=None, subcommand_metavar="[COMMAND [ARGS]...]",
+                      help="Every CDC checkpoint; move positions into the state and back.\n\n"
+                           "Without a command: the same as statetool checkpoints list.")
 backups_app = App(no_args_is_help=True, rich_markup_mode=None,
                   help="Backups and keeps beside a SQLite state: list, verify, prune.")
 leases_app = App(rich_markup_mode=None, subcommand_metavar="[COMMAND [ARGS]...]",
@@ -45,6 +48,7 @@ app.add_typer(identity_app, name="identity")
 app.add_typer(exports_app, name="exports")
 app.add_typer(leases_app, name="leases")
 app.add_typer(backups_app, name="backups")
+app.add_typer(checkpoints_app, name="checkpoints")
 
 #: ``--dry-run`` of every command that can plan a change (migrate, relocate, transfer,
 #: identity adopt/rekey, exports set-cursor/reset, leases release).
@@ -225,17 +229,52 @@ def doctor(ctx: typer.Context,
         raise typer.Exit(result.exit_code)
 
 
-@app.command()
-def checkpoints(ctx: typer.Context) -> None:
+@checkpoints_app.callback(invoke_without_command=True)
+def checkpoints_default(ctx: typer.Context) -> None:
+    """``statetool checkpoints`` without a command lists them, as ``checkpoints list``."""
+    if ctx.invoked_subcommand is None:
+        checkpoints_list(ctx)
+
+
+@checkpoints_app.command("list")
+def checkpoints_list(ctx: typer.Context) -> None:
     """Every CDC checkpoint: where it resolves, present, age.
 
-    Also its size, position and warnings, and why it resolves where it does.
+    Also its size, position and warnings, why it resolves where it does, and whether the
+    position lives in the state, a file or a server slot.
     """
     from statetool import render
     from statetool.operations.checkpoints import checkpoints as op
 
     g = _g(ctx)
     _emit(g, op(g.context()).as_dict(), render.checkpoints)
+
+
+CdcExport = Annotated[str | None, typer.Option("--export", metavar="NAME",
+                                               help="Only this CDC export (default: every one).")]
+
+
+@checkpoints_app.command("import")
+def checkpoints_import(ctx: typer.Context, name: CdcExport = None, dry_run: DryRun = False) -> None:
+    """Move each checkpoint file's position into the state (audited).
+
+    Under the export's run lease; the file is renamed NAME.imported-TIME after.
+    """
+    from statetool import render
+    from statetool.operations.positions import import_positions
+
+    g = _g(ctx)
+    _emit(g, import_positions(g.context(), name, dry_run=dry_run).as_dict(), render.positions_moved)
+
+
+@checkpoints_app.command("export")
+def checkpoints_export(ctx: typer.Context, name: CdcExport = None, dry_run: DryRun = False) -> None:
+    """Write the state's positions back to their files (the rollback)."""
+    from statetool import render
+    from statetool.operations.positions import export_positions
+
+    g = _g(ctx)
+    _emit(g, export_positions(g.context(), name, dry_run=dry_run).as_dict(), render.positions_moved)
 
 
 @app.command(epilog="""

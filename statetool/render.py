@@ -1091,3 +1091,21 @@ def restored(doc: dict[str, Any]) -> None:
                               ("revision", f"{before['revision']} -> {after['revision']}")], indent="  ")
         _backup(page, doc["backup"])
     page.show()
+
+
+def positions_moved(doc: dict[str, Any]) -> None:
+    """``statetool checkpoints import`` / ``export`` for people: each position moved, the
+    file it came from or went to, and the exports skipped with why."""
+    page = Page()
+    into = doc["direction"] == "into_state"
+    verb = ("Would move" if doc["dry_run"] else "Moved") + (" into the state" if into else " back to its file")
+    for moved in doc["moved"]:
+        page.line(f"{verb}: {moved['export']}, position {json.dumps(moved['position'])}")
+        page.line(f"  {'from' if into else 'to'} {moved['file']}" +
+                  (f"; the file {'would be' if doc['dry_run'] else 'is'} kept as {moved['kept_as']}"
+                   if moved["kept_as"] else ""))
+    for skipped in doc["skipped"]:
+        page.line(f"Skipped {skipped['export']}: {skipped['why']}")
+    if not doc["moved"] and not doc["skipped"]:
+        page.line("no CDC export in the config")
+    page.show()

@@ -119,3 +119,47 @@ def test_doctor_and_checkpoints_say_the_position_is_in_the_state_with_no_file(st
     assert warning["code"] == "RIVET_STATE_CHECKPOINT_FILE_NEWER" and "000099" in warning["message"] and \
         "000042" in warning["message"], warning
     assert doc["checkpoints"][0]["position"] == POSITION, "the state's position stays the one reported"
+
+
+def test_checkpoints_import_then_the_runtime_reads_the_state_and_export_gives_the_file_back_byte_for_byte(
+        state_backend: StateBackend, tmp_path: Path) -> None:
+    """Issue 15 item 3 on both backends: the file's position moves into the state (audited,
+    the file renamed so it is never read as the position again), the runtime reads it from
+    the state, and `checkpoints export` writes the very bytes back (the rollback)."""
+    from support import describe, run_cli, tree_digest
+
+    store, checkpoint = _store(state_backend)
+    config = store.ctx.config.path
+    checkpoint.parent.mkdir()
+    original = b'{"file":"mysql-bin.000042",   "pos":91234}\n'
+    checkpoint.write_bytes(original)
+
+    def cli(*args: str) -> dict[str, object]:
+        proc = run_cli("-c", str(config), "--json", "checkpoints", *args, env=state_backend.env)
+        assert proc.returncode == 0, describe(proc)
+        return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+    before = tree_digest(config.parent)
+    plan = cli("import", "--dry-run")
+    assert plan["dry_run"] and [m["export"] for m in plan["moved"]] == ["order_events"]  # type: ignore[index]
+    assert tree_digest(config.parent) == before and store.stored_position("order_events") is None
+    done = cli("import")
+    (moved,) = done["moved"]  # type: ignore[misc]
+    kept = Path(moved["kept_as"])
+    assert not checkpoint.exists() and kept.read_bytes() == original and kept.name.startswith("order_events.json.")
+    kept.write_text("{broken")  # the renamed file is never read again
+    with store.run("order_events", "cdc") as run:
+        assert run.read_position() == POSITION
+    again = cli("import")
+    assert again["moved"] == [] and [s["export"] for s in again["skipped"]] == ["order_events"]  # type: ignore[index]
+    back = cli("export")
+    assert [m["export"] for m in back["moved"]] == ["order_events"]  # type: ignore[index]
+    assert checkpoint.read_bytes() == original, "the rollback gives the file back byte for byte"
+    assert store.stored_position("order_events") is None
+    with store.run("order_events", "cdc") as run:
+        assert run.read_position() == POSITION, "read from the file again"
+    backend = store.ctx.backend()
+    with backend.reading() as conn:
+        actions = [r[0] for r in conn.rows("SELECT action FROM rivet_audit WHERE action LIKE 'checkpoints.%' "
+                                           "ORDER BY id")]
+    assert actions == ["checkpoints.import", "checkpoints.export"], actions

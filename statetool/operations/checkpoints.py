@@ -95,7 +95,7 @@ def file_newer_warning(export: str, path: Path | None, stored: dict[str, Any]) -
                         f"{json.dumps(position)}; the state's is the one a run resumes from")
 
 
-def _stored_positions(ctx: Context) -> dict[str, dict[str, Any]]:
+def stored_positions(ctx: Context) -> dict[str, dict[str, Any]]:
     """The CDC positions the state holds (revision 0006), read read-only; ``{}`` where no
     state can be read (the pre-flight rows say why)."""
     from statetool.errors import StateError
@@ -115,7 +115,7 @@ def checkpoints(ctx: Context) -> CheckpointsResult:
     """Resolve and read every CDC checkpoint of the config. Never writes. Raises the
     resolver's and config loader's codes only; an unreadable file is reported in ``error``."""
     location, config = ctx.location, ctx.config
-    stored = _stored_positions(ctx) if any(e.cdc is not None for e in config.exports) else {}
+    stored = stored_positions(ctx) if any(e.cdc is not None for e in config.exports) else {}
     out = []
     for export in config.exports:
         if export.cdc is None:

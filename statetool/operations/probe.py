@@ -388,6 +388,16 @@ def position_rows(conn: Reader, tables: frozenset[str]) -> dict[str, dict[str, A
                      "fencing_token": None if row[5] is None else int(row[5])} for row in conn.rows(query)}
 
 
+def position_text(conn: Reader, tables: frozenset[str], export: str) -> str | None:
+    """The position the state holds for CDC export ``export`` as its JSON text exactly, as
+    it was committed or imported from a checkpoint file (so ``checkpoints export`` gives the
+    file back byte for byte); None where it holds none."""
+    if CDC_POSITIONS not in tables:
+        return None
+    text = conn.scalar(f"SELECT position FROM {CDC_POSITIONS} WHERE export_name = :e", {"e": export})
+    return None if text is None else str(text)
+
+
 def _by_export(conn: Reader, table: str, columns: tuple[str, ...], order: str,
                absent: tuple[str, ...] = ()) -> dict[str, list[dict[str, Any]]]:
     """``{export: [row as {column: value}]}`` of ``table`` in ``order``; ``absent`` columns
