@@ -42,9 +42,10 @@ from statetool.operations.checkpoints import checkpoints
 from statetool.operations.context import Context, now_iso
 from statetool.operations.create import init
 from statetool.operations.leasing import acquire, run_lease_key
+from statetool.operations.positions import put_position
 from statetool.operations.preflight import Preflight, require, run_preflight
+from statetool.operations.probe import position_text
 from statetool.operations.writes import NO_LEASE, WHOLE_STATE, WriteSession, guarded_write
-from statetool.tables import CDC_POSITIONS
 
 #: Run statuses a runtime records.
 RUN_STATUSES = ("running", "succeeded", "failed", "skipped")
@@ -101,12 +102,8 @@ class Writer:
         committed it and the fencing token of the lease it was committed under. Raises
         ``ValueError`` for a value that is not JSON."""
         self.guard(export)
-        text = json.dumps(value, sort_keys=True, allow_nan=False)
-        p = schema.cdc_positions
-        values = {"engine": engine, "position": text, "committed_at": now_iso(), "run_id": run_id,
-                  "fencing_token": token}
-        if not self.conn.execute(sa.update(p).where(p.c.export_name == export).values(**values)).rowcount:
-            self.conn.execute(sa.insert(p).values(export_name=export, **values))
+        put_position(self.conn, export, engine, json.dumps(value, sort_keys=True, allow_nan=False), run_id=run_id,
+                     token=token)
 
     def record_chunk(self, export: str, run_id: str, index: int, lower: str | None, upper: str | None,
                      status: str, *, rows: int = 0) -> None:
@@ -277,9 +274,7 @@ class StateStore:
         where it holds none (or its revision has no position table). Read-only."""
         backend = self.ctx.backend()
         with backend.reading() as conn:
-            if CDC_POSITIONS not in backend.table_names(conn):
-                return None
-            text = conn.scalar(f"SELECT position FROM {CDC_POSITIONS} WHERE export_name = :e", {"e": export})
+            text = position_text(conn, frozenset(backend.table_names(conn)), export)
         return None if text is None else json.loads(text)
 
     @contextmanager

@@ -14,6 +14,7 @@ listed as found and never followed (SPEC §8a). PostgreSQL keeps no copy of ours
 from __future__ import annotations
 
 import calendar
+import errno
 import os
 import re
 import stat
@@ -305,8 +306,9 @@ def _remove(doomed: list[Copy]) -> tuple[list[Copy], list[tuple[Copy, OSError]]]
     failed: list[tuple[Copy, OSError]] = []
     for copy in doomed:
         try:
-            if not stat.S_ISREG(os.lstat(copy.path).st_mode):
-                raise IsADirectoryError(21, "no longer a regular file", str(copy.path))
+            if not stat.S_ISREG(os.lstat(copy.path).st_mode):  # it changed kind since it was read
+                failed.append((copy, OSError(errno.EISDIR, "no longer a regular file", str(copy.path))))
+                continue
             copy.path.unlink()
             removed.append(copy)
         except FileNotFoundError:

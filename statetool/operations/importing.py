@@ -26,6 +26,7 @@ from statetool import migrations, schema
 from statetool.errors import StateError, StateWarning
 from statetool.operations.context import Context, now_iso
 from statetool.operations.portable import load_document, read_state, state_document
+from statetool.operations.positions import put_position
 from statetool.operations.probe import lineage
 from statetool.operations.writes import create_state, guarded_write, one_export, require_writable
 from statetool.tables import LINEAGE
@@ -91,14 +92,12 @@ def _rows(conn: Connection, doc: dict[str, Any], names: list[str]) -> None:
 
 def _put_position(conn: Connection, name: str, position: dict[str, Any] | None) -> None:
     """Make export ``name``'s CDC position in the state the file's (revision 0006): the row
-    replaced, or removed where the file holds none."""
-    p = schema.cdc_positions
-    conn.execute(sa.delete(p).where(p.c.export_name == name))
-    if position is not None:
-        conn.execute(sa.insert(p).values(export_name=name, engine=position["engine"],
-                                         position=json.dumps(position["position"], sort_keys=True, allow_nan=False),
-                                         committed_at=position["committed_at"], run_id=position["run_id"],
-                                         fencing_token=position["fencing_token"]))
+    replaced, or removed where the file holds none (:func:`~statetool.operations.positions.put_position`)."""
+    if position is None:
+        put_position(conn, name, "", None)
+        return
+    put_position(conn, name, position["engine"], json.dumps(position["position"], sort_keys=True, allow_nan=False),
+                 committed_at=position["committed_at"], run_id=position["run_id"], token=position["fencing_token"])
 
 
 def _create(ctx: Context, doc: dict[str, Any], names: list[str], dry_run: bool) -> ImportResult:

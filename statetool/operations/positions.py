@@ -76,6 +76,42 @@ def _stored(ctx: Context) -> dict[str, dict[str, Any]]:
     return stored_positions(ctx)
 
 
+def _write_file(path: Path, text: str) -> None:
+    """Write ``text`` to the checkpoint file ``path``: a temporary file beside it, created
+    never through a link, fsynced, renamed into place, read back
+    (``RIVET_STATE_VERIFY_FAILED`` when it does not read back); the directory's faults by
+    their registered codes."""
+    from statetool.backends.durable import CREATE_FLAGS, fsync_dir
+    from statetool.backends.faults import fault
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.export-tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, CREATE_FLAGS, 0o644)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise fault(path, err) or err from None
+    if _read_file(path)[0] != text:
+        raise StateError("RIVET_STATE_VERIFY_FAILED", f"{path} does not read back as the state's position")
+
+
+def _rename(path: Path, kept: Path) -> None:
+    """Rename the imported checkpoint file ``path`` to ``kept``; a fault by its registered
+    code (the position is in the state already: a re-run only renames)."""
+    from statetool.backends.faults import fault
+
+    try:
+        os.rename(path, kept)
+    except OSError as err:
+        raise fault(path, err) or err from None
+
+
 def _stored_text(ctx: Context, name: str) -> str:
     """The JSON text of export ``name``'s position as the state holds it (read-only)."""
     backend = ctx.backend()
@@ -117,7 +153,7 @@ def import_positions(ctx: Context, export: str | None = None, *, dry_run: bool =
         kept = path.with_name(f"{path.name}.imported-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
         if name in stored and stored[name]["position"] == position:
             if not dry_run:
-                os.rename(path, kept)  # a re-run after a kill between the commit and the rename
+                _rename(path, kept)  # a re-run after a kill between the commit and the rename
             moved.append(Moved(name, str(path), position, str(kept)))
             continue
         if name in stored:
@@ -129,39 +165,40 @@ def import_positions(ctx: Context, export: str | None = None, *, dry_run: bool =
             moved.append(Moved(name, str(path), position, str(kept)))
             continue
         with guarded_write(ctx, one_export(name)) as session:
-            _put(session.conn, name, engine, text)
+            put_position(session.conn, name, engine, text)
             back = position_text(session.reader, session.snapshot.tables, name)
             if back != text:
                 raise StateError("RIVET_STATE_VERIFY_FAILED", f"the position of {name} read back from the state is "
                                  "not the file's; nothing was changed")
             session.audit("checkpoints.import", {"export": name, "file": str(path), "position": position,
                                                  "kept_as": str(kept)})
-        os.rename(path, kept)
+        _rename(path, kept)
         moved.append(Moved(name, str(path), position, str(kept)))
     return MoveResult("into_state", moved, skipped, dry_run)
 
 
-def _put(conn: Any, name: str, engine: str, text: str) -> None:
-    """Write export ``name``'s position, the checkpoint file's JSON ``text`` exactly, into
-    the state's position table, replacing its row."""
+def put_position(conn: Any, name: str, engine: str, text: str | None, *, committed_at: str | None = None,
+                 run_id: str | None = None, token: int | None = None) -> None:
+    """THE writer of CDC export ``name``'s row in the state's position table (revision
+    0006), in the writing transaction ``conn`` of a guarded write: the row replaced by one
+    holding the JSON ``text`` exactly (committed ``committed_at``, default now, by run
+    ``run_id`` under the lease of fencing token ``token``), or removed with ``text`` None.
+    Used by the runtime's ``commit_position``, ``checkpoints import/export`` and ``import``."""
     import sqlalchemy as sa
 
     from statetool import schema
 
     p = schema.cdc_positions
     conn.execute(sa.delete(p).where(p.c.export_name == name))
-    conn.execute(sa.insert(p).values(export_name=name, engine=engine, position=text, committed_at=now_iso(),
-                                     run_id=None, fencing_token=None))
+    if text is not None:
+        conn.execute(sa.insert(p).values(export_name=name, engine=engine, position=text,
+                                         committed_at=committed_at or now_iso(), run_id=run_id, fencing_token=token))
 
 
 def export_positions(ctx: Context, export: str | None = None, *, dry_run: bool = False) -> MoveResult:
     """``statetool checkpoints export``: see the module docstring. Raises
     ``RIVET_EXPORT_UNKNOWN``, ``RIVET_STATE_TARGET_NOT_EMPTY`` (a file with another position
     is at the checkpoint's place) and a guarded write's codes."""
-    import sqlalchemy as sa
-
-    from statetool import schema
-    from statetool.backends.durable import CREATE_FLAGS, fsync_dir
     from statetool.operations.writes import guarded_write, one_export, require_writable
 
     stored = _stored(ctx)
@@ -181,20 +218,9 @@ def export_positions(ctx: Context, export: str | None = None, *, dry_run: bool =
             require_writable(ctx, dry_run=True)
             moved.append(Moved(name, str(path), position, None))
             continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.export-tmp")
-        fd = os.open(tmp, CREATE_FLAGS, 0o644)  # never through a link planted at the name
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-        if _read_file(path)[0] != text:
-            raise StateError("RIVET_STATE_VERIFY_FAILED", f"{path} does not read back as the state's position")
-        with guarded_write(ctx, one_export(name)) as session:
-            p = schema.cdc_positions
-            session.conn.execute(sa.delete(p).where(p.c.export_name == name))
+        with guarded_write(ctx, one_export(name)) as session:  # the file too is written under the run lease
+            _write_file(path, text)
+            put_position(session.conn, name, "", None)
             session.audit("checkpoints.export", {"export": name, "file": str(path), "position": position})
         moved.append(Moved(name, str(path), position, None))
     return MoveResult("to_file", moved, skipped, dry_run)

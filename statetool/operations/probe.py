@@ -195,8 +195,7 @@ def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, pro
         if IDENTITY in tables:
             snap.recorded_key = recorded_key(conn)
         snap.lineage, snap.serial = lineage(conn, tables)
-        if snap.lineage is not None:
-            snap.write_id = conn.scalar(f"SELECT write_id FROM {LINEAGE} WHERE id = 1")
+        snap.write_id = write_id_of(conn, tables)
     return snap
 
 
@@ -386,6 +385,12 @@ def position_rows(conn: Reader, tables: frozenset[str]) -> dict[str, dict[str, A
     query = f"SELECT export_name, engine, position, committed_at, run_id, fencing_token FROM {CDC_POSITIONS}"
     return {row[0]: {"engine": row[1], "position": json.loads(row[2]), "committed_at": row[3], "run_id": row[4],
                      "fencing_token": None if row[5] is None else int(row[5])} for row in conn.rows(query)}
+
+
+def write_id_of(conn: Reader, tables: frozenset[str]) -> str | None:
+    """The id of the write that gave the state its serial (revision 0005), None before it
+    or without a lineage row."""
+    return conn.scalar(f"SELECT write_id FROM {LINEAGE} WHERE id = 1") if LINEAGE in tables else None
 
 
 def position_text(conn: Reader, tables: frozenset[str], export: str) -> str | None:

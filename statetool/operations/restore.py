@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from statetool.errors import StateError
 from statetool.operations.backups import Copy, diverged, read_copy, unknown_copy
 from statetool.operations.context import Context
-from statetool.operations.probe import Snapshot, lineage, recorded_key
+from statetool.operations.probe import Snapshot, lineage, recorded_key, write_id_of
 
 #: What a restore's backup of the replaced state, and the file that takes its place, are named for.
 _REPLACED_BY = "a restore"
@@ -240,9 +240,8 @@ def _replace(ctx: Context, copy: Copy, pf: Any, check: Any, before: dict[str, ob
         reader = session.reader
         tables = frozenset(backend.table_names(reader))
         line, serial = lineage(reader, tables)
-        write_id = reader.scalar(f"SELECT write_id FROM {LINEAGE} WHERE id = 1") if LINEAGE in tables else None
         judge(copy, recorded_key(reader) or ctx.computed_key or None, line, serial, allow_older=allow_older,
-              write_id=write_id)
+              write_id=write_id_of(reader, tables))
         with ctx.progress("copying") as update:
             restoration = backend.restoration(session.conn, copy.path, update, ctx.on_step)
         session.on_abort(restoration.discard)
