@@ -1087,7 +1087,10 @@ def restored(doc: dict[str, Any]) -> None:
         before, after = doc["before"], doc["after"]
         page.para(f"{_sentence(doc['message'])}.")
         if before is not None:
-            page.pairs(None, [("serial", f"{before['serial']} -> {after['serial']}"),
+            def serial(value: Any) -> str:
+                return "none (a copy from before lineages)" if value is None else str(value)
+
+            page.pairs(None, [("serial", f"{serial(before['serial'])} -> {serial(after['serial'])}"),
                               ("revision", f"{before['revision']} -> {after['revision']}")], indent="  ")
         _backup(page, doc["backup"])
     page.show()

@@ -290,3 +290,19 @@ def test_a_symlinked_state_file_whose_target_is_gone_is_missing_with_where_it_po
     proc = p.cli("--json", "check")
     (row,) = [c for c in json.loads(proc.stdout)["checks"] if c["code"] == "RIVET_STATE_MISSING"]
     assert "is a symlink to" in row["message"] and "unmounted" in row["message"], row
+
+
+def test_a_legacy_live_state_is_restored_over_like_any_other(place: Place) -> None:
+    """A fresh user's finding: restoring over a live state of the legacy shape (no identity
+    table: a legacy copy restored before) was RIVET_INTERNAL after its dry run passed."""
+    from statetool.example import build_legacy_state
+
+    newest = place.backups()[-1]
+    place.file.unlink()
+    for companion in place.directory.glob(".rivet_state.db-*"):
+        companion.unlink()
+    build_legacy_state(place.file, [("orders", "incremental")], 3)
+    plan = place.doc("restore", newest.name, "--allow-older", "--dry-run")
+    assert plan["dry_run"], plan
+    done = place.doc("restore", newest.name, "--allow-older")
+    assert done["action"] == "restored" and place.cursor() == "2", done

@@ -229,7 +229,7 @@ def _replace(ctx: Context, copy: Copy, pf: Any, check: Any, before: dict[str, ob
     """The restore over a live state, as one guarded write of the whole state; returns the
     backup the replaced state is kept as and the restored state's serial."""
     from statetool.operations.writes import WHOLE_STATE, guarded_write
-    from statetool.tables import AUDIT, LINEAGE
+    from statetool.tables import AUDIT, IDENTITY, LINEAGE
 
     backend = ctx.backend()
     with guarded_write(ctx, WHOLE_STATE, preflight=pf, allow=_PENDING, check=check, claim=False, advance=False,
@@ -240,7 +240,8 @@ def _replace(ctx: Context, copy: Copy, pf: Any, check: Any, before: dict[str, ob
         reader = session.reader
         tables = frozenset(backend.table_names(reader))
         line, serial = lineage(reader, tables)
-        judge(copy, recorded_key(reader) or ctx.computed_key or None, line, serial, allow_older=allow_older,
+        recorded = recorded_key(reader) if IDENTITY in tables else None  # a legacy state records none
+        judge(copy, recorded or ctx.computed_key or None, line, serial, allow_older=allow_older,
               write_id=write_id_of(reader, tables))
         with ctx.progress("copying") as update:
             restoration = backend.restoration(session.conn, copy.path, update, ctx.on_step)
