@@ -161,6 +161,9 @@ def restore(ctx: Context, what: str, *, allow_older: bool = False, if_absent: bo
                              f"a state is already at {ctx.location.display}: nothing to do")
     copy = _verified(ctx, find_copy(ctx, what))
     if backend.present():
+        if if_absent:  # another task restored it while this one verified the copy: never restored over
+            return RestoreResult("none", ctx.location.as_dict(), copy.as_dict(), None, None, None, dry_run,
+                                 f"a state appeared at {ctx.location.display} meanwhile: nothing to do")
         return _over_live(ctx, copy, allow_older, dry_run)
     return _where_none(ctx, copy, if_absent, dry_run)
 
