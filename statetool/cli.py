@@ -444,6 +444,8 @@ def relocate(
       statetool transfer --to-env PG_URL --dry-run
     Move the state:
       statetool transfer --to-env PG_URL
+    With the CDC positions of its checkpoint files, so that a pod needs no volume:
+      statetool transfer --to-env PG_URL --with-checkpoints
     Then every task of the pipeline runs with:
       RIVET_STATE_URL=$PG_URL
     Back into a SQLite file, or into another schema:
@@ -458,6 +460,9 @@ def transfer(
     to_env: Annotated[str | None, typer.Option("--to-env", metavar="NAME", show_default=False,
                                                help="Read the destination URL from environment variable NAME "
                                                     "(keeps a password out of the process list).")] = None,
+    with_checkpoints: Annotated[bool, typer.Option(
+        "--with-checkpoints", help="Move each CDC position from its checkpoint file into the destination, in "
+                                   "the same transaction; the files are renamed *.imported-TIME.")] = False,
     dry_run: DryRun = False,
 ) -> None:
     """Move a state between SQLite and PostgreSQL, verified.
@@ -482,7 +487,8 @@ def transfer(
         _warn_password_in_argv("--to", to or "")
     assert to is not None
     setting = "--to" if to_env is None else f"--to-env {to_env}"
-    _emit(g, op(context, to, dry_run=dry_run, to_setting=setting).as_dict(), render.transfer)
+    _emit(g, op(context, to, dry_run=dry_run, to_setting=setting, with_checkpoints=with_checkpoints).as_dict(),
+          render.transfer)
 
 
 @app.command(epilog="""

@@ -960,6 +960,17 @@ def relocate(doc: dict[str, Any]) -> None:
     print_warnings(doc.get("warnings", []))
 
 
+def _positions_moved(positions: dict[str, Any] | None) -> list[str]:
+    """The lines of ``transfer --with-checkpoints``'s positions: each moved into the
+    destination (and the name its file was renamed to), each skipped with why."""
+    if positions is None:
+        return []
+    verb = "would move" if positions["dry_run"] else "moved"
+    return ([f"position {m['export']}: {verb} from {m['file']} into the state"
+             + (f"; the file is renamed {m['kept_as']}" if m["kept_as"] else "") for m in positions["moved"]]
+            + [f"position {k['export']}: not moved ({k['why']})" for k in positions["skipped"]])
+
+
 def transfer(doc: dict[str, Any]) -> None:
     """``statetool transfer`` for people: the plan of a dry run, else what was copied and
     verified, where the old bytes are kept, and the ``RIVET_STATE_URL`` line every task
@@ -967,6 +978,8 @@ def transfer(doc: dict[str, Any]) -> None:
     page = Page()
     if doc.get("already"):
         page.para(f"Already transferred to {doc['destination']}: nothing to copy.")
+        for line in _positions_moved(doc.get("positions")):
+            page.para(line, "", "  ")
         _every_task(page, doc, "Every task must run with:")
         page.show()
         print_warnings(doc.get("warnings", []))
@@ -989,9 +1002,13 @@ def transfer(doc: dict[str, Any]) -> None:
     lines = []
     for cp in doc["checkpoints"]:
         found = next((w for w in relative if cp["resolves_to"] in w["message"]), None)
-        lines.append(f"checkpoint {cp['export']}: [{found['code']}] {found['message']} At least, set "
-                     f"cdc.checkpoint to {cp['set_to']}." if found else
+        lines.append(f"checkpoint {cp['export']}: its position is in the state; the file is not read for it"
+                     if cp.get("stored_in") == "state" else
+                     f"checkpoint {cp['export']}: [{found['code']}] {found['message']} At least, set "
+                     f"cdc.checkpoint to {cp['set_to']}, or move the position into the state "
+                     "(--with-checkpoints)." if found else
                      f"checkpoint {cp['export']}: {cp['configured']} (absolute: nothing to change)")
+    lines += _positions_moved(doc.get("positions"))
     _move_end(page, doc, lines, "old SQLite bytes kept as:", "transfer")
     print_warnings([w for w in doc.get("warnings", []) if not any(w["message"] in line for line in lines)])
 

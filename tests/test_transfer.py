@@ -821,10 +821,16 @@ def test_dry_run_changes_nothing_and_prints_tables_rows_bytes_checkpoints_and_th
     state_url = doc["state_url"]
     assert split_url(state_url)[1] == schema
     plan = {c["export"]: c for c in doc["checkpoints"]}
+    # order_events' position is in the state (the template commits one): its file is not
+    # read for it, so nothing is to change and nothing is warned (issue 15 item 5)
+    assert plan["order_events"]["stored_in"] == "state"
+    assert plan["order_events"]["set_to"] == plan["order_events"]["configured"]
+    absolute.pop("order_events")
     for name, path in absolute.items():
         assert plan[name]["set_to"] == path and plan[name]["configured"] == RELATIVE_CHECKPOINTS[name]
+        assert plan[name]["stored_in"] == "file"
     assert plan["invoice_changes"]["set_to"] == plan["invoice_changes"]["configured"]  # already absolute
-    warned = {w["code"] + ":" + name for w in doc["warnings"] for name in absolute
+    warned = {w["code"] + ":" + name for w in doc["warnings"] for name in RELATIVE_CHECKPOINTS
               if f"CDC export {name}:" in w["message"]}
     assert warned == {f"RIVET_STATE_CHECKPOINT_RELATIVE:{n}" for n in absolute}
     for w in doc["warnings"]:

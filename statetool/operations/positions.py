@@ -58,6 +58,33 @@ class MoveResult(NamedTuple):
                 "dry_run": self.dry_run}
 
 
+class FilePosition(NamedTuple):
+    """A CDC export's position as its checkpoint file holds it: ``text`` the file's JSON
+    exactly, ``position`` its value."""
+
+    export: str
+    engine: str
+    path: Path
+    text: str
+    position: object
+
+
+def checkpoint_files(ctx: Context, export: str | None = None) -> tuple[list[FilePosition], list[dict[str, str]]]:
+    """The position of each CDC export of the config (or only ``export``) read from its
+    checkpoint file, resolved where ``ctx``'s state is (SPEC §6), and the exports skipped
+    with why (no checkpoint file configured, or none at its place). Raises
+    ``RIVET_EXPORT_UNKNOWN`` (``export`` is no CDC export of the config) and
+    ``RIVET_STATE_CHECKPOINT_UNREADABLE`` (a file that holds no position in JSON)."""
+    files: list[FilePosition] = []
+    skipped: list[dict[str, str]] = []
+    for name, engine, path in _cdc_exports(ctx, export):
+        if path is None or not path.is_file():
+            skipped.append({"export": name, "why": "no checkpoint file" if path is None else f"no file at {path}"})
+            continue
+        files.append(FilePosition(name, engine, path, *read_checkpoint_file(path)))
+    return files, skipped
+
+
 def _cdc_exports(ctx: Context, export: str | None) -> list[tuple[str, str, Path | None]]:
     """``(name, engine, checkpoint path)`` of each CDC export of the config, or only
     ``export`` (``RIVET_EXPORT_UNKNOWN`` when it is no CDC export of the config)."""
@@ -68,6 +95,12 @@ def _cdc_exports(ctx: Context, export: str | None) -> list[tuple[str, str, Path 
         raise StateError("RIVET_EXPORT_UNKNOWN", f"'{export}' is no CDC export of {ctx.config.path}",
                          {"export": export})
     return found
+
+
+def kept_path(path: Path) -> Path:
+    """The name an imported checkpoint file ``path`` is renamed to: ``<name>.imported-<UTC
+    time>``, so that it can never be read as the position again (issue 15 item 3)."""
+    return path.with_name(f"{path.name}.imported-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
 
 
 def _stored(ctx: Context) -> dict[str, dict[str, Any]]:
@@ -97,13 +130,13 @@ def _write_file(path: Path, text: str) -> None:
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise fault(path, err) or err from None
-    if _read_file(path)[0] != text:
+    if read_checkpoint_file(path)[0] != text:
         raise StateError("RIVET_STATE_VERIFY_FAILED", f"{path} does not read back as the state's position")
 
 
-def _rename(path: Path, kept: Path) -> None:
-    """Rename the imported checkpoint file ``path`` to ``kept``; a fault by its registered
-    code (the position is in the state already: a re-run only renames)."""
+def retire_file(path: Path, kept: Path) -> None:
+    """Rename the imported checkpoint file ``path`` to ``kept`` (:func:`kept_path`); a fault
+    by its registered code (the position is in the state already: a re-run only renames)."""
     from statetool.backends.faults import fault
 
     try:
@@ -121,7 +154,7 @@ def _stored_text(ctx: Context, name: str) -> str:
     return text
 
 
-def _read_file(path: Path) -> tuple[str, object]:
+def read_checkpoint_file(path: Path) -> tuple[str, object]:
     """The text of the checkpoint file at ``path`` and the position it holds;
     ``RIVET_STATE_CHECKPOINT_UNREADABLE`` for a file that is not UTF-8 JSON or is larger than
     a position is."""
@@ -144,16 +177,12 @@ def import_positions(ctx: Context, export: str | None = None, *, dry_run: bool =
 
     stored = _stored(ctx)
     moved: list[Moved] = []
-    skipped: list[dict[str, str]] = []
-    for name, engine, path in _cdc_exports(ctx, export):
-        if path is None or not path.is_file():
-            skipped.append({"export": name, "why": "no checkpoint file" if path is None else f"no file at {path}"})
-            continue
-        text, position = _read_file(path)
-        kept = path.with_name(f"{path.name}.imported-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    files, skipped = checkpoint_files(ctx, export)
+    for name, engine, path, text, position in files:
+        kept = kept_path(path)
         if name in stored and stored[name]["position"] == position:
             if not dry_run:
-                _rename(path, kept)  # a re-run after a kill between the commit and the rename
+                retire_file(path, kept)  # a re-run after a kill between the commit and the rename
             moved.append(Moved(name, str(path), position, str(kept)))
             continue
         if name in stored:
@@ -172,7 +201,7 @@ def import_positions(ctx: Context, export: str | None = None, *, dry_run: bool =
                                  "not the file's; nothing was changed")
             session.audit("checkpoints.import", {"export": name, "file": str(path), "position": position,
                                                  "kept_as": str(kept)})
-        _rename(path, kept)
+        retire_file(path, kept)
         moved.append(Moved(name, str(path), position, str(kept)))
     return MoveResult("into_state", moved, skipped, dry_run)
 
@@ -211,7 +240,7 @@ def export_positions(ctx: Context, export: str | None = None, *, dry_run: bool =
             continue
         position = stored[name]["position"]
         text = _stored_text(ctx, name)
-        if path.exists() and (not path.is_file() or _read_file(path)[1] != position):
+        if path.exists() and (not path.is_file() or read_checkpoint_file(path)[1] != position):
             raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{path} holds another position; move it aside first "
                              "(the state's would replace it); nothing was changed", {"path": str(path)})
         if dry_run:

@@ -42,9 +42,11 @@ the source is checked and retired through its
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import shlex
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
@@ -57,8 +59,10 @@ from statetool.identity import identity_verdict
 from statetool.location import ENV_VAR, Location, checkpoint_relative_message, resolve_checkpoint, resolve_location
 from statetool.operations.context import Context
 from statetool.operations.leasing import refuse_untakable
+from statetool.operations.positions import (FilePosition, MoveResult, Moved, checkpoint_files, kept_path,
+                                            put_position, read_checkpoint_file, retire_file)
 from statetool.operations.preflight import require, run_preflight
-from statetool.operations.probe import read_snapshot, row_counts
+from statetool.operations.probe import position_rows, position_text, read_snapshot, row_counts
 from statetool.operations.relocate import finish_command, retirement_doc
 from statetool.operations.writes import (WHOLE_STATE, WriteSession, guarded_write, require_writable,
                                          tolerate_read_only)
@@ -126,13 +130,18 @@ class TransferResult:
     #: True when an earlier run had finished this transfer: this one copied nothing (it
     #: only finished the last step when a kill had interrupted it). For the sentence people read.
     already: bool = False
+    #: ``--with-checkpoints`` (issue 15 item 4): the positions moved from checkpoint files
+    #: into the destination (``{direction, moved, skipped, dry_run}``, as ``checkpoints
+    #: import`` gives them); None without the option.
+    positions: dict[str, object] | None = None
 
     def as_dict(self) -> dict[str, object]:
         """JSON shape of the plan and outcome."""
         return asdict(self)
 
 
-def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = "--to") -> TransferResult:
+def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = "--to",
+             with_checkpoints: bool = False) -> TransferResult:
     """Move the state at the resolved location into the state at ``to``: SQLite into
     PostgreSQL, PostgreSQL into SQLite (``sqlite:/dir``: ``/dir/.rivet_state.db``), or
     PostgreSQL into another database or schema (SPEC §9).
@@ -153,13 +162,23 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = 
     ``RIVET_STATE_READ_ONLY_DRY_RUN``). The re-run of a completed transfer answers "already transferred" (exit 0).
     ``to_setting`` is the setting that gave ``to`` (``--to``, ``--to-env NAME``), which a
     refusal of the destination's URL names first.
+
+    ``with_checkpoints`` (issue 15 item 4, ADR-0039 D5): the position in each CDC export's
+    checkpoint file (resolved where the source is) goes into the destination's position
+    table in the same transaction as the state, read back before the commit, and each file
+    is renamed ``<name>.imported-<UTC time>`` once the destination is live. A kill at any
+    instant leaves every position live in exactly one place: in the files while the source
+    is live, in the destination once it is (a file left beside it holds the same position
+    and is never read: the state's wins), and a re-run renames what is left. An export whose
+    position the source state holds already keeps it (its file is not read); a file that is
+    not a position in JSON is refused (``RIVET_STATE_CHECKPOINT_UNREADABLE``) before anything.
     """
     source = _source(ctx)
     dest = _destination(ctx, source, to, to_setting)
     old = retirement(source)  # the source's old place, retired at the switch
     tomb = old.moved_to()
     if tomb is not None and tomb.get("to") == dest.location.display:
-        return _already_transferred(dest, old, tomb, dry_run)
+        return _already_transferred(ctx, dest, old, tomb, dry_run)
     # step 1: the pre-flight of both places
     retirable = tolerate_read_only(old.require_retirable, dry_run=dry_run)  # before the pre-flight
     # per-export progress is not needed (only which exports the state knows, read below):
@@ -170,13 +189,19 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = 
     with source.reading() as conn:
         counts = _counts(conn)
         in_state = {row[0] for row in conn.rows(_EXPORT_NAMES)}
+        held = set(position_rows(conn, frozenset(source.table_names(conn))))
     with dest.inspecting() as conn:
         dest.check_rights("create", conn)  # the dry run refuses what the real run would, before any lease
         earlier = _check_destination(ctx, dest, conn, source_key, old.place)
-    checkpoints, warnings = _checkpoint_plan(ctx, dest.location)
+    files = _position_plan(ctx, held) if with_checkpoints else None
+    moving = files[0] if files else []
+    checkpoints, warnings = _checkpoint_plan(ctx, dest.location, held | {f.export for f in moving})
     result = TransferResult(old.place, dest.location.display, dest.location.state_url, old.size_bytes(),
                             [TableCopy(t.name, counts[t.name]) for t in COPIED],
                             checkpoints, dry_run=dry_run, resumed=earlier is not None, warnings=warnings)
+    if files is not None:
+        result.positions = MoveResult("into_state", [Moved(f.export, str(f.path), f.position, None) for f in moving],
+                                      files[1], dry_run).as_dict()
     # the guarded write's own first refusal, before any lease or file; the dry run the same
     read_only = retirable or require_writable(ctx, replaced_by=_REPLACED_BY, dry_run=dry_run)
     result.warnings += [w.as_dict() for w in read_only]
@@ -203,7 +228,7 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = 
             copy.rows = counts[copy.table]
         # step 3: the one destination transaction
         with dest.receiving() as conn:
-            _fill(ctx, source, session, dest, conn, result, source_key, digest, counts)
+            _fill(ctx, source, session, dest, conn, result, source_key, digest, counts, moving)
             ctx.on_step("copied")
         ctx.on_step("committed")
         # step 4: the switch (a PostgreSQL source's commits with the source's write)
@@ -213,8 +238,10 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = 
                                     session.audit, ctx.on_step)
     ctx.on_step("retired")
     old.finish_retired()
-    # step 5: the destination made live
+    # step 5: the destination made live, then the checkpoint files it took over renamed
     dest.make_live()
+    if result.positions is not None:
+        result.positions["moved"] = [m.as_dict() for m in _retire_files(ctx, moving)]
     ctx.on_step("finished")
     result.done = True
     result.message = f"transferred; every task must now run with {ENV_VAR}={result.state_url}"
@@ -289,7 +316,9 @@ def _check_destination(ctx: Context, dest: TransferDestination, conn: Reader, so
                          f"the destination {dest.location.display} holds the state of {verdict.recorded}, not of "
                          f"{verdict.computed}; a transfer never merges two sources: choose another schema "
                          "(?schema=NAME)", {"recorded": verdict.recorded, "computed": verdict.computed})
-    busy = sorted(e.name for e in ctx.config.exports if e.name in snap.exports and snap.exports[e.name].has_progress)
+    positions = position_rows(conn, frozenset(tables))
+    busy = sorted(e.name for e in ctx.config.exports if e.name in positions
+                  or (e.name in snap.exports and snap.exports[e.name].has_progress))
     if busy:
         raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
                          f"the destination {dest.location.display} already holds progress for {', '.join(busy)}; "
@@ -297,29 +326,82 @@ def _check_destination(ctx: Context, dest: TransferDestination, conn: Reader, so
     return None
 
 
-def _checkpoint_plan(ctx: Context, target: Location) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """Where each CDC checkpoint resolves once the state is at ``target``, and the warnings
-    of those that will be relative to a worker's own disk (``RIVET_STATE_CHECKPOINT_RELATIVE``)."""
+def _checkpoint_plan(ctx: Context, target: Location, in_state: set[str]
+                     ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Where each CDC checkpoint resolves once the state is at ``target`` (``stored_in``:
+    ``state`` for the exports of ``in_state``, whose position the state holds, the file not
+    read for it; else ``file``), and the warnings of the files that will be relative to a
+    worker's own disk (``RIVET_STATE_CHECKPOINT_RELATIVE``; none for a position in the state)."""
     plan, warnings = [], []
     for export in ctx.config.exports:
         if export.cdc is None or not export.cdc.checkpoint:
             continue
         place = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, target, ctx.config.directory)
+        stored_in = "state" if export.name in in_state else "file"
         plan.append({"export": export.name, "configured": export.cdc.checkpoint, "resolves_to": str(place.path),
-                     "set_to": str(place.path) if place.warning else export.cdc.checkpoint})
-        if place.warning == "RIVET_STATE_CHECKPOINT_RELATIVE":
+                     "set_to": str(place.path) if place.warning and stored_in == "file" else export.cdc.checkpoint,
+                     "stored_in": stored_in})
+        if place.warning == "RIVET_STATE_CHECKPOINT_RELATIVE" and stored_in == "file":
             message = checkpoint_relative_message(export.name, place.path)  # type: ignore[arg-type]
             warnings.append(StateWarning(place.warning, message).as_dict())
     return plan, warnings
 
 
+def _position_plan(ctx: Context, held: set[str]) -> tuple[list[FilePosition], list[dict[str, str]]]:
+    """``--with-checkpoints``: the checkpoint files whose positions move, and the exports
+    skipped with why (those of ``held``, whose position the source state holds already)."""
+    files, skipped = checkpoint_files(ctx)
+    skipped += [{"export": f.export, "why": "the state holds its position already; the file is not read"}
+                for f in files if f.export in held]
+    return [f for f in files if f.export not in held], skipped
+
+
+def _moved_doc(moving: list[FilePosition]) -> list[dict[str, str]]:
+    """The positions a transfer moves as its audit row names them: export, file and the
+    sha256 of the file's text (a re-run compares them: a file written since is a change)."""
+    return [{"export": f.export, "file": str(f.path), "sha256": hashlib.sha256(f.text.encode()).hexdigest()}
+            for f in moving]
+
+
+def _put_positions(dest: TransferDestination, conn: Connection, moving: list[FilePosition]) -> None:
+    """Each position of ``moving`` into the destination's transaction ``conn``, read back:
+    ``RIVET_STATE_VERIFY_FAILED`` (rolled back) when one does not read back as its file."""
+    for f in moving:
+        put_position(conn, f.export, f.engine, f.text)
+        reader = dest.reader(conn)
+        if position_text(reader, frozenset(dest.table_names(reader)), f.export) != f.text:
+            raise StateError("RIVET_STATE_VERIFY_FAILED", f"the position of {f.export} read back from the "
+                             "destination is not its file's; the transaction was rolled back, nothing was changed")
+
+
+def _retire_files(ctx: Context, moving: list[FilePosition]) -> list[Moved]:
+    """Rename each checkpoint file of ``moving`` ``<name>.imported-<UTC time>`` once the
+    destination holding its position is live; a file that no longer holds the moved text
+    is left where it is (``checkpoints`` then reports both values)."""
+    moved = []
+    for f in moving:
+        kept = kept_path(f.path)
+        try:
+            current = read_checkpoint_file(f.path)[0] if f.path.is_file() else None
+        except StateError:
+            current = None
+        if current == f.text:
+            retire_file(f.path, kept)
+            ctx.on_step("checkpoint-renamed")
+        moved.append(Moved(f.export, str(f.path), f.position, str(kept) if current == f.text else None))
+    return moved
+
+
 def _fill(ctx: Context, source: TransferSource, session: WriteSession, dest: TransferDestination, conn: Connection,
-          result: TransferResult, source_key: str | None, digest: str, counts: dict[str, int]) -> None:
+          result: TransferResult, source_key: str | None, digest: str, counts: dict[str, int],
+          moving: list[FilePosition]) -> None:
     """Step 3 inside the destination's transaction ``conn``: converge on an earlier transfer
-    of this very source, or copy every table, audit it and mark the destination in flight."""
+    of this very source (the same source digest and the same checkpoint files), or copy
+    every table and the positions of ``moving``, audit it and mark the destination in flight."""
     source_path = result.source
     earlier = _check_destination(ctx, dest, dest.reader(conn), source_key, source_path)
-    if earlier is not None and earlier.get("source_digest") != digest:
+    if earlier is not None and (earlier.get("source_digest") != digest
+                                or earlier.get("checkpoints", []) != _moved_doc(moving)):
         if not earlier.get("created_schema") or not dest.in_flight(conn):
             raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
                              f"an earlier transfer of {source_path} is in {dest.location.display}, and the "
@@ -332,25 +414,53 @@ def _fill(ctx: Context, source: TransferSource, session: WriteSession, dest: Tra
         return
     created = not dest.table_names(dest.reader(conn))
     _copy(ctx, source, session.conn, dest, conn, result)
-    finish = finish_command(ctx, f"transfer --to {shlex.quote(result.state_url)}")
+    _put_positions(dest, conn, moving)
+    finish = finish_command(ctx, f"transfer --to {shlex.quote(result.state_url)}"
+                            + (" --with-checkpoints" if result.positions is not None else ""))
     session.audit("transfer", {"from": source_path, "to": result.destination, "source_digest": digest,
-                               "rows": counts, "created_schema": created, "finish": finish}, into=conn)
+                               "rows": counts, "created_schema": created, "finish": finish,
+                               "checkpoints": _moved_doc(moving)}, into=conn)
     dest.mark_in_flight(conn)  # every open of the destination refuses until the source is retired
 
 
-def _already_transferred(dest: TransferDestination, old: Retirement, tomb: dict[str, Any], dry_run: bool
-                         ) -> TransferResult:
+def _already_transferred(ctx: Context, dest: TransferDestination, old: Retirement, tomb: dict[str, Any],
+                         dry_run: bool) -> TransferResult:
     """The re-run of a transfer whose switch was done: exit 0, "already transferred". A
     run killed after the switch is finished here (the destination made live, what the
-    retired source left removed: a SQLite file's ``-wal``/``-shm`` and temporary files)."""
+    retired source left removed: a SQLite file's ``-wal``/``-shm`` and temporary files, and
+    the checkpoint files its positions came from renamed: :func:`_left_files`)."""
+    url = dest.location.state_url
+    result = TransferResult(old.place, dest.location.display, url, 0, [], [], dry_run=dry_run, done=True,
+                            resumed=True, kept_as=tomb.get("kept_as"),
+                            message=f"already transferred to {dest.location.display}; every task must run with "
+                                    f"{ENV_VAR}={url}", already=True)
     if not dry_run:
         old.finish_retired()
         dest.make_live()
-    url = dest.location.state_url
-    return TransferResult(old.place, dest.location.display, url, 0, [], [], dry_run=dry_run, done=True,
-                          resumed=True, kept_as=tomb.get("kept_as"),
-                          message=f"already transferred to {dest.location.display}; every task must run with "
-                                  f"{ENV_VAR}={url}", already=True)
+        left = _left_files(dest, old.place)
+        if left:
+            result.positions = MoveResult("into_state", _retire_files(ctx, left), [], dry_run).as_dict()
+    return result
+
+
+def _left_files(dest: TransferDestination, source: str) -> list[FilePosition]:
+    """The checkpoint files that the transfer of ``source`` into ``dest`` moved (its audit
+    row names them) and a kill left at their place, still holding the very text the
+    destination holds as the position: those a re-run renames."""
+    with dest.reading() as conn:
+        tables = frozenset(dest.table_names(conn))
+        done = _transfer_row(conn, set(tables), source) or {}
+        texts = {c["export"]: position_text(conn, tables, c["export"]) for c in done.get("checkpoints", [])}
+    left = []
+    for entry in done.get("checkpoints", []):
+        path = Path(entry["file"])
+        try:
+            text, position = read_checkpoint_file(path) if path.is_file() else (None, None)
+        except StateError:
+            continue
+        if text is not None and text == texts[entry["export"]]:
+            left.append(FilePosition(entry["export"], "", path, text, position))
+    return left
 
 
 def _copy(ctx: Context, source: TransferSource, source_conn: Connection, dest: TransferDestination,

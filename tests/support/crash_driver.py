@@ -11,7 +11,7 @@ Nothing in statetool reads the environment for it. As a script::
 
     python tests/support/crash_driver.py POINT -c CONFIG [--state-url URL] [--lock-wait S] \
         relocate --to DIR [--full-verify] [--create-dir]
-    python tests/support/crash_driver.py POINT -c CONFIG transfer --to URL
+    python tests/support/crash_driver.py POINT -c CONFIG transfer --to URL [--with-checkpoints]
     python tests/support/crash_driver.py POINT -c CONFIG migrate
     python tests/support/crash_driver.py POINT -c CONFIG [--state-url URL] restore WHAT [--allow-older] [--if-absent]
 
@@ -74,7 +74,9 @@ def main(argv: list[str]) -> int:
     relocate.add_argument("--to", required=True)
     relocate.add_argument("--full-verify", action="store_true")
     relocate.add_argument("--create-dir", action="store_true")
-    verbs.add_parser("transfer").add_argument("--to", required=True)
+    transfer_verb = verbs.add_parser("transfer")
+    transfer_verb.add_argument("--to", required=True)
+    transfer_verb.add_argument("--with-checkpoints", action="store_true")
     verbs.add_parser("migrate")
     restore = verbs.add_parser("restore")
     restore.add_argument("what")
@@ -132,7 +134,7 @@ def main(argv: list[str]) -> int:
     else:
         from statetool.operations.transfer import transfer
 
-        transfer(ctx, options.to)
+        transfer(ctx, options.to, with_checkpoints=options.with_checkpoints)
     sys.stderr.write(f"crash_driver: the {options.verb} ended without passing {point}\n")
     return 3
 

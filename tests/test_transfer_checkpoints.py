@@ -1,0 +1,284 @@
+"""``statetool transfer --with-checkpoints`` (issue 15 item 4; SPEC §6, §9; ADR-0039 D5):
+the position of each CDC export's checkpoint file goes into the destination in the same
+transaction as the state, and the files are renamed ``<name>.imported-<UTC time>``.
+
+Real SQLite files, the PostgreSQL server of ``conftest.pg_server``, the runtime API reading
+the positions, the CLI, and SIGKILL at every step of the transfer (tests/support/crash_driver.py)
+and at blind times: after each kill the position a run resumes from is the original one,
+live in exactly one place (the source's files while the source is live, the destination
+once it is), and a re-run converges.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support import describe, error_object, fork_cli, process_env, run_cli, tree_digest, write_config
+from support.crash_driver import run_killed_at
+from statetool.errors import StateError
+from statetool.runtime import StateStore
+from test_transfer import admin  # noqa: F401 - the fixture: the server's superuser URL
+from test_transfer import EXPORTS, pg_fetch, schema_exists, split_url, tombstone
+
+pytestmark = pytest.mark.postgres
+
+#: The steps of a SQLite → PostgreSQL transfer (transfer.py and the SQLite retirement), then
+#: the rename of the first checkpoint file.
+POINTS = ("digested", "copied", "committed", "kept", "tombstoned", "swapped", "checkpoint-renamed", "finished")
+#: Each CDC export's checkpoint file and the bytes it holds (spacing kept: a position moves
+#: as its file's text exactly).
+FILES = {"order_events": ("checkpoints/order_events.json", b'{"file": "mysql-bin.000042",  "pos": 91234}\n'),
+         "customer_changes": ("state/customer_changes.json", b'{"resume_token": {"_data": "8263A1"}}')}
+ABSOLUTE = ("invoice_changes", b'{"scn": 4711}\n')
+
+
+def _pipeline(directory: Path) -> tuple[Path, dict[str, Path], dict[str, bytes]]:
+    """A SQLite state with a cursor, and three CDC exports whose positions are in files
+    (two relative, under the state's directory; one absolute); the exports are those of
+    tests/test_transfer.py (a fourth CDC export keeps its position in a server slot). Returns the config, each
+    export's file, and each file's bytes."""
+    absolute = directory.parent / f"{directory.name}-shared" / "invoice_changes.json"
+    absolute.parent.mkdir(parents=True)
+    absolute.write_bytes(ABSOLUTE[1])
+    cfg = write_config(directory, exports=EXPORTS.format(absolute=absolute))
+    store = StateStore.open(cfg, env=process_env(), create=True)
+    with store.run("orders", "incremental") as run:
+        run.commit_cursor("2026-11-30T00:00:00Z")
+    files = {ABSOLUTE[0]: absolute}
+    data = {ABSOLUTE[0]: ABSOLUTE[1]}
+    for name, (relative, content) in FILES.items():
+        files[name] = directory / relative
+        files[name].parent.mkdir(parents=True, exist_ok=True)
+        files[name].write_bytes(content)
+        data[name] = content
+    return cfg, files, data
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    proc = run_cli("--json", "--json-errors", *args, env=env)
+    assert proc.returncode == 0, describe(proc)
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+
+def _pg_positions(admin: str, url: str) -> dict[str, str]:  # noqa: F811 - any URL of the server
+    schema = split_url(url)[1]
+    if not schema_exists(admin, schema) or not pg_fetch(
+            admin, "SELECT 1 FROM information_schema.tables WHERE table_schema = %s AND table_name = "
+                   "'rivet_cdc_positions'", (schema,)):
+        return {}
+    return dict(pg_fetch(admin, f'SELECT export_name, position FROM "{schema}".rivet_cdc_positions'))  # type: ignore[arg-type]
+
+
+def _resumes_from(cfg: Path, env: dict[str, str]) -> dict[str, object]:
+    """The position each CDC export's next run resumes from, read by the runtime API as a
+    run of the pipeline reads it (its run lease taken and given back)."""
+    store = StateStore.open(cfg, env=process_env(env))
+    out = {}
+    for name in (*FILES, ABSOLUTE[0]):
+        with store.run(name, "cdc") as run:
+            out[name] = run.read_position()
+    return out
+
+
+def _kept(files: dict[str, Path]) -> dict[str, list[Path]]:
+    return {n: sorted(p.parent.glob(f"{p.name}.imported-*")) for n, p in files.items()}
+
+
+def test_positions_move_into_postgresql_with_the_state_and_the_files_are_renamed_never_read_again(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, data = _pipeline(tmp_path / "pipeline")
+    originals = {n: json.loads(b) for n, b in data.items()}
+    done = _cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints")
+    assert done["done"]
+    positions = done["positions"]
+    assert sorted(m["export"] for m in positions["moved"]) == sorted(originals)
+    assert [s["export"] for s in positions["skipped"]] == ["payment_changes"], "its position is the server's slot"
+    assert not any(w["code"] == "RIVET_STATE_CHECKPOINT_RELATIVE" for w in done["warnings"]), done["warnings"]
+    assert {c["export"]: c["stored_in"] for c in done["checkpoints"]} == {n: "state" for n in originals}
+    # each text exactly, and each file kept under its new name only, with its bytes
+    assert _pg_positions(admin, pg_url) == {n: b.decode() for n, b in data.items()}
+    kept = _kept(files)
+    for name, path in files.items():
+        assert not path.exists(), f"{path} is still where a run would read it"
+        assert [k.read_bytes() for k in kept[name]] == [data[name]]
+        assert str(kept[name][0]) == next(m["kept_as"] for m in positions["moved"] if m["export"] == name)
+        kept[name][0].write_text("{broken")  # never read again
+    env = {"RIVET_STATE_URL": pg_url}
+    assert _resumes_from(cfg, env) == originals
+    listed = _cli("-c", str(cfg), "checkpoints", env=env)
+    assert {c["export"]: c["stored_in"] for c in listed["checkpoints"]} == {
+        **{n: "state" for n in originals}, "payment_changes": "server_slot"}
+    assert listed["warnings"] == []
+    audit = pg_fetch(admin, f'SELECT detail FROM "{split_url(pg_url)[1]}".rivet_audit WHERE action = \'transfer\'')
+    assert sorted(c["export"] for c in json.loads(audit[0][0])["checkpoints"]) == sorted(originals)
+
+
+def test_the_dry_run_lists_the_positions_it_would_move_and_changes_nothing(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, data = _pipeline(tmp_path / "pipeline")
+    before = {**tree_digest(cfg.parent), **{str(p): p.read_bytes() for p in files.values()}}
+    plan = _cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints", "--dry-run")
+    assert plan["dry_run"] and not plan["done"]
+    assert sorted(m["export"] for m in plan["positions"]["moved"]) == sorted(data)
+    assert not any(w["code"] == "RIVET_STATE_CHECKPOINT_RELATIVE" for w in plan["warnings"])
+    human = run_cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints", "--dry-run")
+    assert human.returncode == 0, describe(human)
+    assert "position order_events: would move from" in human.stdout, human.stdout
+    assert {**tree_digest(cfg.parent), **{str(p): p.read_bytes() for p in files.values()}} == before
+    assert not schema_exists(admin, split_url(pg_url)[1])
+
+
+def test_without_the_option_the_files_stay_and_the_relative_ones_are_warned_with_the_remedy(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, data = _pipeline(tmp_path / "pipeline")
+    done = _cli("-c", str(cfg), "transfer", "--to", pg_url)
+    assert done["positions"] is None and _pg_positions(admin, pg_url) == {}
+    relative = sorted(w["message"].split(":")[0] for w in done["warnings"]
+                      if w["code"] == "RIVET_STATE_CHECKPOINT_RELATIVE")
+    assert relative == sorted(f"CDC export {n}" for n in FILES)
+    assert all(p.read_bytes() == data[n] for n, p in files.items())
+
+
+def test_a_file_that_is_no_position_is_refused_before_anything_is_written(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, _ = _pipeline(tmp_path / "pipeline")
+    files["customer_changes"].write_bytes(b"\xff not json")
+    before = tree_digest(cfg.parent)
+    proc = run_cli("-c", str(cfg), "--json-errors", "transfer", "--to", pg_url, "--with-checkpoints")
+    assert proc.returncode != 0 and error_object(proc)["code"] == "RIVET_STATE_CHECKPOINT_UNREADABLE", describe(proc)
+    assert tree_digest(cfg.parent) == before and not schema_exists(admin, split_url(pg_url)[1])
+
+
+def test_a_position_the_source_state_holds_wins_over_its_file_which_is_left_alone(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, data = _pipeline(tmp_path / "pipeline")
+    store = StateStore.open(cfg, env=process_env())
+    with store.run("order_events", "cdc") as run:
+        run.commit_position({"file": "mysql-bin.000050", "pos": 4})
+    done = _cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints")
+    skipped = {s["export"]: s["why"] for s in done["positions"]["skipped"]}
+    assert "holds its position already" in skipped["order_events"], skipped
+    assert files["order_events"].read_bytes() == data["order_events"], "a file the state overrides is not touched"
+    assert json.loads(_pg_positions(admin, pg_url)["order_events"]) == {"file": "mysql-bin.000050", "pos": 4}
+    assert _resumes_from(cfg, {"RIVET_STATE_URL": pg_url})["order_events"] == {"file": "mysql-bin.000050", "pos": 4}
+
+
+def test_a_destination_that_holds_a_position_of_one_of_the_exports_is_refused(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, _ = _pipeline(tmp_path / "pipeline")
+    other = StateStore.open(cfg, env=process_env({"RIVET_STATE_URL": pg_url}), create=True)
+    with other.run("invoice_changes", "cdc") as run:
+        run.commit_position({"scn": 1})
+    before = tree_digest(cfg.parent)
+    proc = run_cli("-c", str(cfg), "--json-errors", "transfer", "--to", pg_url, "--with-checkpoints")
+    assert proc.returncode != 0 and error_object(proc)["code"] == "RIVET_STATE_TARGET_NOT_EMPTY", describe(proc)
+    assert "invoice_changes" in error_object(proc)["message"]
+    assert tree_digest(cfg.parent) == before
+    assert json.loads(_pg_positions(admin, pg_url)["invoice_changes"]) == {"scn": 1}
+
+
+def test_postgresql_into_sqlite_takes_the_files_beside_the_config_into_the_sqlite_state(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    directory = tmp_path / "pipeline"
+    cfg = write_config(directory, exports=EXPORTS.format(absolute=tmp_path / "none.json"))
+    env = {"RIVET_STATE_URL": pg_url}
+    StateStore.open(cfg, env=process_env(env), create=True)
+    checkpoint = directory / FILES["order_events"][0]  # under PostgreSQL: beside the config, on this disk
+    checkpoint.parent.mkdir()
+    checkpoint.write_bytes(FILES["order_events"][1])
+    target = tmp_path / "into"
+    target.mkdir()
+    done = _cli("-c", str(cfg), "transfer", "--to", f"sqlite:{target}", "--with-checkpoints", env=env)
+    assert [m["export"] for m in done["positions"]["moved"]] == ["order_events"]
+    assert not checkpoint.exists()
+    store = StateStore.open(cfg, env=process_env({"RIVET_STATE_URL": f"sqlite:{target}"}))
+    assert store.stored_position("order_events") == json.loads(FILES["order_events"][1])
+
+
+# -- kills ----------------------------------------------------------------------------------
+
+
+def _live(cfg: Path, pg_url: str, files: dict[str, Path], data: dict[str, bytes]) -> str:
+    """Where the positions are live after a kill: ``source`` (the source opens, and its
+    runs resume from the original files; the destination does not open) or ``destination``
+    (the source refuses, the destination holds every original text); asserts one of them."""
+    originals = {n: json.loads(b) for n, b in data.items()}
+    try:
+        from_source = _resumes_from(cfg, {})
+    except StateError as err:
+        assert err.code == "RIVET_STATE_RELOCATED", err
+    else:
+        assert from_source == originals
+        assert {n: p.read_bytes() for n, p in files.items()} == data, "a file changed while the source is live"
+        assert _kept(files) == {n: [] for n in files}, "a file was renamed while its position was not in PostgreSQL"
+        try:
+            _resumes_from(cfg, {"RIVET_STATE_URL": pg_url})
+        except StateError as err:
+            assert err.code in ("RIVET_STATE_MOVE_IN_FLIGHT", "RIVET_STATE_MISSING"), err
+        else:
+            raise AssertionError("both the source and the destination open as live states")
+        return "source"
+    try:
+        assert _resumes_from(cfg, {"RIVET_STATE_URL": pg_url}) == originals
+    except StateError as err:  # killed between the switch and making it live: neither opens
+        assert err.code == "RIVET_STATE_MOVE_IN_FLIGHT" and "--with-checkpoints" in err.message, err
+        assert {n: json.loads(t) for n, t in _pg_positions(pg_url, pg_url).items()} == originals
+    for name, path in files.items():  # each file at its place with its bytes (never read: the state's wins), or kept
+        assert [p.read_bytes() for p in ([path] if path.exists() else []) + _kept(files)[name]] == [data[name]]
+    return "destination"
+
+
+def _converged(cfg: Path, admin: str, pg_url: str, files: dict[str, Path],  # noqa: F811
+               data: dict[str, bytes]) -> None:
+    rerun = _cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints")
+    assert rerun["done"], rerun
+    assert _pg_positions(admin, pg_url) == {n: b.decode() for n, b in data.items()}
+    for name, path in files.items():
+        assert not path.exists(), f"{path} left at its place after the re-run"
+        assert [k.read_bytes() for k in _kept(files)[name]] == [data[name]]
+    assert _live(cfg, pg_url, files, data) == "destination"
+    leases = _cli("-c", str(cfg), "leases", env={"RIVET_STATE_URL": pg_url})
+    assert not [entry for entry in leases["leases"] if entry.get("live")], leases
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_kill_at_each_step_leaves_every_position_live_in_one_place_and_a_rerun_converges(
+        point: str, tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, data = _pipeline(tmp_path / "pipeline")
+    killed = run_killed_at(point, "-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints")
+    assert killed.returncode == -signal.SIGKILL, describe(killed)
+    where = _live(cfg, pg_url, files, data)
+    assert where == ("destination" if tombstone(cfg) is not None else "source")
+    assert (where == "destination") == (point in ("swapped", "checkpoint-renamed", "finished")), (point, where)
+    _converged(cfg, admin, pg_url, files, data)
+
+
+def test_a_file_written_after_a_kill_before_the_switch_is_the_position_the_rerun_moves(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, data = _pipeline(tmp_path / "pipeline")
+    killed = run_killed_at("committed", "-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints")
+    assert killed.returncode == -signal.SIGKILL, describe(killed)
+    # the source is still live: its stream goes on, in its file, and writes nothing to the state
+    newer = b'{"file": "mysql-bin.000043", "pos": 4}'
+    files["order_events"].write_bytes(newer)
+    _converged(cfg, admin, pg_url, files, {**data, "order_events": newer})
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.15, 0.3, 0.5, 0.8])
+def test_a_kill_at_a_blind_time_leaves_every_position_live_in_one_place_and_a_rerun_converges(
+        delay: float, tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, data = _pipeline(tmp_path / "pipeline")
+    child = fork_cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints", env=process_env(),
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(delay)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    _live(cfg, pg_url, files, data)
+    _converged(cfg, admin, pg_url, files, data)
