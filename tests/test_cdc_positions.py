@@ -163,3 +163,27 @@ def test_checkpoints_import_then_the_runtime_reads_the_state_and_export_gives_th
         actions = [r[0] for r in conn.rows("SELECT action FROM rivet_audit WHERE action LIKE 'checkpoints.%' "
                                            "ORDER BY id")]
     assert actions == ["checkpoints.import", "checkpoints.export"], actions
+
+
+def test_a_position_alone_is_progress_so_a_state_without_identity_is_adopted_with_a_warning_not_stamped(
+        state_backend: StateBackend) -> None:
+    """SPEC §3's progress rule counts a CDC position (a stream resumes from it): a state
+    holding only an imported position and no identity is adopted with the warning that asks
+    to check it belongs to this source, never stamped silently as an empty state would be."""
+    from support import describe, run_cli
+
+    config = write_config(state_backend.pipeline, source_url=None)
+    StateStore.open(config, env=process_env(state_backend.env), create=True)
+    checkpoint = config.parent / "checkpoints" / "order_events.json"
+    checkpoint.parent.mkdir()
+    checkpoint.write_text(json.dumps(POSITION))
+    moved = run_cli("-c", str(config), "--json", "checkpoints", "import", env=state_backend.env)
+    assert moved.returncode == 0, describe(moved)
+    write_config(state_backend.pipeline)  # the config now names its source
+    proc = run_cli("-c", str(config), "--json", "check", env=state_backend.env)
+    (identity,) = [c for c in json.loads(proc.stdout)["checks"] if c["id"] == "identity"]
+    assert identity["code"] == "RIVET_STATE_IDENTITY_ADOPTED", describe(proc)
+    exports = run_cli("-c", str(config), "--json", "info", env=state_backend.env)
+    assert exports.returncode == 0, describe(exports)
+    (events,) = [e for e in json.loads(exports.stdout)["exports"] if e["name"] == "order_events"]
+    assert events["position_committed_at"] is not None, events

@@ -27,11 +27,13 @@ from statetool.tables import (AUDIT, CDC_POSITIONS, CHUNKS, IDENTITY, IN_FLIGHT_
                               RELOCATED_REVISION, RUN_AGGREGATES, RUNS, STATE_TABLES, VERSION_TABLE, retired_detail)
 
 
-def has_progress(cursor: str | None, succeeded_runs: int, chunks: int, ledger_rows: int) -> bool:
+def has_progress(cursor: str | None, succeeded_runs: int, chunks: int, ledger_rows: int,
+                 position: bool = False) -> bool:
     """THE progress rule (SPEC §3, §5a): an export has progress when the state holds its
-    cursor, a succeeded run, a chunk checkpoint or a load-ledger row (counts; any above
-    zero counts). Without progress its next run is a first run."""
-    return bool(cursor is not None or succeeded_runs or chunks or ledger_rows)
+    cursor, a succeeded run, a chunk checkpoint, a load-ledger row (counts; any above
+    zero counts) or a CDC position (revision 0006: a stream resumes from it, issue 15).
+    Without progress its next run is a first run."""
+    return bool(cursor is not None or succeeded_runs or chunks or ledger_rows or position)
 
 
 @dataclass
@@ -49,11 +51,14 @@ class ExportProgress:
     chunks_total: int = 0
     chunks_done: int = 0
     ledger_rows: int = 0
+    #: When the CDC position the state holds for it was committed; None without one.
+    position_committed_at: str | None = None
 
     @property
     def has_progress(self) -> bool:
         """SPEC §3 progress of this export (:func:`has_progress`)."""
-        return has_progress(self.cursor, self.runs_succeeded, self.chunks_total, self.ledger_rows)
+        return has_progress(self.cursor, self.runs_succeeded, self.chunks_total, self.ledger_rows,
+                            self.position_committed_at is not None)
 
     def as_dict(self) -> dict[str, object]:
         """JSON shape of the export's progress."""
@@ -235,12 +240,15 @@ def _read_exports(conn: Reader, tables: frozenset[str]) -> dict[str, ExportProgr
     if LOAD_LEDGER in tables:
         for name, total in conn.rows("SELECT export_name, count(*) FROM rivet_load_ledger GROUP BY export_name"):
             get(name).ledger_rows = int(total)
+    if CDC_POSITIONS in tables:
+        for name, committed_at in conn.rows(f"SELECT export_name, committed_at FROM {CDC_POSITIONS}"):
+            get(name).position_committed_at = committed_at
     return out
 
 
 def _any_progress(conn: Reader, tables: frozenset[str]) -> bool:
     """:func:`has_progress` of any export, by one ``LIMIT 1`` probe per fact of the rule
-    (a cursor, a succeeded run, a chunk checkpoint, a ledger row): no full scan."""
+    (a cursor, a succeeded run, a chunk checkpoint, a ledger row, a CDC position): no full scan."""
     probes = [
         "SELECT export_name FROM rivet_exports WHERE cursor_value IS NOT NULL",
         "SELECT run_id FROM rivet_runs WHERE status = 'succeeded'",
@@ -248,6 +256,8 @@ def _any_progress(conn: Reader, tables: frozenset[str]) -> bool:
     ]
     if LOAD_LEDGER in tables:
         probes.append("SELECT id FROM rivet_load_ledger")
+    if CDC_POSITIONS in tables:
+        probes.append(f"SELECT export_name FROM {CDC_POSITIONS}")
     return any(conn.one(f"{probe} LIMIT 1") is not None for probe in probes)
 
 
@@ -264,6 +274,8 @@ class ResumePoint:
     chunks_total: int = 0
     chunks_done: int = 0
     ledger: bool = False
+    #: Whether the state holds a CDC position of it (revision 0006).
+    position: bool = False
 
     @property
     def chunks_pending(self) -> int:
@@ -273,7 +285,7 @@ class ResumePoint:
     @property
     def has_progress(self) -> bool:
         """SPEC §3 progress of this export (:func:`has_progress`)."""
-        return has_progress(self.cursor, int(self.succeeded), self.chunks_total, int(self.ledger))
+        return has_progress(self.cursor, int(self.succeeded), self.chunks_total, int(self.ledger), self.position)
 
 
 #: Export names per lookup statement (bind parameters stay far below every backend's limit).
@@ -282,7 +294,7 @@ _BATCH = 500
 
 def resume_points(conn: Reader, tables: frozenset[str], names: list[str]) -> dict[str, ResumePoint]:
     """Per export of ``names``, only what a first-run verdict needs, by indexed lookups
-    (fast on large states): the cursor row, the chunk counts, and per batch of names one
+    (fast on large states): the cursor row, the chunk counts, the CDC positions, and per batch of names one
     statement for the last succeeded run (a backward scan of ``ix_rivet_runs_export_started``)
     and whether a ledger row exists. ``tables`` are the state's (the ledger is optional)."""
     out = {name: ResumePoint() for name in names}
@@ -292,6 +304,10 @@ def resume_points(conn: Reader, tables: frozenset[str], names: list[str]) -> dic
     for name, total, done in conn.rows(_CHUNK_COUNTS):
         if name in out:
             out[name].chunks_total, out[name].chunks_done = int(total), int(done or 0)
+    if CDC_POSITIONS in tables:
+        for (name,) in conn.rows(f"SELECT export_name FROM {CDC_POSITIONS}"):
+            if name in out:
+                out[name].position = True
     with_ledger = LOAD_LEDGER in tables
     for start in range(0, len(names), _BATCH):
         batch = names[start:start + _BATCH]

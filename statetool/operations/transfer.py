@@ -316,9 +316,7 @@ def _check_destination(ctx: Context, dest: TransferDestination, conn: Reader, so
                          f"the destination {dest.location.display} holds the state of {verdict.recorded}, not of "
                          f"{verdict.computed}; a transfer never merges two sources: choose another schema "
                          "(?schema=NAME)", {"recorded": verdict.recorded, "computed": verdict.computed})
-    positions = position_rows(conn, frozenset(tables))
-    busy = sorted(e.name for e in ctx.config.exports if e.name in positions
-                  or (e.name in snap.exports and snap.exports[e.name].has_progress))
+    busy = sorted(e.name for e in ctx.config.exports if e.name in snap.exports and snap.exports[e.name].has_progress)
     if busy:
         raise StateError("RIVET_STATE_TARGET_NOT_EMPTY",
                          f"the destination {dest.location.display} already holds progress for {', '.join(busy)}; "
