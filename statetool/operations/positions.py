@@ -9,7 +9,14 @@ read as the position again. ``export`` is the rollback: it writes the state's po
 the file (a temporary file renamed into place, read back), then removes it from the state,
 under the run lease, audited. A kill between the commit and the rename (or the file and
 the removal) leaves the state's position in force, which every reader takes over a file,
-and a re-run converges.
+and a re-run converges (tests/test_position_crashes.py kills both at every step).
+
+Each move decides under the run lease, from the file and the state's row read in its own
+transaction, never from what it read before it waited for the lease (a run holding the
+lease meanwhile may have committed a position: an import then leaves the export, an
+export writes that position); and the import's rename is its last step under the lease,
+so that an export never writes the file back between the commit and the rename, to see it
+renamed away (no position anywhere, a silent first run; SPEC §5a).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -24,6 +32,19 @@ from statetool.errors import StateError
 from statetool.location import resolve_checkpoint
 from statetool.operations.context import Context, now_iso
 from statetool.operations.probe import position_text
+
+#: The steps ``checkpoints import`` announces to :attr:`Context.on_step` for each export it
+#: moves, in order: the run lease held and the transaction open, the position written and
+#: read back (not committed), committed, the file renamed.
+CRASH_POINTS = ("leased", "stored", "committed", "renamed")
+#: The steps ``checkpoints export`` announces, in order: the run lease held and the
+#: transaction open, the temporary file written and fsynced, the file renamed into place
+#: and read back, the state's row removed (not committed), committed.
+EXPORT_POINTS = ("leased", "temp-written", "file-written", "removed", "committed")
+
+#: Why an export is left as it is.
+_HOLDS_ANOTHER = "the state holds another position already; checkpoints export first to go back to the file"
+_HOLDS_NONE = "the state holds no position"
 
 #: The largest checkpoint file moved (bytes), as ``statetool checkpoints`` reads them.
 _MAX = 1 << 20
@@ -58,6 +79,18 @@ class MoveResult(NamedTuple):
                 "dry_run": self.dry_run}
 
 
+def _cdc_exports(ctx: Context, export: str | None) -> list[tuple[str, str, Path | None]]:
+    """``(name, engine, checkpoint path)`` of each CDC export of the config, or only
+    ``export`` (``RIVET_EXPORT_UNKNOWN`` when it is no CDC export of the config)."""
+    found = [(e.name, e.cdc.engine, resolve_checkpoint(e.cdc.checkpoint, e.cdc.engine, ctx.location,
+                                                       ctx.config.directory).path)
+             for e in ctx.config.exports if e.cdc is not None and (export is None or e.name == export)]
+    if export is not None and not found:
+        raise StateError("RIVET_EXPORT_UNKNOWN", f"'{export}' is no CDC export of {ctx.config.path}",
+                         {"export": export})
+    return found
+
+
 class FilePosition(NamedTuple):
     """A CDC export's position as its checkpoint file holds it: ``text`` the file's JSON
     exactly, ``position`` its value."""
@@ -85,46 +118,30 @@ def checkpoint_files(ctx: Context, export: str | None = None) -> tuple[list[File
     return files, skipped
 
 
-def _cdc_exports(ctx: Context, export: str | None) -> list[tuple[str, str, Path | None]]:
-    """``(name, engine, checkpoint path)`` of each CDC export of the config, or only
-    ``export`` (``RIVET_EXPORT_UNKNOWN`` when it is no CDC export of the config)."""
-    found = [(e.name, e.cdc.engine, resolve_checkpoint(e.cdc.checkpoint, e.cdc.engine, ctx.location,
-                                                       ctx.config.directory).path)
-             for e in ctx.config.exports if e.cdc is not None and (export is None or e.name == export)]
-    if export is not None and not found:
-        raise StateError("RIVET_EXPORT_UNKNOWN", f"'{export}' is no CDC export of {ctx.config.path}",
-                         {"export": export})
-    return found
-
-
-def kept_path(path: Path) -> Path:
-    """The name an imported checkpoint file ``path`` is renamed to: ``<name>.imported-<UTC
-    time>``, so that it can never be read as the position again (issue 15 item 3)."""
-    return path.with_name(f"{path.name}.imported-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-
-
 def _stored(ctx: Context) -> dict[str, dict[str, Any]]:
     from statetool.operations.checkpoints import stored_positions
 
     return stored_positions(ctx)
 
 
-def _write_file(path: Path, text: str) -> None:
+def _write_file(path: Path, text: str, on_step: Callable[[str], None]) -> None:
     """Write ``text`` to the checkpoint file ``path``: a temporary file beside it, created
-    never through a link, fsynced, renamed into place, read back
+    never through a link, fsynced (``temp-written`` told to ``on_step``), renamed into place, read back
     (``RIVET_STATE_VERIFY_FAILED`` when it does not read back); the directory's faults by
     their registered codes."""
     from statetool.backends.durable import CREATE_FLAGS, fsync_dir
     from statetool.backends.faults import fault
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.export-tmp")
+    tmp = path.with_name(f".{path.name}.export-tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.unlink(missing_ok=True)  # a killed export's: the run lease keeps every other writer of this name out
         fd = os.open(tmp, CREATE_FLAGS, 0o644)
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        on_step("temp-written")
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as err:
@@ -134,24 +151,25 @@ def _write_file(path: Path, text: str) -> None:
         raise StateError("RIVET_STATE_VERIFY_FAILED", f"{path} does not read back as the state's position")
 
 
+def _rename(path: Path, kept: Path, on_step: Callable[[str], None]) -> None:
+    """Rename the imported checkpoint file ``path`` to ``kept`` once its position is
+    committed (``committed`` then ``renamed`` told to ``on_step``); a fault by its registered
+    code (the position is in the state already: a re-run only renames)."""
+    on_step("committed")
+    retire_file(path, kept)
+    on_step("renamed")
+
+
 def retire_file(path: Path, kept: Path) -> None:
     """Rename the imported checkpoint file ``path`` to ``kept`` (:func:`kept_path`); a fault
-    by its registered code (the position is in the state already: a re-run only renames)."""
+    by its registered code. Also ``transfer --with-checkpoints``'s, once the destination
+    holding the position is live."""
     from statetool.backends.faults import fault
 
     try:
         os.rename(path, kept)
     except OSError as err:
         raise fault(path, err) or err from None
-
-
-def _stored_text(ctx: Context, name: str) -> str:
-    """The JSON text of export ``name``'s position as the state holds it (read-only)."""
-    backend = ctx.backend()
-    with backend.reading() as conn:
-        text = position_text(conn, frozenset(backend.table_names(conn)), name)
-    assert text is not None, "listed by stored_positions a moment before"
-    return text
 
 
 def read_checkpoint_file(path: Path) -> tuple[str, object]:
@@ -170,40 +188,77 @@ def read_checkpoint_file(path: Path) -> tuple[str, object]:
 
 
 def import_positions(ctx: Context, export: str | None = None, *, dry_run: bool = False) -> MoveResult:
-    """``statetool checkpoints import``: see the module docstring. Raises
-    ``RIVET_EXPORT_UNKNOWN``, ``RIVET_STATE_CHECKPOINT_UNREADABLE``,
-    ``RIVET_STATE_MIGRATION_PENDING`` (a state before revision 0006) and a guarded write's codes."""
-    from statetool.operations.writes import guarded_write, one_export, require_writable
+    """``statetool checkpoints import``: see the module docstring. Each export with a file
+    is moved by :func:`_import_one`, which decides under its run lease; the dry run decides
+    the same way from a read-only look. Raises ``RIVET_EXPORT_UNKNOWN``,
+    ``RIVET_STATE_CHECKPOINT_UNREADABLE``, ``RIVET_STATE_MIGRATION_PENDING`` (a state before
+    revision 0006) and a guarded write's codes."""
+    from statetool.operations.writes import require_writable
 
-    stored = _stored(ctx)
+    stored = _stored(ctx) if dry_run else {}
     moved: list[Moved] = []
-    files, skipped = checkpoint_files(ctx, export)
-    for name, engine, path, text, position in files:
+    files, skipped = checkpoint_files(ctx, export)  # an unreadable file is refused before any lease is taken
+    for name, engine, path, _text, position in files:
+        if not dry_run:
+            _record(_import_one(ctx, name, engine, path), moved, skipped)
+        elif name in stored and stored[name]["position"] != position:
+            skipped.append({"export": name, "why": _HOLDS_ANOTHER})
+        else:
+            if name not in stored:
+                require_writable(ctx, dry_run=True)
+            moved.append(Moved(name, str(path), position, str(kept_path(path))))
+    return MoveResult("into_state", moved, skipped, dry_run)
+
+
+def _record(outcome: Moved | dict[str, str], moved: list[Moved], skipped: list[dict[str, str]]) -> None:
+    """Add the outcome of one export's move to ``moved`` or (``{export, why}``) ``skipped``."""
+    if isinstance(outcome, Moved):
+        moved.append(outcome)
+    else:
+        skipped.append(outcome)
+
+
+def kept_path(path: Path) -> Path:
+    """The name an imported checkpoint file ``path`` is renamed to: ``<name>.imported-<UTC
+    time>``, so that it can never be read as the position again (issue 15 item 3)."""
+    return path.with_name(f"{path.name}.imported-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+
+
+def _import_one(ctx: Context, name: str, engine: str, path: Path) -> Moved | dict[str, str]:
+    """Move CDC export ``name``'s position from its checkpoint file ``path`` into the state
+    in one guarded write under its run lease, deciding there: the file and the state's row
+    are read in the write's transaction, so that a position a run committed while this
+    waited for the lease is never overwritten, nor a file another import renamed read. The
+    state holding no position: the file's text is written, read back and audited. The state
+    holding the file's very position (a re-run after a kill between the commit and the
+    rename): nothing is written. Either way the file is renamed ``<name>.imported-<time>``
+    after the commit, still under the lease: an export between the commit and the rename
+    would write the file back and remove the row, then see the file renamed away (no
+    position anywhere: a first run). Returns the :class:`Moved`, or ``{export, why}`` for an
+    export left as it is (the state holds another position, the file is gone)."""
+    from statetool.operations.writes import guarded_write, one_export
+
+    with guarded_write(ctx, one_export(name), claim=False, advance=False) as session:
+        ctx.on_step("leased")
+        if not path.is_file():
+            return {"export": name, "why": f"no file at {path}"}
+        text, position = read_checkpoint_file(path)
         kept = kept_path(path)
-        if name in stored and stored[name]["position"] == position:
-            if not dry_run:
-                retire_file(path, kept)  # a re-run after a kill between the commit and the rename
-            moved.append(Moved(name, str(path), position, str(kept)))
-            continue
-        if name in stored:
-            skipped.append({"export": name, "why": "the state holds another position already; checkpoints export "
-                            "first to go back to the file"})
-            continue
-        if dry_run:
-            require_writable(ctx, dry_run=True)
-            moved.append(Moved(name, str(path), position, str(kept)))
-            continue
-        with guarded_write(ctx, one_export(name)) as session:
+        held = position_text(session.reader, session.snapshot.tables, name)
+        if held is not None and json.loads(held) != position:
+            return {"export": name, "why": _HOLDS_ANOTHER}
+        if held is None:
+            session.warnings = session.claim()
+            session.advance()
             put_position(session.conn, name, engine, text)
-            back = position_text(session.reader, session.snapshot.tables, name)
-            if back != text:
+            if position_text(session.reader, session.snapshot.tables, name) != text:
                 raise StateError("RIVET_STATE_VERIFY_FAILED", f"the position of {name} read back from the state is "
                                  "not the file's; nothing was changed")
             session.audit("checkpoints.import", {"export": name, "file": str(path), "position": position,
                                                  "kept_as": str(kept)})
-        retire_file(path, kept)
-        moved.append(Moved(name, str(path), position, str(kept)))
-    return MoveResult("into_state", moved, skipped, dry_run)
+            ctx.on_step("stored")
+        session.after_commit(lambda: _rename(path, kept, ctx.on_step))
+    return Moved(name, str(path), position, str(kept))
 
 
 def put_position(conn: Any, name: str, engine: str, text: str | None, *, committed_at: str | None = None,
@@ -225,31 +280,61 @@ def put_position(conn: Any, name: str, engine: str, text: str | None, *, committ
 
 
 def export_positions(ctx: Context, export: str | None = None, *, dry_run: bool = False) -> MoveResult:
-    """``statetool checkpoints export``: see the module docstring. Raises
+    """``statetool checkpoints export``: see the module docstring. Each export whose
+    position the state holds is moved by :func:`_export_one`, which decides under its run
+    lease; the dry run decides the same way from a read-only look. Raises
     ``RIVET_EXPORT_UNKNOWN``, ``RIVET_STATE_TARGET_NOT_EMPTY`` (a file with another position
     is at the checkpoint's place) and a guarded write's codes."""
-    from statetool.operations.writes import guarded_write, one_export, require_writable
+    from statetool.operations.writes import require_writable
 
     stored = _stored(ctx)
     moved: list[Moved] = []
     skipped: list[dict[str, str]] = []
     for name, _engine, path in _cdc_exports(ctx, export):
         if name not in stored or path is None:
-            skipped.append({"export": name, "why": "the state holds no position" if name not in stored else
+            skipped.append({"export": name, "why": _HOLDS_NONE if name not in stored else
                             "no checkpoint file is configured"})
             continue
         position = stored[name]["position"]
-        text = _stored_text(ctx, name)
-        if path.exists() and (not path.is_file() or read_checkpoint_file(path)[1] != position):
-            raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{path} holds another position; move it aside first "
-                             "(the state's would replace it); nothing was changed", {"path": str(path)})
+        _refuse_another_file(path, position)  # before any lease is taken
         if dry_run:
             require_writable(ctx, dry_run=True)
             moved.append(Moved(name, str(path), position, None))
             continue
-        with guarded_write(ctx, one_export(name)) as session:  # the file too is written under the run lease
-            _write_file(path, text)
-            put_position(session.conn, name, "", None)
-            session.audit("checkpoints.export", {"export": name, "file": str(path), "position": position})
-        moved.append(Moved(name, str(path), position, None))
+        _record(_export_one(ctx, name, path), moved, skipped)
     return MoveResult("to_file", moved, skipped, dry_run)
+
+
+def _refuse_another_file(path: Path, position: object) -> None:
+    """``RIVET_STATE_TARGET_NOT_EMPTY`` when something other than a file holding
+    ``position`` is at the checkpoint's place ``path``."""
+    if path.exists() and (not path.is_file() or read_checkpoint_file(path)[1] != position):
+        raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{path} holds another position; move it aside first "
+                         "(the state's would replace it); nothing was changed", {"path": str(path)})
+
+
+def _export_one(ctx: Context, name: str, path: Path) -> Moved | dict[str, str]:
+    """Move CDC export ``name``'s position from the state to its checkpoint file ``path``
+    in one guarded write under its run lease, deciding there: the state's position is read
+    in the write's transaction (a run that held the lease meanwhile may have committed
+    another: that one is written, never the one read before), the file's place is checked
+    again, the file written (read back), the row removed, audited. Returns the
+    :class:`Moved`, or ``{export, why}`` when the state no longer holds a position."""
+    from statetool.operations.writes import guarded_write, one_export
+
+    with guarded_write(ctx, one_export(name), claim=False, advance=False) as session:
+        ctx.on_step("leased")
+        text = position_text(session.reader, session.snapshot.tables, name)
+        if text is None:
+            return {"export": name, "why": _HOLDS_NONE}
+        position = json.loads(text)
+        _refuse_another_file(path, position)
+        session.warnings = session.claim()
+        session.advance()
+        _write_file(path, text, ctx.on_step)
+        ctx.on_step("file-written")
+        put_position(session.conn, name, "", None)
+        session.audit("checkpoints.export", {"export": name, "file": str(path), "position": position})
+        ctx.on_step("removed")
+    ctx.on_step("committed")
+    return Moved(name, str(path), position, None)

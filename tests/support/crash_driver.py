@@ -1,11 +1,13 @@
-"""Run ``relocate``, ``transfer``, ``migrate`` or ``restore`` in a real process that SIGKILLs
-itself at one named step (the crash tests of tests/test_relocate.py, tests/test_transfer.py,
-tests/test_migrate_crashes.py and tests/test_restore_crashes.py), forked from the test process's fork server
+"""Run ``relocate``, ``transfer``, ``migrate``, ``restore`` or ``checkpoints import|export`` in
+a real process that SIGKILLs itself at one named step (the crash tests of
+tests/test_relocate.py, tests/test_transfer.py, tests/test_migrate_crashes.py,
+tests/test_restore_crashes.py and tests/test_position_crashes.py), forked from the test process's fork server
 (:mod:`support.forked`) so that it starts with statetool imported.
 
 The hook is the operation's own: :attr:`statetool.operations.context.Context.on_step` is
 told each step's name (``relocate.CRASH_POINTS``, ``copy-page-<n>``, ``migrate.CRASH_POINTS``,
-``restore.CRASH_POINTS``, ``restore.CREATE_POINTS``); this driver builds
+``restore.CRASH_POINTS``, ``restore.CREATE_POINTS``, ``positions.CRASH_POINTS``,
+``positions.EXPORT_POINTS``); this driver builds
 the Context the CLI would, with an ``on_step`` that kills the process at ``POINT``.
 Nothing in statetool reads the environment for it. As a script::
 
@@ -14,6 +16,7 @@ Nothing in statetool reads the environment for it. As a script::
     python tests/support/crash_driver.py POINT -c CONFIG transfer --to URL [--with-checkpoints]
     python tests/support/crash_driver.py POINT -c CONFIG migrate
     python tests/support/crash_driver.py POINT -c CONFIG [--state-url URL] restore WHAT [--allow-older] [--if-absent]
+    python tests/support/crash_driver.py POINT -c CONFIG [--state-url URL] checkpoints import|export [--export NAME]
 
 It exits 3 when the operation ended without passing ``POINT`` (a wrong name, or a path that
 does not pass there); a failure of the operation is its traceback and exit 1.
@@ -82,6 +85,9 @@ def main(argv: list[str]) -> int:
     restore.add_argument("what")
     restore.add_argument("--allow-older", action="store_true")
     restore.add_argument("--if-absent", action="store_true")
+    positions = verbs.add_parser("checkpoints")
+    positions.add_argument("direction", choices=("import", "export"))
+    positions.add_argument("--export")
     options = parser.parse_args(args)
 
     fault, _, step = point.rpartition("@")
@@ -131,6 +137,10 @@ def main(argv: list[str]) -> int:
         from statetool.operations.restore import restore as put_back
 
         put_back(ctx, options.what, allow_older=options.allow_older, if_absent=options.if_absent)
+    elif options.verb == "checkpoints":
+        from statetool.operations.positions import export_positions, import_positions
+
+        (import_positions if options.direction == "import" else export_positions)(ctx, options.export)
     else:
         from statetool.operations.transfer import transfer
 
