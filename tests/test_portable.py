@@ -145,6 +145,35 @@ def test_export_output_never_overwrites_without_force_nor_follows_a_link(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["link.json", "pipeline", "state.json", "victim"]
 
 
+def test_export_removes_the_temporary_file_a_killed_export_left_and_no_live_ones(tmp_path: Path) -> None:
+    """A SIGKILLed ``export -o FILE`` leaves ``.FILE.<pid>.export-tmp``; the next export
+    there removes it (its process is gone), never one of a live export, never a link."""
+    import signal
+    import subprocess
+
+    sb = StateBackend.sqlite(tmp_path)
+    config = built(sb)
+    out = tmp_path / "state.json"
+    dead = subprocess.Popen(["sleep", "30"])
+    dead.send_signal(signal.SIGKILL)
+    dead.wait()
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        left = tmp_path / f".state.json.{dead.pid}.export-tmp"
+        left.write_text('{"format": "rivet-state/1", "half')
+        busy = tmp_path / f".state.json.{live.pid}.export-tmp"
+        busy.write_text("being written")
+        link = tmp_path / f".state.json.{dead.pid + 1_000_000}.export-tmp"
+        link.symlink_to(tmp_path / "victim")
+        proc = cli(sb, config, "export", "-o", str(out))
+        assert proc.returncode == 0, describe(proc)
+        assert not left.exists(), "a dead export's temporary file is left for good"
+        assert busy.read_text() == "being written" and link.is_symlink()
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_export_of_an_unknown_export_or_a_missing_state_is_refused(tmp_path: Path) -> None:
     sb = StateBackend.sqlite(tmp_path)
     config = write_config(sb.pipeline)

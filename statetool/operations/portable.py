@@ -159,6 +159,7 @@ def write_document(path: Path, doc: dict[str, Any], *, force: bool) -> None:
         if not force:
             raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{path} exists; export never overwrites a file "
                              "unless --force is given", {"path": str(path)})
+    _remove_dead_temporaries(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.export-tmp")
     body = (json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n").encode()
     try:
@@ -181,6 +182,28 @@ def write_document(path: Path, doc: dict[str, Any], *, force: bool) -> None:
                          "was replaced", {"path": str(path)}) from None
     except OSError as err:
         raise fault(path, err) or os_fault(err) or err from None
+
+
+def _remove_dead_temporaries(path: Path) -> None:
+    """Remove the temporary files ``.<name>.<pid>.export-tmp`` beside ``path`` that a
+    killed export left (its process is gone): each export writes under its own pid, as two
+    may run at once with no lease, so none would ever be reused. Only regular files are
+    removed; one of a live process is its own."""
+    prefix, suffix = f".{path.name}.", ".export-tmp"
+    for entry in os.scandir(path.parent):
+        pid = entry.name[len(prefix):-len(suffix)]
+        if not (entry.name.startswith(prefix) and entry.name.endswith(suffix) and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # a live export's
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # a live process of another user
+        if entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
 
 
 def export_state(ctx: Context, *, export: str | None = None, with_history: bool = False,
