@@ -187,3 +187,22 @@ def test_a_position_alone_is_progress_so_a_state_without_identity_is_adopted_wit
     assert exports.returncode == 0, describe(exports)
     (events,) = [e for e in json.loads(exports.stdout)["exports"] if e["name"] == "order_events"]
     assert events["position_committed_at"] is not None, events
+
+
+def test_import_export_and_import_again_in_one_second_keep_both_imported_files(state_backend: StateBackend) -> None:
+    """The kept name has the second of the import: a second one in the same second gets
+    ``-2`` and never replaces the first kept file."""
+    from support import describe, run_cli
+
+    store, checkpoint = _store(state_backend)
+    config = store.ctx.config.path
+    checkpoint.parent.mkdir()
+    checkpoint.write_text(json.dumps(POSITION))
+    kept = []
+    for verb in ("import", "export", "import"):
+        proc = run_cli("-c", str(config), "--json", "checkpoints", verb, env=state_backend.env)
+        assert proc.returncode == 0, describe(proc)
+        kept += [m["kept_as"] for m in json.loads(proc.stdout)["moved"] if m["kept_as"]]
+    files = sorted(checkpoint.parent.glob("order_events.json.imported-*"))
+    assert len(kept) == 2 and sorted(map(str, files)) == sorted(kept), (kept, files)
+    assert all(json.loads(f.read_text()) == POSITION for f in files)

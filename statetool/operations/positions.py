@@ -220,8 +220,15 @@ def _record(outcome: Moved | dict[str, str], moved: list[Moved], skipped: list[d
 
 def kept_path(path: Path) -> Path:
     """The name an imported checkpoint file ``path`` is renamed to: ``<name>.imported-<UTC
-    time>``, so that it can never be read as the position again (issue 15 item 3)."""
-    return path.with_name(f"{path.name}.imported-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    time>``, so that it can never be read as the position again (issue 15 item 3), with
+    ``-2``, ``-3``… where a file of that second is there already (an import, an export and
+    an import again in one second: the rename must never replace the older kept file)."""
+    base = f"{path.name}.imported-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    kept, n = path.with_name(base), 1
+    while os.path.lexists(kept):
+        n += 1
+        kept = path.with_name(f"{base}-{n}")
+    return kept
 
 
 def _import_one(ctx: Context, name: str, engine: str, path: Path) -> Moved | dict[str, str]:
