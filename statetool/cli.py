@@ -168,19 +168,26 @@ def info(ctx: typer.Context) -> None:
     _emit(g, op(g.context()).as_dict(), render.info)
 
 
-@app.command()
+@app.command(epilog="""
+    The pre-flight of a pod (an init container), before a run on it:
+      statetool check --target pods
+    """)
 def check(ctx: typer.Context,
-          strict: Annotated[bool, typer.Option("--strict", help="Fail on warnings too (exit 5).")] = False) -> None:
+          strict: Annotated[bool, typer.Option("--strict", help="Fail on warnings too (exit 5).")] = False,
+          target: Annotated[str | None, typer.Option("--target", metavar="TARGET", show_default=False,
+                                                     help="Where the runs run: pods refuses a SQLite state and "
+                                                          "CDC positions in files (exit 5).")] = None) -> None:
     """CI pre-flight: every check, read-only; fails with the worst.
 
     The exit code is the class of the worst failing check (docs/errors.md); --strict
-    fails on warnings too.
+    fails on warnings too; --target pods adds the pod rule: the state in PostgreSQL,
+    every CDC position in the state or a server slot, none in a file.
     """
     from statetool import render
     from statetool.operations.check import check as op
 
     g = _g(ctx)
-    result = op(g.context(), strict=strict)
+    result = op(g.context(), strict=strict, target=target)
     _emit(g, result.as_dict(), render.check)
     if os.environ.get("GITHUB_ACTIONS") == "true":
         render.github_annotations(result.as_dict()["checks"], to_stderr=g.json)

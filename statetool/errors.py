@@ -288,6 +288,17 @@ REGISTRY: dict[str, Entry] = {
         "restore the checkpoint file (or set cdc.checkpoint to where it really is) before the next run; "
         "a run without it re-anchors the stream and loses the changes in between",
     ),
+    "RIVET_STATE_CHECKPOINT_ON_POD_DISK": _e(
+        "refusal", "refusal",
+        "move the position into the state with statetool checkpoints import --export NAME (the pod then needs no "
+        "file and no volume for it), then run statetool check --target pods again",
+    ),
+    "RIVET_STATE_SQLITE_ON_POD": _e(
+        "refusal", "refusal",
+        "move the state and its CDC positions to PostgreSQL (statetool transfer --to URL --with-checkpoints, run "
+        "where the SQLite state is) and give every pod that URL in RIVET_STATE_URL, then run statetool check "
+        "--target pods again",
+    ),
     "RIVET_STATE_VANISHED": _e(
         "refusal", "refusal",
         "a state lived here before (the message names the evidence): find where it went (statetool info, "
@@ -334,7 +345,8 @@ WARNINGS: dict[str, str] = {
     "RIVET_STATE_FOREIGN_BESIDE_CONFIG":
         "check source.url: this state belongs to another source; give each source its own state directory",
     "RIVET_STATE_CHECKPOINT_RELATIVE":
-        "set cdc.checkpoint to an absolute path on storage that outlives the worker",
+        "move its position into the state with statetool checkpoints import --export NAME, or set cdc.checkpoint "
+        "to an absolute path on storage that outlives the worker",
     "RIVET_STATE_CHECKPOINT_BESIDE_CONFIG":
         "move the checkpoint file into the declared state directory",
     "RIVET_STATE_DIR_EPHEMERAL":

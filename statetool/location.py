@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -445,9 +446,12 @@ def resolve_checkpoint(configured: str | None, engine: str, location: Location, 
 
 
 def checkpoint_relative_message(export: str, path: Path) -> str:
-    """The text of ``RIVET_STATE_CHECKPOINT_RELATIVE`` (SPEC §6): every element it must state."""
+    """The text of ``RIVET_STATE_CHECKPOINT_RELATIVE`` (SPEC §6): every element it must state,
+    and first among the remedies the one that needs no storage at all, the position moved into
+    the state (issue 15 item 5), as a command to copy (the export's name shell-quoted)."""
     return (f"CDC export {export}: its checkpoint resolves to {path}, a file on this worker's own disk, while the "
             "state is in PostgreSQL. If that file is lost (a new pod, a rebuilt worker), the next run reads as a "
             "first run: the stream re-anchors at the current position, and the changes between the lost position "
-            "and the new anchor are gone without an error. Set cdc.checkpoint to an absolute path on storage that "
-            "outlives the worker.")
+            "and the new anchor are gone without an error. Move its position into the state with statetool "
+            f"checkpoints import --export {shlex.quote(export)}, or set cdc.checkpoint to an absolute path on "
+            "storage that outlives the worker.")

@@ -656,19 +656,29 @@ def doctor(doc: dict[str, Any]) -> None:
     page.show()
 
 
-_CHECKPOINT_COLUMNS = (Column("export"), Column("engine"), Column("resolved path"), Column("why", prose=True),
-                       Column("present"), Column("bytes"), Column("written"), Column("position", prose=True))
+_CHECKPOINT_COLUMNS = (Column("export"), Column("engine"), Column("stored in"), Column("resolved path"),
+                       Column("why", prose=True), Column("present"), Column("bytes"), Column("written"),
+                       Column("position", prose=True))
+#: The columns of a position the state holds (``stored_in`` ``state``): when and by which run
+#: it was committed, shown only when some position is in the state (a file has neither).
+_COMMITTED_COLUMNS = (Column("committed"), Column("run"))
+#: ``stored_in`` as people say it.
+_STORED_IN = {"state": "state", "file": "file", "server_slot": "server slot"}
 
 
 def checkpoints(doc: dict[str, Any]) -> None:
-    """``statetool checkpoints`` for people; ``written`` is the file's age."""
+    """``statetool checkpoints`` for people: where each position lives (``stored in``:
+    state, file or server slot; issue 15 item 5), ``written`` the file's age; with
+    ``committed`` (UTC to the second) and ``run`` when a position is in the state."""
     page = Page()
+    in_state = any(row["stored_in"] == "state" for row in doc["checkpoints"])
     rows = []
     for row in doc["checkpoints"]:
         position = row["error"] or (json.dumps(row["position"]) if row["position"] is not None else None)
-        rows.append([row["export"], row["engine"], row["path"], row["why"], row["present"], row["size_bytes"],
-                     ago(row["age_seconds"]), position])
-    page.table("CDC checkpoints", _CHECKPOINT_COLUMNS, rows)
+        rows.append([row["export"], row["engine"], _STORED_IN[row["stored_in"]], row["path"], row["why"],
+                     row["present"], row["size_bytes"], ago(row["age_seconds"]), position,
+                     *([timestamp(row["committed_at"]), row["run_id"]] if in_state else [])])
+    page.table("CDC checkpoints", _CHECKPOINT_COLUMNS + (_COMMITTED_COLUMNS if in_state else ()), rows)
     if not rows:
         page.line("no CDC export in the config")
     page.show()

@@ -10,14 +10,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from support import describe, run_cli, tree_digest, write_config
+from support import CDC_EXPORTS, describe, process_env, run_cli, tree_digest, write_config
+from support.backends import StateBackend
+from statetool.render import timestamp
+from statetool.runtime import StateStore
 from statetool.location import (
     FILE_CHECKPOINT_ENGINES,
     checkpoint_relative_message,
@@ -25,30 +27,6 @@ from statetool.location import (
     resolve_location,
 )
 
-CDC_EXPORTS = textwrap.dedent("""\
-    exports:
-      - name: orders
-        mode: incremental
-      - name: order_events
-        mode: cdc
-        cdc:
-          engine: mysql
-          checkpoint: checkpoints/order_events.json
-      - name: carts
-        mode: cdc
-        cdc:
-          engine: mongodb
-          checkpoint: carts.pos
-      - name: ledger
-        mode: cdc
-        cdc:
-          engine: postgres
-      - name: audit
-        mode: cdc
-        cdc:
-          engine: oracle
-          checkpoint: {absolute}
-    """)
 
 
 def cdc_config(tmp_path: Path) -> tuple[Path, Path]:
@@ -154,12 +132,15 @@ def assert_relative_warning_states_every_element(text: str, export: str, path: P
     assert "without an error" in low or "silently" in low, f"the loss is silent: {flat}"
     assert re.search(r"absolute .*cdc\.checkpoint|cdc\.checkpoint.* absolute", low), f"remedy: absolute: {flat}"
     assert re.search(r"outlives? the worker|survives? the worker", low), f"remedy: durable storage: {flat}"
+    assert f"statetool checkpoints import --export {export}" in flat, f"remedy: the position into the state: {flat}"
 
 
 def test_relative_warning_text_states_each_required_element() -> None:
     path = Path("/work/pipeline/checkpoints/order_events.json")
     assert_relative_warning_states_every_element(checkpoint_relative_message("order_events", path),
                                                  "order_events", path)
+    odd = checkpoint_relative_message("order events; rm -rf /", path)
+    assert "statetool checkpoints import --export 'order events; rm -rf /', or" in odd, "a command to copy, quoted"
 
 
 @pytest.mark.postgres
@@ -256,6 +237,50 @@ def test_checkpoints_json_reports_each_field(tmp_path: Path) -> None:
     assert slot["present"] is False and slot["error"] is None
 
 
+def column(table: str, header: str, export: str) -> str:
+    """The value of column ``header`` in ``export``'s row of a table printed with no width
+    (a log: every column as wide as its widest value, nothing wrapped)."""
+    lines = table.splitlines()
+    head = next(line for line in lines if line.startswith("export "))
+    start = head.index(header)
+    after = re.search(r"  +\S", head[start + len(header):])
+    end = start + len(header) + after.start() + len(after.group()) - 1 if after else None
+    row = next(line for line in lines if line.startswith(f"{export} "))
+    return row[start:end].strip()
+
+
+def test_the_checkpoints_table_says_where_each_position_is_stored(state_backend: StateBackend) -> None:
+    """Issue 15 item 5, for people: a ``stored in`` column (state, file, server slot), and
+    for a position in the state when it was committed (UTC to the second) and by which run;
+    those two columns are left out when no position is in the state."""
+    config = write_config(state_backend.pipeline, exports=CDC_EXPORTS.format(absolute="/nowhere/audit.json"))
+    store = StateStore.open(config, env=process_env(state_backend.env), create=True)
+    (config.parent / "checkpoints").mkdir()
+    (config.parent / "checkpoints" / "order_events.json").write_text('{"pos": 7}')
+    proc = run_cli("-c", str(config), "checkpoints", env=state_backend.env, columns=None)
+    assert proc.returncode == 0, describe(proc)
+    assert column(proc.stdout, "stored in", "order_events") == "file", describe(proc)
+    assert column(proc.stdout, "stored in", "ledger") == "server slot", describe(proc)
+    assert "committed" not in proc.stdout.splitlines()[1], describe(proc)
+
+    with store.transaction() as tx:
+        run = tx.start_run("carts", "cdc")
+        tx.commit_position("carts", "mongodb", {"resume_token": "8263A1"}, run_id=run)
+    proc = run_cli("-c", str(config), "checkpoints", env=state_backend.env, columns=None)
+    assert proc.returncode == 0, describe(proc)
+    committed = json.loads(run_cli("-c", str(config), "--json", "checkpoints", env=state_backend.env).stdout)
+    carts = by_export(committed)["carts"]
+    assert column(proc.stdout, "stored in", "carts") == "state", describe(proc)
+    assert column(proc.stdout, "committed", "carts") == timestamp(carts["committed_at"]), describe(proc)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ", column(proc.stdout, "committed", "carts"))
+    assert column(proc.stdout, "run", "carts") == run == carts["run_id"], describe(proc)
+    assert column(proc.stdout, "committed", "order_events") == "-", describe(proc)
+    assert column(proc.stdout, "stored in", "order_events") == "file", describe(proc)
+    proc = run_cli("-c", str(config), "checkpoints", env=state_backend.env, columns=80)  # no room: a list
+    assert proc.returncode == 0, describe(proc)
+    assert "  stored in      state" in proc.stdout and f"  run            {run}" in proc.stdout, describe(proc)
+
+
 def test_checkpoint_path_that_is_a_directory_is_an_error_not_a_crash(tmp_path: Path) -> None:
     config, _ = cdc_config(tmp_path)
     (config.parent / "carts.pos").mkdir()
@@ -296,8 +321,6 @@ def test_checkpoints_and_check_change_nothing(tmp_path: Path) -> None:
 
 
 def test_runtime_api_resolves_checkpoints_through_the_same_function(tmp_path: Path) -> None:
-    from statetool.runtime import StateStore
-
     config = write_config(tmp_path / "pipeline")
     state_dir = tmp_path / "volume"
     state_dir.mkdir()
@@ -310,8 +333,6 @@ def test_runtime_api_resolves_checkpoints_through_the_same_function(tmp_path: Pa
 
 @pytest.mark.postgres
 def test_runtime_open_under_postgresql_warns_once_per_relative_cdc_checkpoint(tmp_path: Path, pg_url: str) -> None:
-    from statetool.runtime import StateStore
-
     config = write_config(tmp_path / "pipeline")
     store = StateStore.open(config, state_url=pg_url, env={}, create=True)
     relative = [w for w in store.warnings if w.code == "RIVET_STATE_CHECKPOINT_RELATIVE"]

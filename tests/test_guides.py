@@ -397,26 +397,40 @@ def pipeline_ran(config: str) -> str:
     return f"PYTHONPATH={shlex.quote(str(TESTS))} {shlex.quote(sys.executable)} -m support.states {shlex.quote(config)}"
 
 
+def test_kubernetes_guide_puts_cdc_positions_in_the_state_not_on_a_volume() -> None:
+    """ADR-0039 D5, issue 15 item 6: the guide no longer recommends a checkpoint volume for
+    CDC on pods; it puts the position in the state and gates the pod on the pod rule."""
+    page = markdown.read(KUBERNETES)
+    text = KUBERNETES.read_text()
+    assert "persistentVolumeClaim" not in text and "CHECKPOINT_VOLUME" not in text
+    run = "\n".join(b.code for b in page.blocks_in("sh"))
+    assert "statetool checkpoints import --export order_events" in run and "statetool check --target pods" in run
+    assert "transfer --to URL --with-checkpoints" in text
+    init = next(b.code for b in page.blocks_in("yaml") if "initContainers" in b.code)
+    assert '"check", "--target", "pods"' in init and "volumeMounts" not in init
+
+
 @pytest.mark.postgres
 def test_kubernetes_guide_followed_in_a_directory_laid_out_like_the_pod(tmp_path: Path, pg_url: str,
                                                                         guide_shell: dict[str, str]) -> None:
     """The whole guide, in order, in one shell. No pod here: the pipeline directory is laid
     out like the pod's (the config with its relative checkpoint), the state is in a
-    PostgreSQL schema of its own as in the pod, ``CHECKPOINT_VOLUME`` is a directory
-    standing for the mounted volume, and where the guide says the pipeline ran the test
-    records those runs (:func:`pipeline_ran`). It ends with the checkpoint on the volume:
-    order_events resumes from there, with no warning left."""
+    PostgreSQL schema of its own as in the pod, and where the guide says the pipeline ran
+    the test records those runs (:func:`pipeline_ran`). It ends with the position in the
+    state and no checkpoint file on disk: order_events resumes from the state, with no
+    warning left, and the pod's pre-flight passes."""
     config = write_config(tmp_path / "pipeline")
-    volume = tmp_path / "volume"
-    volume.mkdir()
-    env = {"RIVET_STATE_URL": pg_url, "CHECKPOINT_VOLUME": str(volume)}
+    env = {"RIVET_STATE_URL": pg_url}
     follow(KUBERNETES, config.parent, guide_shell, env,
            hooks={"Why a checkpoint on the pod's disk loses data": pipeline_ran("rivet.yaml")})
+    assert not (config.parent / "checkpoints").exists()
     proc = run_cli("-c", str(config), "--json", "doctor", env=env)
     assert proc.returncode == 0, describe(proc)
     events = {e["name"]: e for e in json.loads(proc.stdout)["exports"]}["order_events"]
     assert events["verdict"] == "resumes" and events["reasons"] == [], describe(proc)
-    assert str(volume / "order_events.json") in events["resumes_from"]
+    assert "in the state" in events["resumes_from"], describe(proc)
+    proc = run_cli("-c", str(config), "--json", "check", "--target", "pods", "--strict", env=env)
+    assert proc.returncode == 0, describe(proc)
 
 
 # -- diagnosing-a-first-run.md -------------------------------------------------------------

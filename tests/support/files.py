@@ -8,6 +8,35 @@ import textwrap
 from pathlib import Path
 
 
+#: An incremental export and four CDC exports, one per engine and place of its position: a
+#: relative mysql file, a relative mongodb file, a postgres stream with no file (its slot), an
+#: oracle file at ``{absolute}`` (``str.format`` it).
+CDC_EXPORTS = textwrap.dedent("""\
+    exports:
+      - name: orders
+        mode: incremental
+      - name: order_events
+        mode: cdc
+        cdc:
+          engine: mysql
+          checkpoint: checkpoints/order_events.json
+      - name: carts
+        mode: cdc
+        cdc:
+          engine: mongodb
+          checkpoint: carts.pos
+      - name: ledger
+        mode: cdc
+        cdc:
+          engine: postgres
+      - name: audit
+        mode: cdc
+        cdc:
+          engine: oracle
+          checkpoint: {absolute}
+    """)
+
+
 def write_config(directory: Path, *, source_url: str | None = "postgresql://reader@db.internal:5432/sales",
                  exports: str | None = None, name: str = "rivet.yaml") -> Path:
     """Write a pipeline config into ``directory`` (created) and return its path: the
