@@ -236,6 +236,43 @@ def doctor(ctx: typer.Context,
         raise typer.Exit(result.exit_code)
 
 
+@app.command(epilog="""
+    The metrics on stdout:
+      statetool metrics
+    For node-exporter's textfile collector (from cron or a systemd timer):
+      statetool metrics --textfile "$TEXTFILE_DIR/rivet-sales.prom"
+    """)
+def metrics(
+    ctx: typer.Context,
+    textfile: Annotated[Path | None, typer.Option("--textfile", metavar="PATH", show_default=False,
+                                                  help="Replace PATH whole (a temporary file renamed over it) "
+                                                       "instead of printing.")] = None,
+) -> None:
+    """OpenMetrics text for monitoring: progress, leases, backups.
+
+    Read-only. A state that cannot be read still gives its metrics (statetool_state_up
+    0, statetool_state_error with its code); the exit is then that code's, after the
+    text is out.
+    """
+    from statetool.operations.metrics import metrics as op
+
+    g = _g(ctx)
+    if g.json:
+        raise StateError("RIVET_CLI_USAGE", "metrics prints OpenMetrics text and has no JSON document: leave out "
+                         "--json (statetool info --json gives the same facts as JSON)")
+    result = op([g.context()], textfile=textfile)
+    if textfile is None:
+        sys.stdout.write(result.text)
+    if result.worst is not None:
+        from statetool import render
+
+        if g.json_errors:
+            render.print_failure_line(result.worst.code, result.worst.message, result.worst)
+        for error in [] if g.json_errors else result.down:
+            render.print_error(error)
+        raise typer.Exit(result.exit_code)
+
+
 @checkpoints_app.callback(invoke_without_command=True)
 def checkpoints_default(ctx: typer.Context) -> None:
     """``statetool checkpoints`` without a command lists them, as ``checkpoints list``."""

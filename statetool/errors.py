@@ -196,6 +196,12 @@ REGISTRY: dict[str, Entry] = {
         "free space on the filesystem named in the message (or choose a directory on a larger one), then re-run; "
         "the state was left as it was",
     ),
+    # statetool metrics --textfile PATH (issue 16 item 3)
+    "RIVET_METRICS_DIR_MISSING": _e(
+        "usage", "generic",
+        "create the directory of --textfile PATH first (node-exporter's --collector.textfile.directory), or name "
+        "a file in one that exists; metrics creates no directory",
+    ),
     # retryable (2): a re-run without human action may succeed
     "RIVET_STATE_UNREACHABLE": _e(
         "transient", "retryable", "check that the state database is up and reachable, then re-run",

@@ -62,6 +62,7 @@ LOCAL_WORKER = GUIDES / "local-worker.md"
 SCHEDULER = GUIDES / "running-under-a-scheduler.md"
 DIAGNOSING = GUIDES / "diagnosing-a-first-run.md"
 KUBERNETES = GUIDES / "kubernetes-pods.md"
+MONITORING = GUIDES / "monitoring-with-prometheus.md"
 
 #: The registered codes a transcript may show.
 CODES = frozenset(REGISTRY) | frozenset(WARNINGS)
@@ -254,7 +255,7 @@ def test_every_block_of_every_guide_is_run_or_shown_for_what_it_is() -> None:
     shown for copying (yaml, python, cron, dotenv), never a bare fence; and every guide has
     a transcript, so each one shows something the tests compare."""
     pages = sorted(GUIDES.glob("*.md"))
-    assert len(pages) == 6, [p.name for p in pages]
+    assert len(pages) == 7, [p.name for p in pages]
     for guide in pages:
         page = markdown.read(guide)
         for block in page.blocks:
@@ -431,6 +432,66 @@ def test_kubernetes_guide_followed_in_a_directory_laid_out_like_the_pod(tmp_path
     assert "in the state" in events["resumes_from"], describe(proc)
     proc = run_cli("-c", str(config), "--json", "check", "--target", "pods", "--strict", env=env)
     assert proc.returncode == 0, describe(proc)
+
+
+# -- monitoring-with-prometheus.md ---------------------------------------------------------
+
+
+def _run_as_scheduled(command: str, cwd: Path, env: dict[str, str], shell: dict[str, str]) -> None:
+    """``command`` run by bash in ``cwd`` as cron or systemd would run it, with ``env`` and
+    ``statetool`` on PATH (:func:`follow`'s environment); it must exit 0."""
+    full = {k: v for k, v in os.environ.items() if k != "RIVET_STATE_URL"}
+    full.update({**shell, **env})
+    proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=full, text=True, capture_output=True, timeout=120)
+    assert proc.returncode == 0, f"{command}\n{describe(proc)}"
+
+
+def test_monitoring_guide_followed_on_each_backend(state_backend: StateBackend, tmp_path: Path,
+                                                   guide_shell: dict[str, str]) -> None:
+    """The whole guide, in order, on a state as a pipeline's runs leave it, ``TEXTFILE_DIR``
+    standing for node-exporter's textfile directory and ``UNIT_DIR`` for
+    /etc/systemd/system. No cron and no systemd here: the test runs the guide's cron line
+    (its command, with the crontab's two directories set to the test's) and the service's
+    ``ExecStart`` in its ``WorkingDirectory`` as they would, and each leaves a textfile
+    that the OpenMetrics parser reads with the state up. Every metric the alerting rules
+    name is one that metrics gives."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+    import yaml
+
+    from statetool.operations.metrics import FAMILIES
+
+    config = write_config(state_backend.pipeline)
+    build_state(config, state_backend.url, checkpoint_dir=config.parent, env=state_backend.env)
+    textfiles, units = tmp_path / "textfile_collector", tmp_path / "units"
+    textfiles.mkdir()
+    units.mkdir()
+    env = {**state_backend.env, "TEXTFILE_DIR": str(textfiles), "PIPELINE_DIR": str(config.parent),
+           "UNIT_DIR": str(units)}
+    follow(MONITORING, config.parent, guide_shell, env)
+    target = textfiles / "rivet-sales.prom"
+
+    def up() -> float:
+        samples = {s.name: s.value for f in text_string_to_metric_families(target.read_text()) for s in f.samples}
+        return samples["statetool_state_up"]
+
+    assert up() == 1
+    page = markdown.read(MONITORING)
+    (crontab,) = page.blocks_in("cron")
+    (job,) = [line for line in crontab.code.splitlines() if not re.match(r"^[A-Z_]+=", line)]
+    target.unlink()
+    _run_as_scheduled(job.split(None, 5)[5], tmp_path, env, guide_shell)
+    assert up() == 1
+    service = dict(line.split("=", 1) for line in (units / "rivet-metrics-sales.service").read_text().splitlines()
+                   if "=" in line)
+    assert (units / "rivet-metrics-sales.timer").read_text().count("OnCalendar=minutely") == 1
+    target.unlink()
+    _run_as_scheduled(service["ExecStart"], Path(service["WorkingDirectory"]), state_backend.env, guide_shell)
+    assert up() == 1
+    (rules,) = page.blocks_in("yaml")
+    named = {name for group in yaml.safe_load(rules.code)["groups"] for rule in group["rules"]
+             for name in re.findall(r"\bstatetool_\w+", rule["expr"])}
+    given = {f"{f.name}_total" if f.kind == "counter" else f.name for f in FAMILIES}
+    assert named and named <= given, sorted(named - given)
 
 
 # -- diagnosing-a-first-run.md -------------------------------------------------------------

@@ -48,7 +48,7 @@ sys.stderr.write("\\nIMPORTS " + json.dumps({"code": code, "modules": sorted(
 #: :func:`build_state` gives them (``check``: 0; ``doctor``: 0, nothing is a first run).
 READ_COMMANDS = (("check",), ("--json", "check"), ("info",), ("--json", "info"), ("doctor",), ("checkpoints",),
                  ("revisions",), ("exports", "list"), ("exports", "show", "orders"), ("leases",), ("leases", "list"),
-                 ("--json", "leases", "list"))
+                 ("--json", "leases", "list"), ("metrics",))
 
 
 def imports_of(*args: str, cwd: Path, env: dict[str, str] | None = None,

@@ -276,6 +276,12 @@ class Backend(Protocol):
         """Problems ``quick_check`` finds (SQLite; ``integrity_check`` with ``full``); always
         empty for PostgreSQL."""
 
+    def size_bytes(self, conn: Reader) -> int:
+        """The state's size on disk in bytes, read on the read session ``conn``: its real file
+        and its ``-wal`` (SQLite), or its schema's tables with their indexes and TOAST
+        (PostgreSQL, ``pg_total_relation_size``). Reads only (``statetool metrics``, issue 16
+        item 3)."""
+
     def rebuilt_tables(self, conn: Reader, revision: Revision) -> tuple[str, ...]:
         """The tables of ``revision.rebuilds`` its upgrade copies row by row here, for the
         migrate plan: all of them on PostgreSQL (the server rewrites a table whose column

@@ -16,7 +16,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from statetool.backends.faults import fault
+from statetool.backends.faults import fault, os_fault
 from statetool.errors import StateError
 
 #: Exclusive creation that never follows a symlink (the file must not exist at all).
@@ -139,6 +139,45 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def regular_or_nothing(path: Path, refused: str) -> bool:
+    """Where a command is about to write its own file ``path`` (an export, a metrics
+    textfile): True when a regular file stands there, False when nothing does. Raises
+    ``RIVET_STATE_UNSAFE_FILE`` for a symlink or any other kind of file, which is never
+    written through nor replaced (SPEC §8a; ``refused`` ends its message: what the command
+    never does), and the fault of a ``stat`` that fails (``RIVET_STATE_PERMISSION_DENIED``, ...)."""
+    try:
+        there = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as err:
+        raise fault(path, err) or os_fault(err) or err from None
+    if not stat.S_ISREG(there.st_mode):
+        raise StateError("RIVET_STATE_UNSAFE_FILE", f"{path} is a symlink or not a regular file; {refused}",
+                         {"path": str(path)})
+    return True
+
+
+def replace_whole(path: Path, body: bytes, tmp: Path, mode: int) -> None:
+    """Put ``body`` at ``path`` whole or not at all, so that a reader sees the old file or
+    the new one, never part of one: written into the new file ``tmp`` beside it (created
+    with :data:`CREATE_FLAGS`, so never through a link, and ``mode`` less the umask),
+    fsynced, renamed over ``path``, the directory fsynced. ``tmp`` is removed when a step
+    after its creation fails. Raises the ``OSError`` of the step that failed: a
+    ``FileExistsError`` when anything stands at ``tmp`` (left in place; the caller names it)."""
+    fd = os.open(tmp, CREATE_FLAGS, mode)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
 
 
 def fsync_file(path: Path) -> None:

@@ -259,6 +259,12 @@ class PostgresBackend:
     def integrity_problems(self, conn: Connection, *, full: bool = False) -> list[str]:
         return []
 
+    def size_bytes(self, conn: Reader) -> int:
+        """The schema's tables with their indexes and TOAST (``pg_total_relation_size``)."""
+        return int(conn.scalar("SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c JOIN "
+                               "pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = :s AND c.relkind = 'r'",
+                               {"s": self.schema}))
+
     def rebuilt_tables(self, conn: Reader, revision: Revision) -> tuple[str, ...]:
         """All of ``revision.rebuilds``: the server rewrites a table whose column type changes."""
         return revision.rebuilds
@@ -436,9 +442,7 @@ class SchemaRetirement:
     def size_bytes(self) -> int:
         """The tables of the schema with their indexes and TOAST (``pg_total_relation_size``)."""
         with self.backend.inspecting() as conn:
-            return int(conn.scalar(
-                "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c JOIN pg_namespace n "
-                "ON n.oid = c.relnamespace WHERE n.nspname = :s AND c.relkind = 'r'", {"s": self.backend.schema}))
+            return self.backend.size_bytes(conn)
 
     def require_retirable(self) -> None:
         """Nothing beyond the write's own checks: marking the version and writing the audit

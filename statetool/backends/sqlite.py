@@ -343,6 +343,15 @@ class SqliteBackend:
             return [str(err.__cause__ or err.message)]
         return [] if rows == ["ok"] else rows
 
+    def size_bytes(self, conn: Reader) -> int:
+        """The real file's size and its ``-wal``'s (committed pages not yet folded in), by
+        ``lstat``: a ``-wal`` that is not a regular file counts nothing."""
+        total = os.stat(self.real).st_size
+        with contextlib.suppress(FileNotFoundError):
+            wal = os.lstat(f"{self.real}-wal")
+            total += wal.st_size if stat.S_ISREG(wal.st_mode) else 0
+        return total
+
     def rebuilt_tables(self, conn: Reader, revision: Revision) -> tuple[str, ...]:
         """Those of ``revision.rebuilds`` whose only change, ``revision.retypes``, cannot be
         made in the table's declared text (:func:`~statetool.backends.sqlite_schema.retyped_sql`).

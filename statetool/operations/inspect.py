@@ -30,6 +30,11 @@ class InfoResult:
     #: Every CDC export's checkpoint as ``statetool checkpoints`` reports it, with
     #: ``stored_in`` (SPEC §8 lists checkpoints among what info shows; issue 15 item 5).
     checkpoints: list[dict[str, object]] = field(default_factory=list)
+    #: The pre-flight's failures a read describes instead of refusing (``DESCRIBABLE``: a
+    #: missing state, a revision pending or unknown, a foreign identity), in check order.
+    #: Not in ``as_dict`` (``check`` reports them); ``statetool metrics`` reads some as a
+    #: state that is down (issue 16 item 3).
+    failures: list[StateError] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, object]:
         """``{location, revision, identity, exports, warnings, leases, lineage, checkpoints}``
@@ -92,7 +97,7 @@ def info(ctx: Context) -> InfoResult:
     where = {**location.as_dict(), "real_path": str(location.real_path) if location.real_path else None}
     return InfoResult(where, _revision_doc(snap), identity, _export_rows(ctx, snap), warnings,
                       leases, {"id": snap.lineage if snap else None, "serial": snap.serial if snap else None},
-                      [c.as_dict() for c in cdc.checkpoints])
+                      [c.as_dict() for c in cdc.checkpoints], [c.error for c in pf.failures if c.error is not None])
 
 
 def _companion_warnings(ctx: Context, given: list[StateWarning]) -> list[StateWarning]:

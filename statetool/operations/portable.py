@@ -23,7 +23,7 @@ from typing import Any
 
 from statetool import __version__
 from statetool.backends.base import Backend, Reader
-from statetool.backends.durable import CREATE_FLAGS, fsync_dir
+from statetool.backends.durable import CREATE_FLAGS, fsync_dir, regular_or_nothing
 from statetool.backends.faults import fault, os_fault
 from statetool.errors import StateError
 from statetool.operations.context import Context, now_iso
@@ -146,19 +146,9 @@ def write_document(path: Path, doc: dict[str, Any], *, force: bool) -> None:
     if not os.path.isdir(path.parent):
         raise StateError("RIVET_CLI_USAGE", f"-o {path}: {path.parent} is no directory; name a file in a directory "
                          "that exists (export creates none)", {"path": str(path)})
-    try:
-        there = os.lstat(path)
-    except FileNotFoundError:
-        there = None
-    except OSError as err:
-        raise fault(path, err) or os_fault(err) or err from None
-    if there is not None:
-        if not stat.S_ISREG(there.st_mode):
-            raise StateError("RIVET_STATE_UNSAFE_FILE", f"{path} is a symlink or not a regular file; an export is "
-                             "never written through one, --force or not", {"path": str(path)})
-        if not force:
-            raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{path} exists; export never overwrites a file "
-                             "unless --force is given", {"path": str(path)})
+    if regular_or_nothing(path, "an export is never written through one, --force or not") and not force:
+        raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{path} exists; export never overwrites a file "
+                         "unless --force is given", {"path": str(path)})
     _remove_dead_temporaries(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.export-tmp")
     body = (json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n").encode()

@@ -467,3 +467,13 @@ def last_successes(conn: Reader) -> dict[str, str | None]:
                      "r.started_at = (SELECT max(s.started_at) FROM rivet_runs AS s WHERE s.export_name = "
                      "r.export_name AND s.status = 'succeeded') ORDER BY r.run_id")
     return {name: finished for name, finished in rows}
+
+
+def run_statuses(conn: Reader) -> dict[str, dict[str, int]]:
+    """``{export: {status: runs}}``: the runs the state holds, counted per export and
+    status (``succeeded``, ``failed``, ``running``, whatever a run recorded)."""
+    out: dict[str, dict[str, int]] = {}
+    for name, status, total in conn.rows("SELECT export_name, status, count(*) FROM rivet_runs "
+                                         "GROUP BY export_name, status"):
+        out.setdefault(name, {})[str(status)] = int(total)
+    return out
