@@ -122,6 +122,9 @@ class Run:
 
     def __init__(self, store: StateStore, export: str, mode: str, lease: HeldLease) -> None:
         self.store, self.export, self.mode, self.lease = store, export, mode, lease
+        #: The id of the run this object last recorded the start of (:meth:`start_run`),
+        #: which a position committed after it names; None before.
+        self.run_id: str | None = None
 
     @property
     def token(self) -> int | None:
@@ -141,9 +144,10 @@ class Run:
             yield Writer(session.conn, only_mine)
 
     def start_run(self, *, run_id: str | None = None, started_at: str | None = None) -> str:
-        """Record the start of this run; returns its run id."""
+        """Record the start of this run; returns its run id (also kept as :attr:`run_id`)."""
         with self.transaction() as tx:
-            return tx.start_run(self.export, self.mode, run_id=run_id, started_at=started_at)
+            self.run_id = tx.start_run(self.export, self.mode, run_id=run_id, started_at=started_at)
+        return self.run_id
 
     def finish_run(self, run_id: str, status: str, **counts: object) -> None:
         """Record the end of this run (see :meth:`Writer.finish_run`)."""
@@ -180,14 +184,16 @@ class Run:
             raise StateError("RIVET_STATE_CHECKPOINT_UNREADABLE", f"{path} is not JSON ({err}): the position of "
                              f"{self.export} cannot be read", {"path": str(path), "export": self.export}) from None
 
-    def commit_position(self, value: object) -> None:
+    def commit_position(self, value: object, *, run_id: str | None = None) -> None:
         """Commit this CDC export's position ``value`` into the state, fenced by this run's
         lease (``RIVET_STATE_LEASE_LOST`` once another holder took it over: nothing is
-        written) and recorded with its fencing token. Raises ``RIVET_CLI_USAGE`` for an
-        export that is not CDC, ``ValueError`` for a value that is not JSON."""
+        written) and recorded with its fencing token and the run that committed it
+        (``run_id``, default the one :meth:`start_run` recorded; issue 15 item 1). Raises
+        ``RIVET_CLI_USAGE`` for an export that is not CDC, ``ValueError`` for a value that
+        is not JSON."""
         engine = self._engine()
         with self.transaction() as tx:
-            tx.commit_position(self.export, engine, value, token=self.token)
+            tx.commit_position(self.export, engine, value, run_id=run_id or self.run_id, token=self.token)
 
     def _engine(self) -> str:
         spec = self.store.ctx.config.export(self.export)

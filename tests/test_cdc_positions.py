@@ -44,6 +44,26 @@ def test_a_committed_position_is_read_from_the_state_and_the_file_never_again(st
     assert row[2] == token, "the position records the fencing token of the lease it was committed under"
 
 
+def test_a_position_committed_in_a_run_names_that_run_and_checkpoints_shows_it(state_backend: StateBackend) -> None:
+    """Issue 15 item 1: the position records by which run it was committed (the run the
+    Run object started, or the one named), and ``checkpoints`` reports it."""
+    from support import describe, run_cli
+
+    store, _checkpoint = _store(state_backend)
+    with store.run("order_events", "cdc") as run:
+        run_id = run.start_run()
+        run.commit_position(POSITION)
+        run.finish_run(run_id, "succeeded")
+    proc = run_cli("-c", str(store.ctx.config.path), "--json", "checkpoints", env=state_backend.env)
+    assert proc.returncode == 0, describe(proc)
+    (listed,) = json.loads(proc.stdout)["checkpoints"]
+    assert (listed["stored_in"], listed["run_id"]) == ("state", run_id), listed
+    with store.run("order_events", "cdc") as run:
+        run.commit_position({"file": "mysql-bin.000043", "pos": 4}, run_id="backfill-7")
+    proc = run_cli("-c", str(store.ctx.config.path), "--json", "checkpoints", env=state_backend.env)
+    assert json.loads(proc.stdout)["checkpoints"][0]["run_id"] == "backfill-7"
+
+
 def test_a_position_is_only_for_a_cdc_export_and_only_json(state_backend: StateBackend) -> None:
     store, _checkpoint = _store(state_backend)
     with store.run("orders", "incremental") as run:
@@ -109,7 +129,7 @@ def test_doctor_and_checkpoints_say_the_position_is_in_the_state_with_no_file(st
     assert not [r for r in events["reasons"] if r["code"] == "RIVET_STATE_CHECKPOINT_RELATIVE"], events["reasons"]
     doc = json.loads(run_cli("-c", str(config), "--json", "checkpoints", env=state_backend.env).stdout)
     (row,) = doc["checkpoints"]
-    assert (row["stored_in"], row["position"], row["run_id"] is None) == ("state", POSITION, True), row
+    assert (row["stored_in"], row["position"], row["run_id"]) == ("state", POSITION, run_id), row
     assert json.loads(run_cli("-c", str(config), "--json", "info", env=state_backend.env).stdout)[
         "checkpoints"][0]["stored_in"] == "state"
     checkpoint.parent.mkdir()

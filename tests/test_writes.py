@@ -222,7 +222,8 @@ def test_export_writes_on_a_state_with_pending_revisions_are_refused(target: Tar
 # --------------------------------------------------------------------------------------
 
 PROGRESS_KEYS = {"name", "mode", "cursor", "cursor_updated_at", "runs_total", "runs_succeeded", "runs_failed",
-                 "last_run", "chunks_total", "chunks_done", "ledger_rows", "in_config", "in_state"}
+                 "last_run", "chunks_total", "chunks_done", "ledger_rows", "position_committed_at", "in_config",
+                 "in_state"}
 
 
 def test_exports_list_and_show_json_shapes(target: Target) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from statetool.errors import StateWarning
+from statetool.moments import moment, parse_time
 from statetool.location import checkpoint_relative_message, resolve_checkpoint
 from statetool.operations.context import Context
 
@@ -84,14 +85,15 @@ def file_newer_warning(export: str, path: Path | None, stored: dict[str, Any]) -
         return None
     try:
         position = json.loads(path.read_bytes()[:MAX_READ])
-        written = datetime.fromtimestamp(path.stat().st_mtime, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        written = datetime.fromtimestamp(path.stat().st_mtime, UTC)
     except (OSError, ValueError):
         return None
-    if position == stored["position"] or written <= stored["committed_at"]:
+    committed = parse_time(stored["committed_at"])
+    if position == stored["position"] or committed is None or written <= committed:
         return None
     return StateWarning("RIVET_STATE_CHECKPOINT_FILE_NEWER",
                         f"CDC export {export}: the state holds position {json.dumps(stored['position'])} (committed "
-                        f"{stored['committed_at']}), and {path}, written later ({written}), holds "
+                        f"{moment(stored['committed_at'])}), and {path}, written later ({moment(written)}), holds "
                         f"{json.dumps(position)}; the state's is the one a run resumes from")
 
 

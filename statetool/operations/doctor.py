@@ -32,6 +32,7 @@ from statetool.config import Export
 from statetool.errors import EXIT_CODES, REGISTRY, WARNINGS, StateError, StateWarning, unit_failure, worst
 from statetool.identity import identity_message, identity_verdict, identity_warning
 from statetool.location import ENV_VAR, Location, resolve_checkpoint
+from statetool.moments import moment
 from statetool.mounts import mount_of
 from statetool.operations.checkpoints import checkpoint_warning, file_newer_warning
 from statetool.operations.context import Context
@@ -196,7 +197,7 @@ def _checkpoint(ctx: Context, export: Export, has_progress: bool,
         if newer is not None:
             reasons.append(Reason.of(newer, {"path": str(place.path), "state_position": stored["position"]}))
         return (reasons, f"CDC position {json.dumps(stored['position'], sort_keys=True)} in the state (committed "
-                f"{stored['committed_at']})", _age(stored["committed_at"]))
+                f"{moment(stored['committed_at'])})", _age(stored["committed_at"]))
     if place.warning:
         reasons.append(Reason.of(checkpoint_warning(place.warning, export.name, place.path), {"path": str(place.path)}))
     if place.path is None:
