@@ -57,17 +57,27 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan; change 
 Reason = Annotated[str, typer.Option("--reason", metavar="WHY", help="Why, for the audit row.")]
 #: The export a command of the ``exports`` group acts on.
 ExportName = Annotated[str, typer.Argument(metavar="NAME", help="Export name.", show_default=False)]
+#: The commands that read several pipelines at once (-c more than once, --configs GLOB;
+#: issue 16 item 1, docs/decisions.md "Several pipelines at once"), and their two options.
+FLEET_COMMANDS = ("check", "info", "doctor")
+ConfigsGlob = Annotated[str | None, typer.Option("--configs", metavar="GLOB", show_default=False,
+                                                 help="Also every config GLOB matches (quote it: statetool "
+                                                      "expands it, sorted).")]
+StateUrlEnv = Annotated[list[str] | None, typer.Option("--state-url-env", metavar="CONFIG=NAME", show_default=False,
+                                                       help="With several configs: CONFIG's state URL is in the "
+                                                            "variable NAME (its RIVET_STATE_URL).")]
 
 
 class Globals:
     """The global options of one invocation (a plain class: a ``NamedTuple`` class costs
     more to create than the rest of this module, at every start-up; no ``dataclasses``)."""
 
-    __slots__ = ("config", "state_url", "json", "json_errors", "lock_wait", "debug", "command", "config_given")
+    __slots__ = ("configs", "state_url", "json", "json_errors", "lock_wait", "debug", "command", "config_given")
 
-    def __init__(self, config: Path, state_url: str | None, json: bool, json_errors: bool, lock_wait: float,
+    def __init__(self, configs: list[Path], state_url: str | None, json: bool, json_errors: bool, lock_wait: float,
                  debug: bool, command: str = "statetool", config_given: bool = False) -> None:
-        self.config = config
+        #: Every --config/-c, in the order given (the default alone when none is).
+        self.configs = configs
         self.state_url = state_url
         self.json = json
         self.json_errors = json_errors
@@ -78,17 +88,53 @@ class Globals:
         #: place does not depend on it (docs/decisions.md, "Leases without a pipeline config").
         self.config_given = config_given
 
-    def context(self) -> Any:
-        """The operations' :class:`~statetool.operations.context.Context` for these options."""
-        from statetool.operations.context import Context, no_progress
+    def progress(self) -> Any:
+        """The progress display: a rich bar on a terminal without --json, else silent."""
+        from statetool.operations.context import no_progress
 
-        progress = no_progress
         if not self.json and sys.stderr.isatty():
             from statetool.render import rich_progress
 
-            progress = rich_progress
-        return Context(self.config, self.state_url, dict(os.environ), self.lock_wait, self.command, progress,
-                       log=lambda message: sys.stderr.write(f"statetool: {message}\n"), config_given=self.config_given)
+            return rich_progress
+        return no_progress
+
+    @staticmethod
+    def log(message: str) -> None:
+        """A progress line on stderr (waiting for a lease, ...)."""
+        sys.stderr.write(f"statetool: {message}\n")
+
+    def context(self) -> Any:
+        """The operations' :class:`~statetool.operations.context.Context` for these options.
+        Raises ``RIVET_CLI_USAGE`` when -c was given more than once: only the commands of
+        :data:`FLEET_COMMANDS` read several pipelines (:meth:`fleet`)."""
+        from statetool.operations.context import Context
+
+        if len(self.configs) > 1:
+            several = f"{', '.join(FLEET_COMMANDS[:-1])} and {FLEET_COMMANDS[-1]}"
+            raise StateError("RIVET_CLI_USAGE", f"--config/-c was given {len(self.configs)} times, and this command "
+                             f"reads one pipeline; {several} read several (-c more than once, or --configs GLOB)")
+        return Context(self.configs[0], self.state_url, dict(os.environ), self.lock_wait, self.command,
+                       self.progress(), log=self.log, config_given=self.config_given)
+
+    def fleet(self, name: str, pattern: str | None, state_url_envs: list[str] | None, **options: Any) -> Any:
+        """The :class:`~statetool.operations.fleet.FleetResult` of command ``name`` (one of
+        :data:`FLEET_COMMANDS`, with its ``options``) over every pipeline given (-c more than
+        once, --configs), or None for one config given as always (the command's own output,
+        unchanged; the fleet's module is not even loaded). ``--state-url-env`` without
+        several configs is ``RIVET_CLI_USAGE``."""
+        if pattern is None and len(self.configs) < 2:
+            if state_url_envs:
+                raise StateError("RIVET_CLI_USAGE", "--state-url-env is for several configs (-c more than once, or "
+                                 "--configs GLOB); with one, give --state-url or RIVET_STATE_URL")
+            return None
+        from statetool.operations import fleet
+
+        command = {"check": fleet.check_command, "info": fleet.info_command, "doctor": fleet.doctor_command}[name]
+        configs = self.configs if self.config_given else []
+        pipelines = fleet.fleet_pipelines(configs, pattern, state_url_envs or [], os.environ, self.state_url)
+        contexts = [fleet.pipeline_context(p, dict(os.environ), self.lock_wait, self.command, self.log)
+                    for p in pipelines]
+        return fleet.run_fleet(command(**options), pipelines, contexts, self.progress())
 
 
 def _version(value: bool) -> None:
@@ -100,9 +146,10 @@ def _version(value: bool) -> None:
 @app.callback()
 def main_options(
     ctx: typer.Context,
-    config: Annotated[Path, typer.Option("--config", "-c", metavar="PATH", readable=False,
-                                         help="Pipeline config (YAML); the default state lives beside it.")
-                      ] = Path(DEFAULT_CONFIG),
+    config: Annotated[list[Path], typer.Option("--config", "-c", metavar="PATH", readable=False,
+                                               help="Pipeline config (YAML); the default state lives beside it. "
+                                                    "check, info, doctor take several.")
+                      ] = [Path(DEFAULT_CONFIG)],  # noqa: B006 - typer copies it; never mutated
     state_url: Annotated[str | None, typer.Option("--state-url", metavar="URL", show_default=False,
                                                   help="Where the state is (sqlite:/dir, postgresql://...); "
                                                        "default RIVET_STATE_URL, else beside the config.")] = None,
@@ -154,17 +201,37 @@ def _emit(g: Globals, doc: dict[str, Any], human: Any) -> None:
         show(human, doc)
 
 
+def _fleet_done(g: Globals, result: Any) -> None:
+    """Print a fleet's document (:func:`statetool.render.fleet` for people), its
+    ``--json-errors`` line when it failed, and exit with its worst exit code."""
+    from statetool import render
+
+    _emit(g, result.as_dict(), render.fleet)
+    line = result.error_line() if g.json_errors else None
+    if line is not None:
+        import json
+
+        sys.stderr.write(json.dumps(line) + "\n")
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
+
+
 @app.command()
-def info(ctx: typer.Context) -> None:
+def info(ctx: typer.Context, configs: ConfigsGlob = None, state_url_env: StateUrlEnv = None) -> None:
     """Where the state is and why, its revision, identity, progress.
 
     Also the leases, and the warnings a write would give. A missing state is described,
-    not refused.
+    not refused. With several configs (-c more than once, --configs GLOB): each pipeline,
+    and what they share.
     """
     from statetool import render
     from statetool.operations.inspect import info as op
 
     g = _g(ctx)
+    fleet = g.fleet("info", configs, state_url_env)
+    if fleet is not None:
+        _fleet_done(g, fleet)
+        return
     _emit(g, op(g.context()).as_dict(), render.info)
 
 
@@ -176,17 +243,26 @@ def check(ctx: typer.Context,
           strict: Annotated[bool, typer.Option("--strict", help="Fail on warnings too (exit 5).")] = False,
           target: Annotated[str | None, typer.Option("--target", metavar="TARGET", show_default=False,
                                                      help="Where the runs run: pods refuses a SQLite state and "
-                                                          "CDC positions in files (exit 5).")] = None) -> None:
+                                                          "CDC positions in files (exit 5).")] = None,
+          configs: ConfigsGlob = None, state_url_env: StateUrlEnv = None) -> None:
     """CI pre-flight: every check, read-only; fails with the worst.
 
     The exit code is the class of the worst failing check (docs/errors.md); --strict
     fails on warnings too; --target pods adds the pod rule: the state in PostgreSQL,
-    every CDC position in the state or a server slot, none in a file.
+    every CDC position in the state or a server slot, none in a file. With several configs
+    (-c more than once, --configs GLOB): every pipeline's checks, and what they share; the
+    exit code is the worst of them.
     """
     from statetool import render
     from statetool.operations.check import check as op
 
     g = _g(ctx)
+    fleet = g.fleet("check", configs, state_url_env, strict=strict, target=target)
+    if fleet is not None:
+        if os.environ.get("GITHUB_ACTIONS") == "true":
+            render.github_annotations(render.fleet_rows(fleet.as_dict()), to_stderr=g.json)
+        _fleet_done(g, fleet)
+        return
     result = op(g.context(), strict=strict, target=target)
     _emit(g, result.as_dict(), render.check)
     if os.environ.get("GITHUB_ACTIONS") == "true":
@@ -216,16 +292,23 @@ def _no_cycle_collection() -> Iterator[None]:
 
 @app.command()
 def doctor(ctx: typer.Context,
-           export: Annotated[str | None, typer.Option("--export", metavar="NAME", help="Only this export.")] = None
-           ) -> None:
+           export: Annotated[str | None, typer.Option("--export", metavar="NAME", help="Only this export.")] = None,
+           configs: ConfigsGlob = None, state_url_env: StateUrlEnv = None) -> None:
     """Per export: will the next run resume, or be a FIRST RUN?
 
-    Says why for each export, and exits 5 when any next run would be a first run.
+    Says why for each export, and exits 5 when any next run would be a first run. With
+    several configs (-c more than once, --configs GLOB): every pipeline's exports, and
+    what they share.
     """
     from statetool import render
     from statetool.operations.doctor import doctor as op
 
     g = _g(ctx)
+    with _no_cycle_collection():
+        fleet = g.fleet("doctor", configs, state_url_env, export=export)
+    if fleet is not None:
+        _fleet_done(g, fleet)
+        return
     with _no_cycle_collection():
         result = op(g.context(), export)
         _emit(g, result.as_dict(), render.doctor)

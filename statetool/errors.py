@@ -338,6 +338,22 @@ REGISTRY: dict[str, Entry] = {
         "the copy holds older progress than the live state; compare them (statetool diff), and if going back is "
         "intended restore with --allow-older (audited with both serials)",
     ),
+    # fleet pre-flight (issue 16 item 1): check, info and doctor over several configs at once
+    "RIVET_CONFIGS_NO_MATCH": _e(
+        "usage", "generic",
+        "quote the GLOB so that statetool expands it ('pipelines/*/rivet.yaml', relative to the working directory), "
+        "and check that it names the configs (ls pipelines/*/rivet.yaml)",
+    ),
+    "RIVET_STATE_SHARED": _e(
+        "refusal", "refusal",
+        "give each source's pipeline a state of its own (a config directory of its own for the default state, its "
+        "own sqlite:/dir, or its own PostgreSQL ?schema=NAME) before either runs again",
+    ),
+    "RIVET_STATE_CHECKPOINT_SHARED": _e(
+        "refusal", "refusal",
+        "give each CDC export a cdc.checkpoint file of its own before either runs again; the file holds the position "
+        "of whichever wrote it last",
+    ),
     # internal (6)
     "RIVET_INTERNAL": _e(
         "internal", "internal", "this is a bug in statetool; re-run with --debug and report the traceback",
@@ -385,6 +401,13 @@ WARNINGS: dict[str, str] = {
         "password out of the URL and let libpq read PGPASSFILE (~/.pgpass) or PGPASSWORD",
     "RIVET_EXPORT_NO_PROGRESS":
         "nothing to do for a new export; otherwise point the pipeline at the state that holds its progress",
+    # fleet pre-flight (issue 16 item 1)
+    "RIVET_STATE_SHARED_SAME_SOURCE":
+        "nothing to do if the configs are meant to share one state; otherwise give each pipeline a state of its own "
+        "(its own config directory, sqlite:/dir or ?schema=NAME)",
+    "RIVET_STATE_CHECKPOINT_DIR_SHARED":
+        "nothing to do if that is intended; otherwise give each pipeline's checkpoints a directory of its own (an "
+        "absolute cdc.checkpoint under the pipeline's state directory)",
 }
 
 
@@ -532,6 +555,24 @@ def worst(codes: list[str]) -> str | None:
         if best is None or STOP_RANK[failure_class(code)] >= STOP_RANK[failure_class(best)]:
             best = code
     return best
+
+
+def worst_exit_code(exit_codes: list[int]) -> int:
+    """The exit code of the worst outcome among process ``exit_codes`` (0 for success), ranked
+    by class as :func:`worst` ranks codes (:data:`STOP_RANK`); 0 when none failed. A code that
+    is no class's own (126, 127) ranks as its class, generic. A fleet exits with the worst of
+    its pipelines (issue 16 item 1)."""
+    classes = {code: name for name, code in EXIT_CODES.items()}
+    failed = [code for code in exit_codes if code]
+    return max(failed, key=lambda code: STOP_RANK[classes.get(code, "generic")], default=0)
+
+
+def pipeline_failure(config: str, failure: dict[str, Any], export: str | None = None) -> dict[str, Any]:
+    """One entry of a fleet's ``failures[]`` (issue 16 item 1): the failure object of one
+    pipeline (:func:`failure_object` or :func:`error_object`, its own ``failures`` dropped)
+    plus ``export`` (the export it is about, or None) and ``config``, the pipeline's config
+    as given."""
+    return {**{k: v for k, v in failure.items() if k != "failures"}, "export": export, "config": config}
 
 
 def moved_away(place: str, doc: dict[str, Any], details: dict[str, Any]) -> StateError:

@@ -1139,3 +1139,124 @@ def positions_moved(doc: dict[str, Any]) -> None:
     if not doc["moved"] and not doc["skipped"]:
         page.line("no CDC export in the config")
     page.show()
+
+
+# -- several pipelines at once (issue 16 item 1) ------------------------------------------------
+
+
+def fleet_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every failing or warning row of a fleet's document as ``check``'s rows
+    (``{id, status, code, message, action}``), ``id`` prefixed with the pipeline's config:
+    each pipeline's checks, the error that stopped its read, then the fleet's findings."""
+    rows: list[dict[str, Any]] = []
+    for p in doc["pipelines"]:
+        rows += [{**row, "id": f"{p['config']} {row['id']}"} for row in p.get("checks", ())
+                 if row["status"] in ("fail", "warn")]
+        rows += _fleet_error(p)
+    return rows + doc["fleet"]
+
+
+def _fleet_error(p: dict[str, Any]) -> list[dict[str, Any]]:
+    """The error that stopped one pipeline's read, as a failing row (none when it was read)."""
+    e = p["error"]
+    return [{"id": f"{p['config']} error", "status": "fail", "code": e["code"], "message": e["message"],
+             "action": e["action"]}] if e else []
+
+
+def _finding_status(code: str) -> str:
+    """``fail`` for a registered error's code, ``warn`` for a registered warning's."""
+    from statetool.errors import REGISTRY
+
+    return "fail" if code in REGISTRY else "warn"
+
+
+def _fleet_end(page: Page, doc: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Each failing or warning row (:func:`fleet_rows`) as a paragraph and its action whole on
+    a line, then how many pipelines are ok (neither failing on their own nor named by a
+    failing fleet finding: info's findings fail nothing), and ``ok`` / ``not ok``."""
+    for row in rows:
+        page.line()
+        page.para(row["message"], f"{row['id']}: {row['status']} [{_fmt(row['code'])}] ", "  ")
+        page.line(f"Try ({row['id']}): {row['action']}")
+    page.line()
+    failing = {config for f in doc["fleet"] if f["status"] == "fail" and doc["command"] != "info"
+               for config in f["configs"]}
+    fine = sum(1 for p in doc["pipelines"] if p["ok"] and p["config"] not in failing)
+    page.line(f"{_plural(len(doc['pipelines']), 'pipeline')}: {fine} ok, {len(doc['pipelines']) - fine} not ok")
+    page.line("ok" if doc["ok"] else "not ok")
+
+
+def _fleet_named(doc: dict[str, Any], config: str) -> list[dict[str, Any]]:
+    """The fleet findings that name the pipeline ``config``."""
+    return [f for f in doc["fleet"] if config in f["configs"]]
+
+
+_FLEET_CHECK_COLUMNS = (Column("pipeline"), Column("check"), Column("status", styles=_STATUS_STYLES),
+                        Column("message", prose=True))
+_FLEET_INFO_COLUMNS = (Column("pipeline"), Column("location"), Column("revision"), Column("identity"),
+                       Column("exports"), Column("status", styles=_STATUS_STYLES), Column("findings", prose=True))
+_FLEET_DOCTOR_COLUMNS = (Column("pipeline"), Column("export"), Column("mode"), Column("next run", prose=True))
+
+
+def _fleet_check(page: Page, doc: dict[str, Any]) -> None:
+    table = []
+    for p in doc["pipelines"]:
+        table += [[p["config"], row["id"], row["status"], "see below" if row["status"] in ("fail", "warn")
+                   else row["message"]] for row in p["checks"]]
+        if p["error"]:
+            table.append([p["config"], "error", "fail", "see below"])
+        table += [[p["config"], f["id"], f["status"], "see below"] for f in _fleet_named(doc, p["config"])]
+    page.table(f"Pre-flight of {_plural(len(doc['pipelines']), 'pipeline')}", _FLEET_CHECK_COLUMNS, table)
+
+
+def _fleet_info(page: Page, doc: dict[str, Any]) -> list[dict[str, Any]]:
+    table, notes = [], []
+    for p in doc["pipelines"]:
+        described = p["info"] or {}
+        warnings = described.get("warnings", [])
+        notes += [{"id": f"{p['config']} warning", "status": "warn", **w} for w in warnings] + _fleet_error(p)
+        codes = [w["code"] for w in warnings] + [f["code"] for f in _fleet_named(doc, p["config"])]
+        table.append([p["config"], (p["location"] or {}).get("display"),
+                      (described.get("revision") or {}).get("status"), (described.get("identity") or {}).get("verdict"),
+                      len(described["exports"]) if described else None,
+                      "fail" if p["error"] else "warn" if codes else "ok",
+                      p["error"]["code"] if p["error"] else ", ".join(codes) or None])
+    page.table(f"{_plural(len(doc['pipelines']), 'pipeline')}", _FLEET_INFO_COLUMNS, table)
+    return notes
+
+
+def _fleet_doctor(page: Page, doc: dict[str, Any]) -> list[dict[str, Any]]:
+    table, notes = [], []
+    for p in doc["pipelines"]:
+        notes += _fleet_error(p)
+        if p["doctor"] is None:
+            table.append([p["config"], None, None, "see below"])
+            continue
+        shared = p["doctor"]["state"].get("reasons", [])
+        notes += [{"id": f"{p['config']} state", "status": _finding_status(r["code"]), **r} for r in shared]
+        for export in p["doctor"]["exports"]:
+            own = [r for r in export["reasons"] if r not in shared]
+            # the state's reasons follow the table, as "<config> state:" (never "above")
+            table.append([p["config"], export["name"], export["mode"], verdict(export)])
+            notes += [{"id": f"{p['config']} {export['name']}", "status": _finding_status(r["code"]), **r}
+                      for r in own]
+    page.table(f"Next runs of {_plural(len(doc['pipelines']), 'pipeline')}", _FLEET_DOCTOR_COLUMNS, table)
+    return notes
+
+
+def fleet(doc: dict[str, Any]) -> None:
+    """``check``, ``info`` or ``doctor`` over several configs for people (``doc["command"]``
+    says which): one table of every pipeline (check: one row per pipeline and check; info:
+    one per pipeline; doctor: one per pipeline and export), with a row per fleet finding
+    under each pipeline it names (check) or its codes (info); then each failure, warning
+    and finding once as a paragraph with its action, and the count of pipelines ok."""
+    page = Page()
+    notes: list[dict[str, Any]] = []
+    if doc["command"] == "check":
+        _fleet_check(page, doc)
+    elif doc["command"] == "info":
+        notes = _fleet_info(page, doc)
+    else:
+        notes = _fleet_doctor(page, doc)
+    _fleet_end(page, doc, fleet_rows(doc) if doc["command"] == "check" else notes + doc["fleet"])
+    page.show()

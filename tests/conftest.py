@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -106,6 +106,25 @@ def pg_url(pg_server: dict[str, str]) -> Iterator[str]:
 
     with psycopg.connect(base.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
         conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture
+def pg_schemas(pg_server: dict[str, str]) -> Iterator[Callable[[], str]]:
+    """A maker of state URLs on the test server, each with a fresh schema of its own (every
+    one dropped afterwards): for a test that needs several, as :func:`pg_url` gives one."""
+    made: list[str] = []
+    base = pg_server["url"]
+
+    def new() -> str:
+        made.append(f"t_{uuid.uuid4().hex[:12]}")
+        return f"{base}{'&' if '?' in base else '?'}schema={made[-1]}"
+
+    yield new
+    import psycopg
+
+    with psycopg.connect(base.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
+        for schema in made:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 @pytest.fixture(autouse=True)

@@ -20,8 +20,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -259,33 +258,15 @@ def test_relocate_killed_at_any_instant_never_has_two_live_places_and_a_rerun_co
     assert (("source", "RIVET_STATE_RELOCATED"), ("target", "live")) in seen, seen
 
 
-@pytest.fixture
-def schemas(pg_server: dict[str, str]) -> Iterator[Callable[[], str]]:
-    """Fresh schema URLs on the test server, every one dropped afterwards."""
-    made: list[str] = []
-    base = pg_server["url"]
-
-    def new() -> str:
-        made.append(f"t_{uuid.uuid4().hex[:12]}")
-        return f"{base}{'&' if '?' in base else '?'}schema={made[-1]}"
-
-    yield new
-    import psycopg
-
-    with psycopg.connect(base.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
-        for schema in made:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-
-
 def test_transfer_killed_at_any_instant_never_has_two_live_places_and_a_rerun_converges(
-        tmp_path: Path, transfer_template: Path, schemas: Callable[[], str]) -> None:
+        tmp_path: Path, transfer_template: Path, pg_schemas: Callable[[], str]) -> None:
     template = transfer_template
     first = _copy(template, tmp_path / "timing")
-    total = _timed_run(("-c", str(first), "transfer", "--to", schemas()))
+    total = _timed_run(("-c", str(first), "transfer", "--to", pg_schemas()))
 
     def make(i: int) -> tuple[tuple[str, ...], Callable[[], dict[str, str]], Callable[[str], None]]:
         config = _copy(template, tmp_path / f"k{i:02d}")
-        url = schemas()
+        url = pg_schemas()
 
         def places() -> dict[str, str]:
             return {"source": _open(config, None), "destination": _open(config, url)}
@@ -368,9 +349,9 @@ def test_a_target_in_flight_refuses_statetool_and_the_runtime_naming_the_command
 # --------------------------------------------------------------------------------------
 
 def test_the_rerun_of_a_completed_transfer_is_already_done_and_changes_nothing(
-        tmp_path: Path, template: Path, schemas: Callable[[], str]) -> None:
+        tmp_path: Path, template: Path, pg_schemas: Callable[[], str]) -> None:
     config = _copy(template, tmp_path)
-    url = schemas()
+    url = pg_schemas()
     proc = run_cli("-c", str(config), "transfer", "--to", url, timeout=300)
     assert proc.returncode == 0, describe(proc)
     before = tree_digest(config.parent)
@@ -547,7 +528,7 @@ def test_relocate_killed_in_flight_then_the_source_written_makes_the_copy_again(
 
 
 def test_transfer_killed_in_flight_then_the_source_written_makes_the_copy_again(
-        tmp_path: Path, template: Path, schemas: Callable[[], str]) -> None:
+        tmp_path: Path, template: Path, pg_schemas: Callable[[], str]) -> None:
     base = tmp_path / "m"
     config = base / "pipeline" / "rivet.yaml"
     urls: list[str] = []
@@ -555,7 +536,7 @@ def test_transfer_killed_in_flight_then_the_source_written_makes_the_copy_again(
     def fresh() -> None:
         shutil.rmtree(base, ignore_errors=True)
         _copy(template, base)
-        urls.append(schemas())
+        urls.append(pg_schemas())
 
     def places() -> dict[str, str]:
         return {"source": _open(config, None), "destination": _open(config, urls[-1])}
@@ -575,13 +556,13 @@ def test_transfer_killed_in_flight_then_the_source_written_makes_the_copy_again(
 
 
 def test_a_symlinked_state_is_transferred_by_retiring_its_real_file(
-        tmp_path: Path, template: Path, schemas: Callable[[], str]) -> None:
+        tmp_path: Path, template: Path, pg_schemas: Callable[[], str]) -> None:
     config = _copy(template, tmp_path)
     real_dir = tmp_path / "disk"
     real_dir.mkdir()
     shutil.move(config.parent / STATE, real_dir / STATE)
     (config.parent / STATE).symlink_to(real_dir / STATE)
-    url = schemas()
+    url = pg_schemas()
     proc = run_cli("-c", str(config), "transfer", "--to", url, timeout=300)
     assert proc.returncode == 0, describe(proc)
     assert (config.parent / STATE).is_symlink()

@@ -45,6 +45,14 @@ class CheckResult:
         return {"ok": self.ok, "checks": [c.as_dict() for c in self.checks]}
 
 
+def require_target(target: str | None) -> None:
+    """``RIVET_CLI_USAGE`` for a ``check --target`` that is not one of :data:`TARGETS`
+    (asked before anything is read, for one pipeline or a fleet)."""
+    if target is not None and target not in TARGETS:
+        raise StateError("RIVET_CLI_USAGE", f"--target {target!r} is not a target statetool knows; known: "
+                         f"{', '.join(TARGETS)}", {"target": target})
+
+
 def check(ctx: Context, *, strict: bool = False, target: str | None = None) -> CheckResult:
     """Run every pre-flight check. Never writes, never raises for a failing check.
 
@@ -56,9 +64,7 @@ def check(ctx: Context, *, strict: bool = False, target: str | None = None) -> C
     fail, as refusal (5, :func:`statetool.errors.failure_class`). Raises ``RIVET_CLI_USAGE`` for a ``target``
     that is not one of :data:`TARGETS`, before anything is read.
     """
-    if target is not None and target not in TARGETS:
-        raise StateError("RIVET_CLI_USAGE", f"--target {target!r} is not a target statetool knows; known: "
-                         f"{', '.join(TARGETS)}", {"target": target})
+    require_target(target)
     pf = run_preflight(ctx)
     # doctor reads the config: with a config that failed its row there is nothing more to diagnose.
     config_read = not any(c.id == "config" and c.status == "fail" for c in pf.checks)

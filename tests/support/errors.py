@@ -4,7 +4,8 @@ Every test that reads the error object of a failed run reads it through
 :func:`error_object`, which is as strict as the contract: the object is the one JSON line
 on stderr and its last line, parsed without NaN or duplicate keys, with exactly the
 documented keys, each consistent with the code's registry entry and with the run's exit
-code; every entry of ``failures`` is such an object of its own plus ``export``.
+code; every entry of ``failures`` is such an object of its own plus ``export`` (and ``config``: a
+fleet's pipeline, whose ``export`` may be null).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from statetool.errors import EXIT_CODES, REGISTRY, WARNINGS
 #: The keys of the object, every one always present (docs/errors.md).
 OBJECT_KEYS = frozenset({"error", "exit_class", "code", "kind", "class", "exit_code", "retryable", "action",
                          "message", "failures"})
-#: The keys of one entry of ``failures``: the object's own, without ``failures``, plus ``export``.
+#: The keys of one entry of ``failures``: the object's own, without ``failures``, plus ``export`` (and
+#: ``config`` in a fleet: several pipelines at once, docs/commands.md).
 FAILURE_KEYS = (OBJECT_KEYS - {"failures"}) | {"export"}
 
 
@@ -63,7 +65,7 @@ def error_object(run: Run) -> dict[str, Any]:
     "kind", "class", "exit_code", "retryable", "action", "message", "failures"}``), after
     asserting that stderr holds exactly one JSON line, as its last line, that it parses
     strictly, has exactly the documented keys consistent with the code's registry entry
-    (or registered warning), that each ``failures`` entry is such an object plus ``export``,
+    (or registered warning), that each ``failures`` entry is such an object plus ``export`` (and ``config``),
     and that the run exited with the object's ``exit_code``."""
     from support.cli import describe
 
@@ -77,8 +79,12 @@ def error_object(run: Run) -> dict[str, Any]:
     _check_fields(obj, "error object")
     assert isinstance(obj["failures"], list), f"failures is not a list: {obj}"
     for i, unit in enumerate(obj["failures"]):
-        assert isinstance(unit, dict) and set(unit) == FAILURE_KEYS, f"failures[{i}] keys: {unit}"
-        assert isinstance(unit["export"], str) and unit["export"], f"failures[{i}] names no export: {unit}"
+        assert isinstance(unit, dict) and set(unit) in (FAILURE_KEYS, FAILURE_KEYS | {"config"}), \
+            f"failures[{i}] keys: {unit}"
+        fleet = "config" in unit  # a pipeline of a fleet: about one export, or about the whole pipeline
+        assert isinstance(unit["export"], str) and unit["export"] or (fleet and unit["export"] is None), \
+            f"failures[{i}] names no export: {unit}"
+        assert not fleet or isinstance(unit["config"], str) and unit["config"], f"failures[{i}] names no config"
         _check_fields(unit, f"failures[{i}]")
     assert run.returncode == obj["exit_code"], f"exit {run.returncode} but the object says {obj['exit_code']}"
     return obj  # type: ignore[no-any-return]

@@ -38,13 +38,15 @@ CDC_EXPORTS = textwrap.dedent("""\
 
 
 def write_config(directory: Path, *, source_url: str | None = "postgresql://reader@db.internal:5432/sales",
-                 exports: str | None = None, name: str = "rivet.yaml") -> Path:
+                 exports: str | None = None, name: str = "rivet.yaml",
+                 checkpoint: str = "checkpoints/order_events.json") -> Path:
     """Write a pipeline config into ``directory`` (created) and return its path: the
     source ``source_url`` (none when ``None``) and ``exports`` (YAML text; default
-    orders/incremental, order_lines/chunked, order_events/cdc with a checkpoint)."""
+    orders/incremental, order_lines/chunked, order_events/cdc with its position in the
+    file ``checkpoint``)."""
     directory.mkdir(parents=True, exist_ok=True)
     source = f"source:\n  url: {source_url}\n" if source_url else ""
-    body = exports or textwrap.dedent("""\
+    body = exports or textwrap.dedent(f"""\
         exports:
           - name: orders
             mode: incremental
@@ -54,7 +56,7 @@ def write_config(directory: Path, *, source_url: str | None = "postgresql://read
             mode: cdc
             cdc:
               engine: mysql
-              checkpoint: checkpoints/order_events.json
+              checkpoint: {checkpoint}
         """)
     path = directory / name
     path.write_text(source + body)
