@@ -55,8 +55,21 @@ app.add_typer(checkpoints_app, name="checkpoints")
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")]
 #: ``--reason`` of every audited change that asks why (identity rekey, leases release).
 Reason = Annotated[str, typer.Option("--reason", metavar="WHY", help="Why, for the audit row.")]
+
+
+def _complete_exports(ctx: typer.Context) -> list[tuple[str, str]]:
+    """Shell completion of an export name: the config's and the state's (statetool.completion)."""
+    from statetool.completion import export_names
+
+    return export_names(ctx)
+
+
 #: The export a command of the ``exports`` group acts on.
-ExportName = Annotated[str, typer.Argument(metavar="NAME", help="Export name.", show_default=False)]
+ExportName = Annotated[str, typer.Argument(metavar="NAME", help="Export name.", show_default=False,
+                                           autocompletion=_complete_exports)]
+#: ``--export NAME`` of the commands that can act on one export only (doctor, export).
+OnlyExport = Annotated[str | None, typer.Option("--export", metavar="NAME", help="Only this export.",
+                                                autocompletion=_complete_exports)]
 #: The commands that read several pipelines at once (-c more than once, --configs GLOB;
 #: issue 16 item 1, docs/decisions.md "Several pipelines at once"), and their two options.
 FLEET_COMMANDS = ("check", "info", "doctor")
@@ -137,8 +150,8 @@ class Globals:
         return fleet.run_fleet(command(**options), pipelines, contexts, self.progress())
 
 
-def _version(value: bool) -> None:
-    if value:
+def _version(ctx: typer.Context, value: bool) -> None:
+    if value and not ctx.resilient_parsing:  # a completion request parses --version too, and prints none
         typer.echo(f"statetool {__version__}")
         raise typer.Exit()
 
@@ -292,8 +305,7 @@ def _no_cycle_collection() -> Iterator[None]:
 
 @app.command()
 def doctor(ctx: typer.Context,
-           export: Annotated[str | None, typer.Option("--export", metavar="NAME", help="Only this export.")] = None,
-           configs: ConfigsGlob = None, state_url_env: StateUrlEnv = None) -> None:
+           export: OnlyExport = None, configs: ConfigsGlob = None, state_url_env: StateUrlEnv = None) -> None:
     """Per export: will the next run resume, or be a FIRST RUN?
 
     Says why for each export, and exits 5 when any next run would be a first run. With
@@ -377,7 +389,7 @@ def checkpoints_list(ctx: typer.Context) -> None:
     _emit(g, op(g.context()).as_dict(), render.checkpoints)
 
 
-CdcExport = Annotated[str | None, typer.Option("--export", metavar="NAME",
+CdcExport = Annotated[str | None, typer.Option("--export", metavar="NAME", autocompletion=_complete_exports,
                                                help="Only this CDC export (default: every one).")]
 
 
@@ -412,7 +424,7 @@ def checkpoints_export(ctx: typer.Context, name: CdcExport = None, dry_run: DryR
     """)
 def export(
     ctx: typer.Context,
-    name: Annotated[str | None, typer.Option("--export", metavar="NAME", help="Only this export.")] = None,
+    name: OnlyExport = None,
     with_history: Annotated[bool, typer.Option("--with-history",
                                                help="Add the run history (rivet_runs, rivet_run_aggregates).")
                             ] = False,
@@ -474,7 +486,7 @@ def import_(
     ctx: typer.Context,
     file: Annotated[Path, typer.Argument(metavar="FILE", show_default=False,
                                          help="A rivet-state/1 file that statetool export wrote.")],
-    name: Annotated[str | None, typer.Option("--export", metavar="NAME",
+    name: Annotated[str | None, typer.Option("--export", metavar="NAME", autocompletion=_complete_exports,
                                              help="Only this export (into a live state: required).")] = None,
     dry_run: DryRun = False,
 ) -> None:
@@ -826,10 +838,18 @@ def leases_list(ctx: typer.Context) -> None:
     _emit(g, show_leases(g.context()).as_dict(), render.leases)
 
 
+def _complete_lease_keys(ctx: typer.Context) -> list[tuple[str, str]]:
+    """Shell completion of a lease key: the leases the state lists (statetool.completion)."""
+    from statetool.completion import lease_keys
+
+    return lease_keys(ctx)
+
+
 @leases_app.command("release")
 def leases_release(
     ctx: typer.Context,
-    key: Annotated[str, typer.Argument(metavar="KEY", show_default=False, help="Lease key, e.g. chunk-run:orders.")],
+    key: Annotated[str, typer.Argument(metavar="KEY", show_default=False, help="Lease key, e.g. chunk-run:orders.",
+                                       autocompletion=_complete_lease_keys)],
     reason: Reason = "",
     dry_run: DryRun = False,
 ) -> None:
@@ -850,7 +870,8 @@ def leases_release(
 def leases_run(
     ctx: typer.Context,
     export: Annotated[str, typer.Option("--export", metavar="NAME", show_default=False,
-                                        help="The export whose run lease to hold.")],
+                                        help="The export whose run lease to hold.",
+                                        autocompletion=_complete_exports)],
     command: Annotated[list[str] | None, typer.Argument(metavar="COMMAND", show_default=False,
                                                         help="The command and its arguments, after --.")] = None,
     lease_ttl: Annotated[int, typer.Option("--lease-ttl", metavar="SECONDS", min=1, max=86400,
@@ -879,6 +900,33 @@ def leases_run(
     # the tests run `leases run` as a process (tests/support/cli.py).
     gc.freeze()
     raise typer.Exit(run_under_lease(context, export, command or [], kill_after=kill_after))
+
+
+def _complete_shells() -> list[str]:
+    """Shell completion of ``statetool completion SHELL``."""
+    from statetool.completion import SHELLS
+
+    return list(SHELLS)
+
+
+@app.command(epilog="""
+    Load it into the running bash (e.g. from ~/.bashrc):
+      source <(statetool completion bash)
+    Install it for zsh (a directory on $fpath) or fish:
+      statetool completion zsh > ~/.zfunc/_statetool
+      statetool completion fish > ~/.config/fish/completions/statetool.fish
+    """)
+def completion(shell: Annotated[str, typer.Argument(metavar="SHELL", show_default=False,
+                                                    help="bash, zsh or fish.", autocompletion=_complete_shells)]
+               ) -> None:
+    """Print the shell completion script for bash, zsh or fish.
+
+    Commands, options, export names and lease keys complete (the names from the config
+    and the state, read-only).
+    """
+    from statetool.completion import script
+
+    sys.stdout.write(script(shell))
 
 
 @functools.cache
@@ -964,6 +1012,11 @@ def main(argv: list[str] | None = None) -> None:
     args = hoist_globals(given)
     json_errors, debug = "--json-errors" in args, "--debug" in args
     try:
+        instruction = os.environ.get("_STATETOOL_COMPLETE")
+        if instruction:  # a completion script asks (statetool.completion.COMPLETE_VAR): answer, run nothing
+            from statetool.completion import answer
+
+            raise SystemExit(answer(command_tree(), instruction, hoist_globals))
         code = command_tree().main(args=args, prog_name="statetool", standalone_mode=False, obj=given)
     except StateError as error:
         if debug:

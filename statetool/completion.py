@@ -1,0 +1,105 @@
+"""Shell completion (issue 16 item 4): the scripts ``statetool completion bash|zsh|fish``
+prints, and the answers to the requests those scripts make, with typer's own machinery
+(its click ``shell_completion`` and its classes of the three shells).
+
+Loaded only by ``statetool completion`` and by a completion request (the script runs
+``statetool`` with :data:`COMPLETE_VAR` set; :func:`statetool.cli.main` hands such a run
+here first), never by a plain start-up: ``statetool --help`` pays nothing for it.
+
+A request is answered as typer answers one (the instructions ``complete_bash``,
+``complete_zsh``, ``complete_fish``), with two rules of statetool's own: the global options
+may stand after the command name (:func:`answer`'s ``rearrange``, the CLI's own hoisting),
+and export names and lease keys complete from the config and the state the command line
+names (:mod:`statetool.operations.names`: read-only, and silent when nothing can be read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from typer._click.shell_completion import CompletionItem, ShellComplete, add_completion_class, get_completion_class
+from typer.completion import completion_init, get_completion_script, shell_complete
+
+from statetool import DEFAULT_CONFIG
+from statetool.errors import StateError
+from statetool.operations import names
+from statetool.operations.context import Context
+
+#: The shells ``statetool completion`` writes a script for.
+SHELLS = ("bash", "zsh", "fish")
+#: The program the scripts complete, and the variable that makes a run of it a request.
+PROG, COMPLETE_VAR = "statetool", "_STATETOOL_COMPLETE"
+#: Stands for the word being completed while the global options are hoisted.
+_MARK = "\x00"
+
+
+def script(shell: str) -> str:
+    """The completion script of ``shell`` (one of :data:`SHELLS`), as typer writes it for
+    ``--show-completion``. Raises ``RIVET_CLI_USAGE`` for another shell."""
+    if shell not in SHELLS:
+        raise StateError("RIVET_CLI_USAGE", f"no completion for shell {shell!r}: give one of {', '.join(SHELLS)}")
+    return get_completion_script(prog_name=PROG, complete_var=COMPLETE_VAR, shell=shell) + "\n"
+
+
+def _hoisting(base: type[ShellComplete], rearrange: Callable[[list[str]], list[str]]) -> type[ShellComplete]:
+    """``base`` (typer's class of one shell) whose words before the one being completed
+    are ``rearrange``d first: a global option after the command name is moved before it,
+    as :func:`statetool.cli.main` moves it, so ``statetool exports reset -c other.yaml
+    <TAB>`` completes from ``other.yaml``. The word being completed is hoisted along (as
+    :data:`_MARK`): when it is a global option's value, the words before it are then the
+    global options alone, and the option's own completion answers (a path)."""
+
+    class Hoisting(base):  # type: ignore[misc, valid-type]
+        def get_completions(self, args: list[str], incomplete: str) -> list[CompletionItem]:
+            hoisted = rearrange([*args, _MARK])
+            return super().get_completions(hoisted[:hoisted.index(_MARK)], incomplete)
+
+    return Hoisting
+
+
+def answer(cli: Any, instruction: str, rearrange: Callable[[list[str]], list[str]]) -> int:
+    """Answer the completion request ``instruction`` (the value of :data:`COMPLETE_VAR`)
+    for the click command tree ``cli``: the completions go to stdout, one per line, in the
+    shell's format, and the exit code is returned (1 with typer's message on stderr for an
+    instruction or shell it does not know)."""
+    completion_init()
+    for shell in SHELLS:
+        base = get_completion_class(shell)
+        assert base is not None, f"typer registers no completion class for {shell}"
+        add_completion_class(_hoisting(base, rearrange), shell)
+    return shell_complete(cli, {}, PROG, COMPLETE_VAR, instruction)
+
+
+def _contexts(ctx: Any) -> list[Context]:
+    """The operations' contexts of the command line being completed: one per ``--config``
+    (as parsed so far; ``./rivet.yaml`` when none is given), with its ``--state-url``,
+    this environment, and no wait for a lock (a TAB never waits)."""
+    root = ctx.find_root()
+    source = root.get_parameter_source("config")
+    given = source is not None and source.name == "COMMANDLINE"
+    configs = list(root.params.get("config") or ()) or [Path(DEFAULT_CONFIG)]
+    return [Context(Path(config), root.params.get("state_url"), lock_wait=0.0, command="statetool completion",
+                    config_given=given) for config in configs]
+
+
+def _merged(found: list[list[tuple[str, str]]]) -> list[tuple[str, str]]:
+    """The ``(value, help)`` pairs of every config in turn, each value once (its first)."""
+    merged: dict[str, str] = {}
+    for pairs in found:
+        for value, text in pairs:
+            merged.setdefault(value, text)
+    return list(merged.items())
+
+
+def export_names(ctx: Any) -> list[tuple[str, str]]:
+    """``[(export name, help)]`` for a NAME or ``--export`` being completed in ``ctx``, of
+    every config it names (:func:`statetool.operations.names.export_names`)."""
+    return _merged([names.export_names(context) for context in _contexts(ctx)])
+
+
+def lease_keys(ctx: Any) -> list[tuple[str, str]]:
+    """``[(lease key, help)]`` for the KEY of ``leases release`` being completed in ``ctx``
+    (:func:`statetool.operations.names.lease_keys`)."""
+    return _merged([names.lease_keys(context) for context in _contexts(ctx)])
