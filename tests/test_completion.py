@@ -169,6 +169,8 @@ def test_global_options_after_the_command_name_say_which_config_and_state(tmp_pa
     other = write_config(tmp_path / "other", exports="exports:\n  - name: audit_log\n    mode: full\n")
     assert complete("exports", "reset", "-c", str(other), "--state-url", f"sqlite:{config.parent}", "",
                     cwd=elsewhere) == ["audit_log", "order_events", "order_lines", "orders"]
+    assert complete("-c", str(config), "-c", str(other), "doctor", "--export", "", cwd=elsewhere) == \
+        [*ALL_NAMES, "audit_log"]  # a fleet's doctor: every config's names, each once
 
 
 def test_lease_keys_complete_with_their_holder(state_backend: StateBackend) -> None:

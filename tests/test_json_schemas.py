@@ -48,13 +48,15 @@ KEY = "postgresql://db.internal:5432/sales"
 NO_JSON = {
     ("leases", "run"): "exits with its command's code and prints only what the command prints",
     ("completion",): "prints a shell script (docs/commands.md, 'statetool completion')",
+    ("metrics",): "prints OpenMetrics text; --json is refused (docs/commands.md, 'statetool metrics')",
 }
 #: Top-level keys a schema may leave out of ``required``: the command emits them only
 #: sometimes, and says when in docs/commands.md.
 OPTIONAL_KEYS = {"rivet-state-1": {"run_aggregates"}}
 #: Where the keys of a schema that is no command's JSON paragraph are documented:
 #: ``(page, section)``, whose whole body is searched.
-DOCUMENTED_IN = {"error": (ERRORS_MD, "The --json-errors object"), "rivet-state-1": (COMMANDS_MD, "statetool export")}
+DOCUMENTED_IN = {"error": (ERRORS_MD, "The --json-errors object"), "rivet-state-1": (COMMANDS_MD, "statetool export"),
+                 "fleet": (COMMANDS_MD, "Several pipelines at once")}
 
 
 # -- the states the cases need ----------------------------------------------------------
@@ -120,6 +122,15 @@ def _exported(tmp: Path, *, away: bool = False) -> Prepared:
     return prepared
 
 
+def _fleet(tmp: Path) -> Prepared:
+    """Two built pipelines, each with its state beside its config (``{second}``: the other config)."""
+    prepared = _built(tmp)
+    second = write_config(tmp / "second")
+    build_state(second, checkpoint_dir=second.parent)
+    prepared.values["second"] = str(second)
+    return prepared
+
+
 def _positions_in_state(tmp: Path) -> Prepared:
     """The built state after ``checkpoints import``: the CDC position lives in the state."""
     prepared = _built(tmp)
@@ -128,21 +139,27 @@ def _positions_in_state(tmp: Path) -> Prepared:
 
 
 def _stale_lease(tmp: Path) -> Prepared:
-    """The built state whose ``chunk-run:orders`` holder was SIGKILLed: a stale lease."""
+    """The built state whose ``chunk-run:orders`` holder was SIGKILLed: a stale lease (once
+    its command, which the kill takes along, is gone too: on SQLite it shares the lock)."""
     prepared = _built(tmp)
     holder = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(prepared.config), "leases", "run",
                                "--export", "orders", "--", "sleep", "60"], cwd=prepared.config.parent,
                               env=process_env(prepared.env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
     try:
-        while not _lease_states(prepared).get("chunk-run:orders") == "live":
-            assert holder.poll() is None and time.monotonic() < deadline, "the holder never took its lease"
-            time.sleep(0.05)
+        _wait_for_lease(prepared, "live", lambda: holder.poll() is None)
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait(timeout=60)
-    assert _lease_states(prepared)["chunk-run:orders"] == "stale"
+    _wait_for_lease(prepared, "stale", lambda: True)
     return prepared
+
+
+def _wait_for_lease(prepared: Prepared, state: str, going: Callable[[], bool]) -> None:
+    """Wait (60 s at most, and while ``going()``) until ``chunk-run:orders`` is ``state``."""
+    deadline = time.monotonic() + 60
+    while _lease_states(prepared).get("chunk-run:orders") != state:
+        assert going() and time.monotonic() < deadline, f"chunk-run:orders never became {state}"
+        time.sleep(0.05)
 
 
 def _lease_states(prepared: Prepared) -> dict[str, str]:
@@ -175,6 +192,7 @@ SETUPS: dict[str, Callable[..., Prepared]] = {
     "exported": lambda tmp: _exported(tmp),
     "exported-away": lambda tmp: _exported(tmp, away=True),
     "positions-in-state": _positions_in_state,
+    "fleet": _fleet,
     "stale-lease": _stale_lease,
     "pg-target": _pg_target,
 }
@@ -221,6 +239,9 @@ CASES = [
     Case(("doctor",), "built"),
     Case(("doctor",), "missing", code=5, error=True),
     Case(("doctor",), "built-pg", ("--export", "orders")),
+    Case(("check",), "fleet", ("-c", "{second}"), schema="fleet"),
+    Case(("info",), "fleet", ("-c", "{second}"), schema="fleet"),
+    Case(("doctor",), "fleet", ("-c", "{second}", "--export", "orders"), schema="fleet"),
     Case(("checkpoints",), "built", schema="checkpoints-list"),
     Case(("checkpoints", "list"), "positions-in-state"),
     Case(("checkpoints", "import"), "built"),
