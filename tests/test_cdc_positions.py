@@ -226,3 +226,23 @@ def test_import_export_and_import_again_in_one_second_keep_both_imported_files(s
     files = sorted(checkpoint.parent.glob("order_events.json.imported-*"))
     assert len(kept) == 2 and sorted(map(str, files)) == sorted(kept), (kept, files)
     assert all(json.loads(f.read_text()) == POSITION for f in files)
+
+
+def test_checkpoints_export_and_import_of_a_state_that_cannot_be_read_are_refused_not_nothing_to_move(
+        tmp_path: Path) -> None:
+    """A fresh user's finding: ``checkpoints export`` (the rollback) of an unreachable or
+    missing state answered "the state holds no position", exit 0; now the pre-flight's
+    code, dry run or not, and no byte changes."""
+    from support import describe, error_object, run_cli, tree_digest
+
+    config = write_config(tmp_path / "pipeline")
+    checkpoint = config.parent / "checkpoints" / "order_events.json"
+    checkpoint.parent.mkdir()
+    checkpoint.write_text(json.dumps(POSITION))
+    before = tree_digest(tmp_path)
+    unreachable = {"RIVET_STATE_URL": f"postgresql://postgres@/postgres?host={tmp_path}/no-socket&schema=x"}
+    for env, code in (({}, "RIVET_STATE_MISSING"), (unreachable, "RIVET_STATE_UNREACHABLE")):
+        for verb in (("export",), ("import", "--dry-run"), ("export", "--dry-run")):
+            proc = run_cli("-c", str(config), "--json-errors", "checkpoints", *verb, env=env)
+            assert proc.returncode != 0 and error_object(proc)["code"] == code, (verb, describe(proc))
+    assert tree_digest(tmp_path) == before

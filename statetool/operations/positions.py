@@ -119,9 +119,18 @@ def checkpoint_files(ctx: Context, export: str | None = None) -> tuple[list[File
 
 
 def _stored(ctx: Context) -> dict[str, dict[str, Any]]:
-    from statetool.operations.checkpoints import stored_positions
+    """The CDC positions the state holds, read after the pre-flight of a write passed:
+    a state that cannot be read, is missing, retired, foreign or not at head is refused by
+    its code (a dry run too), never taken for one that holds no position (a rollback
+    reporting "nothing to move" while the state holds the position is a silent re-anchor
+    later). Raises every pre-flight code of SPEC §5a's write path."""
+    from statetool.operations.preflight import require, run_preflight
+    from statetool.operations.probe import position_rows
 
-    return stored_positions(ctx)
+    require(run_preflight(ctx, for_write=True, progress=False))
+    backend = ctx.backend()
+    with backend.reading() as conn:
+        return position_rows(conn, frozenset(backend.table_names(conn)))
 
 
 def _write_file(path: Path, text: str, on_step: Callable[[str], None]) -> None:
@@ -195,7 +204,7 @@ def import_positions(ctx: Context, export: str | None = None, *, dry_run: bool =
     revision 0006) and a guarded write's codes."""
     from statetool.operations.writes import require_writable
 
-    stored = _stored(ctx) if dry_run else {}
+    stored = _stored(ctx)  # the pre-flight, for the dry run as for the real run
     moved: list[Moved] = []
     files, skipped = checkpoint_files(ctx, export)  # an unreadable file is refused before any lease is taken
     for name, engine, path, _text, position in files:
