@@ -96,6 +96,13 @@ class SqliteBackend:
     supports_offline_sql = False
     #: ``PRAGMA quick_check`` reads every page of the file.
     checks_integrity = True
+    #: SQLite's busy handler sleeps at most 100 ms between two tries of a lock
+    #: (``sqliteDefaultBusyCallback``, https://www.sqlite.org/c3ref/busy_timeout.html).
+    writer_retry_seconds = 0.1
+    #: ``VACUUM`` rebuilds the whole file under the write lock
+    #: (https://www.sqlite.org/lang_vacuum.html): every writer waits for it, seconds on a
+    #: large state.
+    reclaim_blocks_writers = True
 
     def offline_sql(self, current: str | None, target: str, direction: str, *, stamp: str | None = None) -> str:
         """Raises ``RIVET_STATE_SQL_UNSUPPORTED``: see :attr:`supports_offline_sql`."""
@@ -160,6 +167,39 @@ class SqliteBackend:
                           room_for=f"{copies} copies as large as the state (a migration's copy, rebuilt tables, "
                           "a backup) and the change" if copies else "the change")
 
+
+    def contended(self, conn: Reader) -> bool:
+        """True when another process holds a lock on the file (a connection open, or waiting
+        for the write lock, holds a read lock on it: ``/proc/locks``), or when the lock table
+        cannot be read."""
+        holders = lock_holders(self.path)
+        return holders is None or bool(holders - {os.getpid()})
+
+    def check_reclaimable(self, conn: Reader, tables: Iterable[str]) -> None:
+        """Nothing to check beyond :meth:`check_writable` (the file's rights and room)."""
+
+    def reclaim_space(self, tables: Iterable[str]) -> tuple[int, int]:
+        """``VACUUM`` the file (every table: SQLite has no per-table form), then
+        ``wal_checkpoint(TRUNCATE)`` so that the WAL, which the rebuilt pages went through,
+        gives its space back too. Refuses ``RIVET_STATE_FOREIGN_WAL`` first, as every write."""
+        self._refuse_foreign(self._header())
+        before = self._bytes_on_disk()
+        try:
+            db = sqlite3.connect(f"file:{self._quoted(self.path)}?mode=rw", uri=True, isolation_level=None,
+                                 timeout=self.lock_wait)
+            try:
+                db.execute("PRAGMA synchronous = FULL")
+                db.execute("VACUUM")
+                db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            finally:
+                db.close()
+        except sqlite3.Error as err:
+            raise self._body_error(err, "RIVET_STATE_LOCK_TIMEOUT") from None
+        return before, self._bytes_on_disk()
+
+    def _bytes_on_disk(self) -> int:
+        """The bytes of the state file and of its ``-wal``."""
+        return sum(os.stat(p).st_size for p in (self.path, Path(f"{self.path}-wal")) if os.path.exists(p))
 
     def _header(self) -> bytes:
         return read_header(self.path)

@@ -1,11 +1,13 @@
-"""Run ``relocate``, ``transfer``, ``migrate`` or ``restore`` in a real process that SIGKILLs
-itself at one named step (the crash tests of tests/test_relocate.py, tests/test_transfer.py,
-tests/test_migrate_crashes.py and tests/test_restore_crashes.py), forked from the test process's fork server
+"""Run ``relocate``, ``transfer``, ``migrate``, ``restore`` or ``prune`` in a real process that
+SIGKILLs itself at one named step (the crash tests of tests/test_relocate.py,
+tests/test_transfer.py, tests/test_migrate_crashes.py, tests/test_restore_crashes.py and
+tests/test_prune.py), forked from the test process's fork server
 (:mod:`support.forked`) so that it starts with statetool imported.
 
 The hook is the operation's own: :attr:`statetool.operations.context.Context.on_step` is
 told each step's name (``relocate.CRASH_POINTS``, ``copy-page-<n>``, ``migrate.CRASH_POINTS``,
-``restore.CRASH_POINTS``, ``restore.CREATE_POINTS``); this driver builds
+``restore.CRASH_POINTS``, ``restore.CREATE_POINTS``, prune's ``archived-<n>``, ``deleted-<n>``,
+``committed-<n>``); this driver builds
 the Context the CLI would, with an ``on_step`` that kills the process at ``POINT``.
 Nothing in statetool reads the environment for it. As a script::
 
@@ -14,6 +16,8 @@ Nothing in statetool reads the environment for it. As a script::
     python tests/support/crash_driver.py POINT -c CONFIG transfer --to URL [--with-checkpoints]
     python tests/support/crash_driver.py POINT -c CONFIG migrate
     python tests/support/crash_driver.py POINT -c CONFIG [--state-url URL] restore WHAT [--allow-older] [--if-absent]
+    python tests/support/crash_driver.py POINT -c CONFIG prune [--before DATE] [--keep-runs N] [--batch-size N] \
+        [--archive FILE]
 
 It exits 3 when the operation ended without passing ``POINT`` (a wrong name, or a path that
 does not pass there); a failure of the operation is its traceback and exit 1.
@@ -82,6 +86,11 @@ def main(argv: list[str]) -> int:
     restore.add_argument("what")
     restore.add_argument("--allow-older", action="store_true")
     restore.add_argument("--if-absent", action="store_true")
+    prune_verb = verbs.add_parser("prune")
+    prune_verb.add_argument("--before")
+    prune_verb.add_argument("--keep-runs", type=int)
+    prune_verb.add_argument("--batch-size", type=int, default=1000)
+    prune_verb.add_argument("--archive", type=Path)
     options = parser.parse_args(args)
 
     fault, _, step = point.rpartition("@")
@@ -127,6 +136,11 @@ def main(argv: list[str]) -> int:
         from statetool.operations.migrate import migrate
 
         migrate(ctx)
+    elif options.verb == "prune":
+        from statetool.operations.retention import prune_history
+
+        prune_history(ctx, before=options.before, keep_runs=options.keep_runs, batch_size=options.batch_size,
+                      archive=options.archive)
     elif options.verb == "restore":
         from statetool.operations.restore import restore as put_back
 
