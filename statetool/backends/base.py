@@ -293,6 +293,14 @@ class Backend(Protocol):
         ``RIVET_STATE_AUTH_FAILED`` (server).
         """
 
+    def scanning(self) -> AbstractContextManager[Reader]:
+        """A read session for a write that reads much before it writes little (``prune``'s
+        batches find their rows here, then hold the write lock only for lookups by key): one
+        read transaction that takes no write lock and waits for none, beside live writers.
+        SQLite: the live file opened as a writer opens it (its ``-wal``/``-shm`` may be
+        created, as any write does; ``RIVET_STATE_FOREIGN_WAL`` first, as :meth:`writing`);
+        PostgreSQL: a read-only session, as :meth:`reading`. Errors as :meth:`reading`'s."""
+
     def reader(self, conn: Connection) -> Reader:
         """The :class:`Reader` over ``conn``, a connection of :meth:`writing` (or of a
         transfer's :meth:`TransferDestination.receiving`): the read queries in the write's

@@ -262,6 +262,11 @@ class PostgresBackend:
             self.check_rights("read", conn)
             yield conn
 
+    def scanning(self) -> contextlib.AbstractContextManager[DriverReader]:
+        """:meth:`reading`: a read-only session sees the committed state without any lock a
+        writer waits for (MVCC)."""
+        return self.reading()
+
     def integrity_problems(self, conn: Connection, *, full: bool = False) -> list[str]:
         return []
 

@@ -2,12 +2,14 @@
 
 Removes run history (``rivet_runs``) and load-ledger rows (``rivet_load_ledger``) that
 started (were loaded) before ``--before`` or lie beyond the ``--keep-runs`` newest runs of
-each export, in batches. Each batch is one guarded write
+each export, in batches. A batch finds its rows on a read session that takes no lock
+(:meth:`~statetool.backends.base.Backend.scanning`), then is one guarded write
 (:func:`~statetool.operations.writes.guarded_write`: fenced by the export's run lease, held
-for the whole export, the serial advanced) with its own ``prune`` audit row counting what it
-removed per table; with ``--archive`` the batch's rows are appended to the archive as one
-gzip member and fsynced before the batch commits. Between two batches the write lock is left
-free for as long as a waiting writer takes to try it again, whenever one may be waiting
+for the whole export, the serial advanced) that reads that key range again, removes it and
+writes its own ``prune`` audit row counting what it removed per table; with ``--archive``
+the batch's rows are appended to the archive as one gzip member and fsynced before the batch
+commits. Before a batch takes the write lock, it is left free for as long as a waiting
+writer takes to try it again, whenever one may be waiting
 (:attr:`~statetool.backends.base.Backend.writer_retry_seconds`), so a live run of another
 export is held off about one batch at most. The copies beside a SQLite state are
 ``statetool backups prune``'s (:mod:`statetool.operations.backups`), another thing.
@@ -222,7 +224,7 @@ def _bounds(conn: Reader, tables: frozenset[str], name: str, criteria: Criteria)
             return _Bounds(name, None, None, None, None)
         oldest_kept = conn.one(_NEWEST_RUNS, {"e": name, "n": criteria.keep_runs - 1})
         assert oldest_kept is not None
-        run_parts.append("(r.started_at < :ks OR (r.started_at = :ks AND r.run_id <= :kr))")
+        run_parts.append("r.started_at <= :ks AND (r.started_at < :ks OR r.run_id <= :kr)")
         ledger_parts.append("l.loaded_at < :kept")
         params["ks"], params["kr"] = beyond
         params["kept"] = oldest_kept[0]
@@ -331,9 +333,9 @@ class _NothingLeft(Exception):
 
 
 def _pause(backend: Backend, contended: bool) -> None:
-    """Leave the write lock free between two batches long enough for a writer that waits for
-    it to take it (:attr:`~statetool.backends.base.Backend.writer_retry_seconds`), when one
-    may be waiting."""
+    """Before a batch takes the write lock, leave it free long enough for a writer that waits
+    for it to take it first (:attr:`~statetool.backends.base.Backend.writer_retry_seconds`),
+    when one may be waiting (``contended``, looked at on the batch's read session)."""
     if contended:
         time.sleep(backend.writer_retry_seconds * _PAUSE_FACTOR)
 
@@ -354,26 +356,34 @@ class _Run:
     claimed: bool = False
     warnings: list[StateWarning] = field(default_factory=list)
 
-    def batch(self, lease: HeldLease, table: str, bounds: _Bounds | None, after: tuple[Any, ...] | None,
-              name: str) -> tuple[_Bounds, tuple[Any, ...] | None, int]:
+    def batch(self, lease: HeldLease, table: str, bounds: _Bounds, after: tuple[Any, ...] | None,
+              name: str) -> tuple[tuple[Any, ...] | None, int]:
         """One batch of export ``name``'s ``table``, after the key ``after`` (None: from the
-        oldest): its rows read, archived, removed and audited in one guarded write. Returns
-        the bounds (read in the first batch), the last key removed (None: nothing was left)
-        and how many rows went."""
+        oldest). Its rows are found on a read session
+        (:meth:`~statetool.backends.base.Backend.scanning`: the scan, which on the ledger may
+        pass many rows of other exports, holds no lock), then read again by key and by the rule,
+        archived, removed and audited in one guarded write, which so holds the write lock
+        only for lookups by key. Returns the last key found (None: nothing was left) and how
+        many rows went."""
         number = self.batches + 1
         backend = self.ctx.backend()
+        with backend.scanning() as conn:
+            last = _candidates(conn, table, bounds, after, self.criteria.batch_size)
+            contended = last is not None and backend.contended(conn)
+        if last is None:
+            return None, 0
+        _pause(backend, contended)  # a writer kept waiting by the last batch takes the lock first
         try:
             with guarded_write(self.ctx, NO_LEASE, preflight=self.preflight, held=[lease], claim=not self.claimed,
                                copies=0) as session:
                 reader = session.reader
-                bounds = bounds or _bounds(reader, self.tables, name, self.criteria)
-                rows, keys = _rows(reader, table, bounds, after, self.criteria.batch_size)
+                rows = _rows(reader, table, bounds, after, last)
                 if not rows:
                     raise _NothingLeft
                 if self.archive is not None:
                     self.archive.append(table, rows)
                     self.ctx.on_step(f"archived-{number}")
-                _delete(session.conn, table, name, keys)
+                _delete(session.conn, table, [row[_KEYS[table]] for row in rows])
                 self.ctx.on_step(f"deleted-{number}")
                 session.audit("prune", {"export": name, "batch": number, "removed": {table: len(rows)},
                                         "criteria": self.criteria.as_dict(),
@@ -382,15 +392,13 @@ class _Run:
                 if not self.claimed:
                     self.warnings += session.warnings
                     self.claimed = True
-                contended = backend.contended(reader)
         except _NothingLeft:
-            return bounds, None, 0
+            return last, 0
         self.ctx.on_step(f"committed-{number}")
         self.batches = number
         self.done += len(rows)
         self.update(self.done, self.total)
-        _pause(backend, contended)
-        return bounds, _key(table, rows[-1]), len(rows)
+        return last, len(rows)
 
     def export(self, plan: ExportPrune, wait: bool) -> ExportPrune:
         """Prune export ``plan.export`` under its run lease (waited for with ``wait``, else
@@ -409,14 +417,16 @@ class _Run:
             return ExportPrune(name, "skipped", {t: 0 for t in TABLES}, kept, dict(plan.protected), holder=holder)
         removed = {t: 0 for t in TABLES}
         first = self.batches
-        bounds: _Bounds | None = None
         try:
+            backend = self.ctx.backend()
+            with backend.scanning() as conn:  # under the lease: the export's rows stay as read
+                bounds = _bounds(conn, self.tables, name, self.criteria)
             for table in TABLES:
                 after: tuple[Any, ...] | None = None
                 while True:
-                    bounds, after, gone = self.batch(lease, table, bounds, after, name)
+                    after, gone = self.batch(lease, table, bounds, after, name)
                     removed[table] += gone
-                    if after is None or gone < self.criteria.batch_size:
+                    if after is None:
                         break
         finally:
             lease.release()
@@ -425,45 +435,72 @@ class _Run:
                            dict(plan.protected), self.batches - first)
 
 
+#: The column that names a row of each table a prune removes from.
+_KEYS = {RUNS: "run_id", LOAD_LEDGER: "id"}
+
+
+def _reach(table: str, bounds: _Bounds) -> tuple[str, dict[str, object]] | None:
+    """The ``WHERE`` of the rows of ``table`` the bounds let go, None when none."""
+    if table == RUNS:
+        return None if bounds.runs is None else bounds.run_sql(True)
+    return None if bounds.ledger is None else bounds.ledger_sql(True)
+
+
+def _after(table: str, where: str, params: dict[str, object], after: tuple[Any, ...] | None,
+           upto: tuple[Any, ...] | None = None) -> str:
+    """``where`` narrowed to the keys after ``after`` (and up to ``upto``, included), in the
+    order the batches go: runs by ``(started_at, run_id)`` (the index by export and start),
+    ledger rows by ``id``. Adds the bounds to ``params``."""
+    for name, key, op, eq in (("a", after, ">", ">"), ("u", upto, "<", "<=")):
+        if key is None:
+            continue
+        if table == RUNS:  # the first term alone is a range of the index: the second cannot be
+            where += (f" AND r.started_at {op}= :{name}s AND (r.started_at {op} :{name}s OR "
+                      f"r.run_id {eq} :{name}r)")
+            params[f"{name}s"], params[f"{name}r"] = key
+        else:
+            where += f" AND l.id {eq} :{name}i"
+            params[f"{name}i"] = key[0]
+    return where
+
+
+def _candidates(conn: Reader, table: str, bounds: _Bounds, after: tuple[Any, ...] | None,
+                limit: int) -> tuple[Any, ...] | None:
+    """The key of the last of the next ``limit`` rows of ``table`` the bounds let go after the
+    key ``after``, oldest first: ``(started_at, run_id)`` or ``(id,)``; None when none is left."""
+    reach = _reach(table, bounds)
+    if reach is None:
+        return None
+    where, params = reach
+    where = _after(table, where, params, after)
+    sql = (f"SELECT r.started_at, r.run_id FROM rivet_runs AS r WHERE {where} {_RUN_ORDER} LIMIT :n" if table == RUNS
+           else f"SELECT l.id FROM rivet_load_ledger AS l WHERE {where} ORDER BY l.id LIMIT :n")
+    found = conn.rows(sql, {**params, "n": limit})
+    return tuple(found[-1]) if found else None
+
+
 def _rows(conn: Reader, table: str, bounds: _Bounds, after: tuple[Any, ...] | None,
-          limit: int) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Up to ``limit`` rows of ``table`` the bounds let go, after the key ``after``, oldest
-    first, each as ``{column: value}``, and their keys (run ids, ledger ids)."""
-    if table == RUNS:
-        if bounds.runs is None:
-            return [], []
-        where, params = bounds.run_sql(True)
-        if after is not None:
-            where += " AND (r.started_at > :as OR (r.started_at = :as AND r.run_id > :ar))"
-            params["as"], params["ar"] = after
-        columns = _RUN_COLUMNS
-        sql = f"SELECT {', '.join('r.' + c for c in columns)} FROM rivet_runs AS r WHERE {where} {_RUN_ORDER}"
-    else:
-        if bounds.ledger is None:
-            return [], []
-        where, params = bounds.ledger_sql(True)
-        if after is not None:
-            where += " AND l.id > :after"
-            params["after"] = after[0]
-        columns = _LEDGER_COLUMNS
-        sql = f"SELECT {', '.join('l.' + c for c in columns)} FROM rivet_load_ledger AS l WHERE {where} ORDER BY l.id"
-    found = [dict(zip(columns, row, strict=True)) for row in conn.rows(f"{sql} LIMIT :n", {**params, "n": limit})]
-    return found, [row["run_id" if table == RUNS else "id"] for row in found]
+          upto: tuple[Any, ...]) -> list[dict[str, Any]]:
+    """The rows of ``table`` after the key ``after`` up to ``upto`` that the bounds still let
+    go, each as ``{column: value}``, oldest first: what a batch archives and removes (a
+    range of the index, so the write lock is held for a range read, not a scan)."""
+    reach = _reach(table, bounds)
+    assert reach is not None
+    where, params = reach
+    where = _after(table, where, params, after, upto)
+    alias = "r" if table == RUNS else "l"
+    columns = _RUN_COLUMNS if table == RUNS else _LEDGER_COLUMNS
+    order = _RUN_ORDER if table == RUNS else "ORDER BY l.id"
+    found = conn.rows(f"SELECT {', '.join(f'{alias}.{c}' for c in columns)} FROM {table} AS {alias} WHERE {where} "
+                      f"{order}", params)
+    return [dict(zip(columns, row, strict=True)) for row in found]
 
 
-def _key(table: str, row: dict[str, Any]) -> tuple[Any, ...]:
-    """The key a batch continues after: ``(started_at, run_id)`` of a run, ``(id,)`` of a ledger row."""
-    return (row["started_at"], row["run_id"]) if table == RUNS else (row["id"],)
-
-
-def _delete(conn: sa.Connection, table: str, name: str, keys: list[Any]) -> None:
-    """Remove the rows of ``table`` with ``keys`` (of export ``name``) in the write ``conn``."""
-    if table == RUNS:
-        runs = schema.runs
-        conn.execute(sa.delete(runs).where(runs.c.export_name == name, runs.c.run_id.in_(keys)))
-    else:
-        ledger = schema.load_ledger
-        conn.execute(sa.delete(ledger).where(ledger.c.export_name == name, ledger.c.id.in_(keys)))
+def _delete(conn: sa.Connection, table: str, keys: list[Any]) -> None:
+    """Remove the rows of ``table`` with ``keys`` (run ids, ledger ids: each table's primary
+    key, looked up by it) in the write ``conn``."""
+    target = schema.runs if table == RUNS else schema.load_ledger
+    conn.execute(sa.delete(target).where(target.c[_KEYS[table]].in_(keys)))
 
 
 def _plan(ctx: Context, criteria: Criteria, state: str) -> tuple[Preflight, frozenset[str], list[ExportPrune]]:
