@@ -709,6 +709,42 @@ def backups_prune(
     _emit(g, prune(g.context(), keep=keep, older_than=older_than, dry_run=dry_run).as_dict(), render.pruned)
 
 
+@app.command(epilog="""
+    Count what would go; nothing changes:
+      statetool prune --keep-runs 1000 --dry-run
+    Remove last year's history, keeping the removed rows:
+      statetool prune --before 2026-01-01 --archive runs-2025.jsonl.gz
+    """)
+def prune(
+    ctx: typer.Context,
+    before: Annotated[str | None, typer.Option("--before", metavar="DATE", show_default=False,
+                                               help="Remove what started before DATE (ISO, UTC).")] = None,
+    keep_runs: Annotated[int | None, typer.Option("--keep-runs", metavar="N", min=0, show_default=False,
+                                                  help="Keep the N newest runs of each export.")] = None,
+    export: Annotated[str | None, typer.Option("--export", metavar="NAME", help="Only this export.")] = None,
+    # retention.DEFAULT_BATCH and MAX_BATCH, spelt out: importing the operation here would
+    # load SQLAlchemy at every start-up (tests/test_prune.py holds the two equal)
+    batch_size: Annotated[int, typer.Option("--batch-size", metavar="N", min=1, max=10_000,
+                                            help="Rows per batch (one short write each).")] = 1000,
+    archive: Annotated[Path | None, typer.Option("--archive", metavar="FILE", show_default=False,
+                                                 help="Write the removed rows to FILE (gzipped JSON lines, new).")
+                       ] = None,
+    vacuum: Annotated[bool, typer.Option("--vacuum", help="Give the space back afterwards (VACUUM).")] = False,
+    dry_run: DryRun = False,
+) -> None:
+    """Remove old run history and ledger rows, in audited batches.
+
+    Never the latest succeeded run, what a chunked run resumes from, a cursor or a CDC
+    position. Not statetool backups prune, which removes copies of the state.
+    """
+    from statetool import render
+    from statetool.operations.retention import prune_history
+
+    g = _g(ctx)
+    _emit(g, prune_history(g.context(), before=before, keep_runs=keep_runs, export=export, batch_size=batch_size,
+                           archive=archive, vacuum=vacuum, dry_run=dry_run).as_dict(), render.history_pruned)
+
+
 @app.command()
 def revisions(ctx: typer.Context) -> None:
     """Every revision of this release, and which the state has.

@@ -399,6 +399,9 @@ WARNINGS: dict[str, str] = {
     "RIVET_STATE_PASSWORD_IN_ARGV":
         "pass the URL in an environment variable instead (RIVET_STATE_URL, transfer --to-env NAME), or leave the "
         "password out of the URL and let libpq read PGPASSFILE (~/.pgpass) or PGPASSWORD",
+    "RIVET_STATE_PRUNE_SKIPPED":
+        "re-run statetool prune when the run named has finished, or prune that export alone (prune --export NAME "
+        "waits for its run up to --lock-wait)",
     "RIVET_EXPORT_NO_PROGRESS":
         "nothing to do for a new export; otherwise point the pipeline at the state that holds its progress",
     # fleet pre-flight (issue 16 item 1)

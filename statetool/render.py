@@ -1260,3 +1260,41 @@ def fleet(doc: dict[str, Any]) -> None:
         notes = _fleet_doctor(page, doc)
     _fleet_end(page, doc, fleet_rows(doc) if doc["command"] == "check" else notes + doc["fleet"])
     page.show()
+
+
+_HISTORY_COLUMNS = (Column("export"), Column("state"), Column("runs removed"), Column("runs kept"),
+                    Column("ledger removed"), Column("ledger kept"), Column("protected"), Column("batches"))
+
+
+def history_pruned(doc: dict[str, Any]) -> None:
+    """``statetool prune`` for people: per export what was (or would be) removed and kept,
+    the archive, the vacuum."""
+    page = Page()
+    runs, ledger = doc["removed"]["rivet_runs"], doc["removed"]["rivet_load_ledger"]
+    what = f"{_plural(runs, 'run')} and {_plural(ledger, 'load-ledger row')}"
+    if doc["dry_run"]:
+        page.para(f"Dry run: nothing was changed. The real run would remove {what}:")
+    else:
+        batches = f"{doc['batches']} {'batch' if doc['batches'] == 1 else 'batches'}"
+        page.para(f"Removed {what} in {batches}, each audited:" if runs or ledger else "Nothing to remove.")
+    rows = [[e["export"], e["state"] + (f" (run lease held by {e['holder']})" if e["holder"] else ""),
+             e["removed"]["rivet_runs"], e["kept"]["rivet_runs"], e["removed"]["rivet_load_ledger"],
+             e["kept"]["rivet_load_ledger"], sum(e["protected"].values()), e["batches"]] for e in doc["exports"]]
+    if rows:
+        page.table(None, _HISTORY_COLUMNS, rows)
+    archive = doc["archive"]
+    if archive is not None:
+        page.line()
+        page.para(f"The real run would write {_plural(archive['rows'], 'row')} to the archive:" if doc["dry_run"]
+                  else f"Archived {_plural(archive['rows'], 'row')} ({size(archive['bytes'])}) in:")
+        page.line(f"  {archive['path']}")
+    vacuum = doc["vacuum"]
+    if vacuum is not None:
+        page.line()
+        if vacuum["ran"]:
+            page.para(f"Vacuumed: {size(vacuum['before_bytes'])} before, {size(vacuum['after_bytes'])} after.")
+        else:
+            page.para("The real run would then vacuum" + (", holding every run lease (it waits for live runs)."
+                                                          if vacuum["exclusive"] else ", beside live runs."))
+    page.show()
+    print_warnings(doc["warnings"])

@@ -164,6 +164,7 @@ def test_every_json_top_level_key_is_documented(tmp_path: Path) -> None:
         (("backups", "list"), ["backups", "list"], 0),
         (("backups", "verify"), ["backups", "verify"], 0),
         (("backups", "prune"), ["backups", "prune", "--keep", "1", "--dry-run"], 0),
+        (("prune",), ["prune", "--keep-runs", "1", "--dry-run"], 0),
     ]
     for path, args, expected in runs:
         proc = run_cli("-c", str(config), "--json", *args)

@@ -221,6 +221,35 @@ class Backend(Protocol):
     #: backups a write takes and the keep a move leaves (SQLite; :meth:`copies`). False
     #: where no copy is a file of ours (PostgreSQL: the server's own backups, pg_dump).
     keeps_copies: bool
+    #: The longest a writer of this release that waits for the write lock sleeps between two
+    #: tries of it, in seconds: a write made in batches (``prune``) leaves the lock free this
+    #: long between two batches while another writer may be waiting (:meth:`contended`), so
+    #: that writer gets it at its next try and is never held off longer than about a batch.
+    writer_retry_seconds: float
+    #: :meth:`reclaim_space` keeps every writer out while it runs, so it runs only while no
+    #: run is live (``prune --vacuum`` then holds every run lease); False where writes go on
+    #: beside it.
+    reclaim_blocks_writers: bool
+
+    def contended(self, conn: Reader) -> bool:
+        """True when another process may be waiting for the state's write lock now (SQLite:
+        another process holds a lock on the file; PostgreSQL: another session of the
+        database is in a transaction, or cannot be seen), read on ``conn``, a session of
+        this process; True also when this cannot be known. Takes no lock."""
+
+    def check_reclaimable(self, conn: Reader, tables: Iterable[str]) -> None:
+        """Refuse, before anything is written, a :meth:`reclaim_space` of ``tables`` that this
+        user could not run (PostgreSQL: a role that owns neither them nor the database,
+        ``RIVET_STATE_PERMISSION_DENIED``); read on ``conn``. Nothing to look at for SQLite,
+        whose file's rights :meth:`check_writable` checks."""
+
+    def reclaim_space(self, tables: Iterable[str]) -> tuple[int, int]:
+        """Give back the space that removed rows of ``tables`` left (SQLite: ``VACUUM`` of the
+        whole file, then its WAL truncated; PostgreSQL: ``VACUUM (ANALYZE)`` of the tables,
+        outside any transaction). Returns the bytes on disk before and after (SQLite: the
+        file and its WAL; PostgreSQL: the tables with their indexes and TOAST). Waits up to
+        ``lock_wait`` for the lock it needs, then raises ``RIVET_STATE_LOCK_TIMEOUT``; and the
+        faults of a write (``RIVET_STATE_DISK_FULL``, ...)."""
 
     def copies(self) -> list[Path]:
         """Every copy of the state beside its real file, oldest name first: the backups
@@ -263,6 +292,14 @@ class Backend(Protocol):
         (hot journal of a killed writer), ``RIVET_STATE_UNREACHABLE`` /
         ``RIVET_STATE_AUTH_FAILED`` (server).
         """
+
+    def scanning(self) -> AbstractContextManager[Reader]:
+        """A read session for a write that reads much before it writes little (``prune``'s
+        batches find their rows here, then hold the write lock only for lookups by key): one
+        read transaction that takes no write lock and waits for none, beside live writers.
+        SQLite: the live file opened as a writer opens it (its ``-wal``/``-shm`` may be
+        created, as any write does; ``RIVET_STATE_FOREIGN_WAL`` first, as :meth:`writing`);
+        PostgreSQL: a read-only session, as :meth:`reading`. Errors as :meth:`reading`'s."""
 
     def reader(self, conn: Connection) -> Reader:
         """The :class:`Reader` over ``conn``, a connection of :meth:`writing` (or of a

@@ -92,6 +92,12 @@ class PostgresBackend:
     supports_offline_sql = True
     #: The server keeps its own pages consistent; there is no ``quick_check`` to run.
     checks_integrity = False
+    #: A writer polls the writers' advisory lock every :data:`_POLL_SECONDS` (:meth:`_lock`).
+    writer_retry_seconds = _POLL_SECONDS
+    #: Plain ``VACUUM`` takes SHARE UPDATE EXCLUSIVE on each table: reads, inserts, updates
+    #: and deletes go on beside it (https://www.postgresql.org/docs/current/explicit-locking.html).
+    #: ``VACUUM FULL`` would take ACCESS EXCLUSIVE and rewrite the tables, so it is never run.
+    reclaim_blocks_writers = False
 
     def offline_sql(self, current: str | None, target: str, direction: str, *, stamp: str | None = None) -> str:
         """The DDL from ``current`` to ``target`` in this schema (see :class:`~statetool.backends.base.Backend`)."""
@@ -256,6 +262,11 @@ class PostgresBackend:
             self.check_rights("read", conn)
             yield conn
 
+    def scanning(self) -> contextlib.AbstractContextManager[DriverReader]:
+        """:meth:`reading`: a read-only session sees the committed state without any lock a
+        writer waits for (MVCC)."""
+        return self.reading()
+
     def integrity_problems(self, conn: Connection, *, full: bool = False) -> list[str]:
         return []
 
@@ -264,6 +275,66 @@ class PostgresBackend:
         return int(conn.scalar("SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c JOIN "
                                "pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = :s AND c.relkind = 'r'",
                                {"s": self.schema}))
+
+    def contended(self, conn: Reader) -> bool:
+        """True when another client session of this database is in a transaction (a writer
+        polling the writers' lock is in one), or is another role's, whose transaction this
+        role may not see (``pg_stat_activity`` shows it no state)."""
+        return bool(conn.scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND "
+            "pid <> pg_backend_pid() AND backend_type = 'client backend' AND "
+            "(xact_start IS NOT NULL OR state IS NULL))"))
+
+    _RELATIONS = ("SELECT c.oid, c.relname, pg_get_userbyid(c.relowner), pg_has_role(c.relowner, 'USAGE') "
+                  "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                  "WHERE n.nspname = :s AND c.relkind = 'r' AND c.relname = ANY(:t)")
+
+    def check_reclaimable(self, conn: Reader, tables: Iterable[str]) -> None:
+        """``RIVET_STATE_PERMISSION_DENIED`` unless this role may ``VACUUM`` each of ``tables``:
+        it has the rights of their owner, or owns the database, or is a superuser (the
+        server would skip the others with a mere warning)."""
+        names = sorted(tables)
+        if conn.scalar("SELECT rolsuper OR pg_has_role((SELECT datdba FROM pg_database WHERE datname = "
+                       "current_database()), 'USAGE') FROM pg_roles WHERE rolname = current_user"):
+            return
+        refused = [(name, owner) for _oid, name, owner, owns in conn.rows(self._RELATIONS,
+                                                                          {"s": self.schema, "t": names}) if not owns]
+        if refused:
+            role = conn.scalar("SELECT current_user")
+            listed = ", ".join(f"{name} (owned by role {owner})" for name, owner in refused)
+            raise StateError("RIVET_STATE_PERMISSION_DENIED",
+                             f"role {role} may not VACUUM {listed} in schema {self.schema} at {self.location.display}; "
+                             "nothing was changed. Run with the owner's role or a superuser, or leave --vacuum out "
+                             "(autovacuum makes the space reusable in time)",
+                             {"role": role, "schema": self.schema, "tables": [name for name, _ in refused]})
+
+    def reclaim_space(self, tables: Iterable[str]) -> tuple[int, int]:
+        """``VACUUM (ANALYZE)`` of ``tables`` on a connection in autocommit (``VACUUM`` cannot
+        run in a transaction), waiting up to ``lock_wait`` for each table's lock
+        (``lock_timeout``; then ``RIVET_STATE_LOCK_TIMEOUT``): the space of the removed rows
+        becomes free for the tables' new rows, and the empty pages at their end go back to
+        the filesystem."""
+        import psycopg
+
+        names = sorted(tables)
+        sizes = (f"SELECT coalesce(sum(pg_total_relation_size(oid)), 0)::bigint FROM ({self._RELATIONS}) AS r "
+                 "(oid, relname, owner, owns)")
+
+        def translated(err: BaseException) -> StateError:
+            if isinstance(err, psycopg.errors.LockNotAvailable):
+                return StateError("RIVET_STATE_LOCK_TIMEOUT", f"VACUUM waited {self.lock_wait:g} s (--lock-wait) "
+                                  f"for a lock on {', '.join(names)} at {self.location.display}")
+            return self._fault(err)
+
+        with self._session(autocommit=True, read_only=False, translate=translated) as conn:
+            before = int(conn.scalar(sizes, {"s": self.schema, "t": names}))
+            # lock_timeout 0 would wait forever: --lock-wait 0 waits a millisecond
+            conn.rows(f"SELECT set_config('lock_timeout', '{max(1, int(self.lock_wait * 1000))}', false)")
+            try:
+                conn.raw.execute(f"VACUUM (ANALYZE) {', '.join(f'{ident(self.schema)}.{ident(t)}' for t in names)}")
+            except psycopg.Error as err:
+                raise translated(err) from None
+            return before, int(conn.scalar(sizes, {"s": self.schema, "t": names}))
 
     def rebuilt_tables(self, conn: Reader, revision: Revision) -> tuple[str, ...]:
         """All of ``revision.rebuilds``: the server rewrites a table whose column type changes."""

@@ -66,6 +66,8 @@ if TYPE_CHECKING:
     from statetool.backends.sqlite_leases import FlockLeases
     from statetool.migrations import Revision
 
+#: Looks a read takes at a state whose ``-wal`` a writer's close removes meanwhile.
+_VANISHED_TRIES = 5
 #: Bytes a backup's private directory adds to the backup's name: "." + mkdtemp's 8 random
 #: characters + ".tmp".
 _PRIVATE_DIR_ROOM = 13
@@ -96,6 +98,13 @@ class SqliteBackend:
     supports_offline_sql = False
     #: ``PRAGMA quick_check`` reads every page of the file.
     checks_integrity = True
+    #: SQLite's busy handler sleeps at most 100 ms between two tries of a lock
+    #: (``sqliteDefaultBusyCallback``, https://www.sqlite.org/c3ref/busy_timeout.html).
+    writer_retry_seconds = 0.1
+    #: ``VACUUM`` rebuilds the whole file under the write lock
+    #: (https://www.sqlite.org/lang_vacuum.html): every writer waits for it, seconds on a
+    #: large state.
+    reclaim_blocks_writers = True
 
     def offline_sql(self, current: str | None, target: str, direction: str, *, stamp: str | None = None) -> str:
         """Raises ``RIVET_STATE_SQL_UNSUPPORTED``: see :attr:`supports_offline_sql`."""
@@ -161,6 +170,39 @@ class SqliteBackend:
                           "a backup) and the change" if copies else "the change")
 
 
+    def contended(self, conn: Reader) -> bool:
+        """True when another process holds a lock on the file (a connection open, or waiting
+        for the write lock, holds a read lock on it: ``/proc/locks``), or when the lock table
+        cannot be read."""
+        holders = lock_holders(self.path)
+        return holders is None or bool(holders - {os.getpid()})
+
+    def check_reclaimable(self, conn: Reader, tables: Iterable[str]) -> None:
+        """Nothing to check beyond :meth:`check_writable` (the file's rights and room)."""
+
+    def reclaim_space(self, tables: Iterable[str]) -> tuple[int, int]:
+        """``VACUUM`` the file (every table: SQLite has no per-table form), then
+        ``wal_checkpoint(TRUNCATE)`` so that the WAL, which the rebuilt pages went through,
+        gives its space back too. Refuses ``RIVET_STATE_FOREIGN_WAL`` first, as every write."""
+        self._refuse_foreign(self._header())
+        before = self._bytes_on_disk()
+        try:
+            db = sqlite3.connect(f"file:{self._quoted(self.path)}?mode=rw", uri=True, isolation_level=None,
+                                 timeout=self.lock_wait)
+            try:
+                db.execute("PRAGMA synchronous = FULL")
+                db.execute("VACUUM")
+                db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            finally:
+                db.close()
+        except sqlite3.Error as err:
+            raise self._body_error(err, "RIVET_STATE_LOCK_TIMEOUT") from None
+        return before, self._bytes_on_disk()
+
+    def _bytes_on_disk(self) -> int:
+        """The bytes of the state file and of its ``-wal``."""
+        return sum(os.stat(p).st_size for p in (self.path, Path(f"{self.path}-wal")) if os.path.exists(p))
+
     def _header(self) -> bytes:
         return read_header(self.path)
 
@@ -183,8 +225,10 @@ class SqliteBackend:
                              {"path": str(self.path), "files": foreign})
 
     def _wal_has_frames(self) -> bool:
-        wal = Path(f"{self.path}-wal")
-        return wal.exists() and wal.stat().st_size > 32
+        try:
+            return os.stat(f"{self.path}-wal").st_size > 32
+        except FileNotFoundError:
+            return False
 
     def _private_copy(self, stack: contextlib.ExitStack, companion: str) -> Path:
         """Copy the state and its ``companion`` (``-wal`` or ``-journal``) into a private
@@ -231,20 +275,16 @@ class SqliteBackend:
         refuse_unsafe_companions(self.path)
         wal_mode = header[18] == 2
         with contextlib.ExitStack() as stack:
-            if (not wal_mode and self._orphan_wal_beside() and lock_holders(self.path) == set()) or (
-                    wal_mode and self.foreign_companions(header)):
-                # A -wal/-shm that is not the state's own (restored or copied apart; another page
-                # size, another log's frames): a mode=ro open adopts that -wal and rewrites the -shm,
-                # a private copy would merge it; immutable=1 reads the main file alone.
-                uri = f"file:{self._quoted(self.path)}?immutable=1"
-            elif not wal_mode:
-                uri = f"file:{self._quoted(self.path)}?mode=ro"
-            elif not self._wal_has_frames():
-                uri = f"file:{self._quoted(self.path)}?immutable=1"
-            elif Path(f"{self.path}-shm").exists() and lock_holders(self.path):
-                uri = f"file:{self._quoted(self.path)}?mode=ro"
-            else:
-                uri = f"file:{self._quoted(self._private_copy(stack, '-wal'))}"
+            for attempt in range(_VANISHED_TRIES):
+                try:
+                    uri = self._read_uri(stack, header)
+                    break
+                except FileNotFoundError:
+                    # the -wal was there and then gone: the last writer's close folded it into the
+                    # file and removed it (beside a live run, a few reads in a thousand): look again
+                    stack.close()
+                    if attempt == _VANISHED_TRIES - 1:
+                        raise
             try:
                 conn = self._open_read(stack, uri)
             except StateError as err:
@@ -256,6 +296,36 @@ class SqliteBackend:
                 conn = self._open_read(stack, f"file:{self._quoted(self._private_copy(stack, '-journal'))}")
                 conn.info["interrupted_write"] = self._interrupted_message()
             yield conn
+
+    def _read_uri(self, stack: contextlib.ExitStack, header: bytes) -> str:
+        """The URI :meth:`reading` opens, chosen from what is on disk (the module docstring);
+        a private copy is made in ``stack``. Raises ``FileNotFoundError`` when the ``-wal`` is
+        removed while it is looked at."""
+        wal_mode = header[18] == 2
+        if (not wal_mode and self._orphan_wal_beside() and lock_holders(self.path) == set()) or (
+                wal_mode and self.foreign_companions(header)):
+            # A -wal/-shm that is not the state's own (restored or copied apart; another page
+            # size, another log's frames): a mode=ro open adopts that -wal and rewrites the -shm,
+            # a private copy would merge it; immutable=1 reads the main file alone.
+            return f"file:{self._quoted(self.path)}?immutable=1"
+        if not wal_mode:
+            return f"file:{self._quoted(self.path)}?mode=ro"
+        if not self._wal_has_frames():
+            return f"file:{self._quoted(self.path)}?immutable=1"
+        if Path(f"{self.path}-shm").exists() and lock_holders(self.path):
+            return f"file:{self._quoted(self.path)}?mode=ro"
+        return f"file:{self._quoted(self._private_copy(stack, '-wal'))}"
+
+    @contextlib.contextmanager
+    def scanning(self) -> Iterator[DriverReader]:
+        """A read transaction on the live file opened ``mode=rw`` (see
+        :class:`~statetool.backends.base.Backend`): in WAL mode a reader neither waits for the
+        writer nor holds it off (https://www.sqlite.org/wal.html#concurrency), and reads the
+        committed state, ``-wal`` included, without the private copies :meth:`reading` makes
+        to create no file."""
+        self._refuse_foreign(self._header())
+        with contextlib.ExitStack() as stack:
+            yield self._open_read(stack, f"file:{self._quoted(self.path)}?mode=rw")
 
     def _open_read(self, stack: contextlib.ExitStack, uri: str) -> DriverReader:
         """Open ``uri`` in one read transaction (every query sees one snapshot), its first

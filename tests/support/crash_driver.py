@@ -1,13 +1,15 @@
-"""Run ``relocate``, ``transfer``, ``migrate``, ``restore`` or ``checkpoints import|export`` in
-a real process that SIGKILLs itself at one named step (the crash tests of
+"""Run ``relocate``, ``transfer``, ``migrate``, ``restore``, ``checkpoints import|export`` or
+``prune`` in a real process that SIGKILLs itself at one named step (the crash tests of
 tests/test_relocate.py, tests/test_transfer.py, tests/test_migrate_crashes.py,
-tests/test_restore_crashes.py and tests/test_position_crashes.py), forked from the test process's fork server
+tests/test_restore_crashes.py, tests/test_position_crashes.py and tests/test_prune.py), forked
+from the test process's fork server
 (:mod:`support.forked`) so that it starts with statetool imported.
 
 The hook is the operation's own: :attr:`statetool.operations.context.Context.on_step` is
 told each step's name (``relocate.CRASH_POINTS``, ``copy-page-<n>``, ``migrate.CRASH_POINTS``,
 ``restore.CRASH_POINTS``, ``restore.CREATE_POINTS``, ``positions.CRASH_POINTS``,
-``positions.EXPORT_POINTS``); this driver builds
+``positions.EXPORT_POINTS``, prune's ``archived-<n>``, ``deleted-<n>``, ``committed-<n>``);
+this driver builds
 the Context the CLI would, with an ``on_step`` that kills the process at ``POINT``.
 Nothing in statetool reads the environment for it. As a script::
 
@@ -17,6 +19,8 @@ Nothing in statetool reads the environment for it. As a script::
     python tests/support/crash_driver.py POINT -c CONFIG migrate
     python tests/support/crash_driver.py POINT -c CONFIG [--state-url URL] restore WHAT [--allow-older] [--if-absent]
     python tests/support/crash_driver.py POINT -c CONFIG [--state-url URL] checkpoints import|export [--export NAME]
+    python tests/support/crash_driver.py POINT -c CONFIG prune [--before DATE] [--keep-runs N] [--batch-size N] \
+        [--archive FILE]
 
 It exits 3 when the operation ended without passing ``POINT`` (a wrong name, or a path that
 does not pass there); a failure of the operation is its traceback and exit 1.
@@ -88,6 +92,11 @@ def main(argv: list[str]) -> int:
     positions = verbs.add_parser("checkpoints")
     positions.add_argument("direction", choices=("import", "export"))
     positions.add_argument("--export")
+    prune_verb = verbs.add_parser("prune")
+    prune_verb.add_argument("--before")
+    prune_verb.add_argument("--keep-runs", type=int)
+    prune_verb.add_argument("--batch-size", type=int, default=1000)
+    prune_verb.add_argument("--archive", type=Path)
     options = parser.parse_args(args)
 
     fault, _, step = point.rpartition("@")
@@ -133,6 +142,11 @@ def main(argv: list[str]) -> int:
         from statetool.operations.migrate import migrate
 
         migrate(ctx)
+    elif options.verb == "prune":
+        from statetool.operations.retention import prune_history
+
+        prune_history(ctx, before=options.before, keep_runs=options.keep_runs, batch_size=options.batch_size,
+                      archive=options.archive)
     elif options.verb == "restore":
         from statetool.operations.restore import restore as put_back
 
