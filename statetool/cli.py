@@ -721,7 +721,7 @@ def prune(
                                                help="Remove what started before DATE (ISO, UTC).")] = None,
     keep_runs: Annotated[int | None, typer.Option("--keep-runs", metavar="N", min=0, show_default=False,
                                                   help="Keep the N newest runs of each export.")] = None,
-    export: Annotated[str | None, typer.Option("--export", metavar="NAME", help="Only this export.")] = None,
+    export: OnlyExport = None,
     # retention.DEFAULT_BATCH and MAX_BATCH, spelt out: importing the operation here would
     # load SQLAlchemy at every start-up (tests/test_prune.py holds the two equal)
     batch_size: Annotated[int, typer.Option("--batch-size", metavar="N", min=1, max=10_000,
