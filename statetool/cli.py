@@ -72,7 +72,7 @@ OnlyExport = Annotated[str | None, typer.Option("--export", metavar="NAME", help
                                                 autocompletion=_complete_exports)]
 #: The commands that read several pipelines at once (-c more than once, --configs GLOB;
 #: issue 16 item 1, docs/decisions.md "Several pipelines at once"), and their two options.
-FLEET_COMMANDS = ("check", "info", "doctor")
+FLEET_COMMANDS = ("check", "info", "doctor", "metrics")
 ConfigsGlob = Annotated[str | None, typer.Option("--configs", metavar="GLOB", show_default=False,
                                                  help="Also every config GLOB matches (quote it: statetool "
                                                       "expands it, sorted).")]
@@ -129,12 +129,11 @@ class Globals:
         return Context(self.configs[0], self.state_url, dict(os.environ), self.lock_wait, self.command,
                        self.progress(), log=self.log, config_given=self.config_given)
 
-    def fleet(self, name: str, pattern: str | None, state_url_envs: list[str] | None, **options: Any) -> Any:
-        """The :class:`~statetool.operations.fleet.FleetResult` of command ``name`` (one of
-        :data:`FLEET_COMMANDS`, with its ``options``) over every pipeline given (-c more than
-        once, --configs), or None for one config given as always (the command's own output,
-        unchanged; the fleet's module is not even loaded). ``--state-url-env`` without
-        several configs is ``RIVET_CLI_USAGE``."""
+    def fleet_contexts(self, pattern: str | None, state_url_envs: list[str] | None) -> Any:
+        """``(pipelines, contexts)`` of every pipeline given (-c more than once, --configs:
+        :func:`~statetool.operations.fleet.fleet_pipelines`), one context each, or None for
+        one config given as always (the fleet's module is then not even loaded).
+        ``--state-url-env`` without several configs is ``RIVET_CLI_USAGE``."""
         if pattern is None and len(self.configs) < 2:
             if state_url_envs:
                 raise StateError("RIVET_CLI_USAGE", "--state-url-env is for several configs (-c more than once, or "
@@ -142,12 +141,23 @@ class Globals:
             return None
         from statetool.operations import fleet
 
-        command = {"check": fleet.check_command, "info": fleet.info_command, "doctor": fleet.doctor_command}[name]
         configs = self.configs if self.config_given else []
         pipelines = fleet.fleet_pipelines(configs, pattern, state_url_envs or [], os.environ, self.state_url)
-        contexts = [fleet.pipeline_context(p, dict(os.environ), self.lock_wait, self.command, self.log)
-                    for p in pipelines]
-        return fleet.run_fleet(command(**options), pipelines, contexts, self.progress())
+        return pipelines, [fleet.pipeline_context(p, dict(os.environ), self.lock_wait, self.command, self.log)
+                           for p in pipelines]
+
+    def fleet(self, name: str, pattern: str | None, state_url_envs: list[str] | None, **options: Any) -> Any:
+        """The :class:`~statetool.operations.fleet.FleetResult` of command ``name`` (one of
+        :data:`FLEET_COMMANDS`, with its ``options``) over every pipeline given
+        (:meth:`fleet_contexts`), or None for one config given as always (the command's own
+        output, unchanged)."""
+        several = self.fleet_contexts(pattern, state_url_envs)
+        if several is None:
+            return None
+        from statetool.operations import fleet
+
+        command = {"check": fleet.check_command, "info": fleet.info_command, "doctor": fleet.doctor_command}[name]
+        return fleet.run_fleet(command(**options), *several, self.progress())
 
 
 def _version(ctx: typer.Context, value: bool) -> None:
@@ -161,7 +171,7 @@ def main_options(
     ctx: typer.Context,
     config: Annotated[list[Path], typer.Option("--config", "-c", metavar="PATH", readable=False,
                                                help="Pipeline config (YAML); the default state lives beside it. "
-                                                    "check, info, doctor take several.")
+                                                    "check, info, doctor, metrics take several.")
                       ] = [Path(DEFAULT_CONFIG)],  # noqa: B006 - typer copies it; never mutated
     state_url: Annotated[str | None, typer.Option("--state-url", metavar="URL", show_default=False,
                                                   help="Where the state is (sqlite:/dir, postgresql://...); "
@@ -342,6 +352,7 @@ def metrics(
     textfile: Annotated[Path | None, typer.Option("--textfile", metavar="PATH", show_default=False,
                                                   help="Replace PATH whole (a temporary file renamed over it) "
                                                        "instead of printing.")] = None,
+    configs: ConfigsGlob = None, state_url_env: StateUrlEnv = None,
 ) -> None:
     """OpenMetrics text for monitoring: progress, leases, backups.
 
@@ -355,7 +366,11 @@ def metrics(
     if g.json:
         raise StateError("RIVET_CLI_USAGE", "metrics prints OpenMetrics text and has no JSON document: leave out "
                          "--json (statetool info --json gives the same facts as JSON)")
-    result = op([g.context()], textfile=textfile)
+    several = g.fleet_contexts(configs, state_url_env)
+    if several is None:
+        result = op([g.context()], textfile=textfile)
+    else:
+        result = op(several[1], textfile=textfile, labelled=True)
     if textfile is None:
         sys.stdout.write(result.text)
     if result.worst is not None:

@@ -480,6 +480,46 @@ def test_several_pipelines_each_get_a_pipeline_label_and_the_worst_code(tmp_path
     assert refused.value.code == "RIVET_CLI_USAGE"
 
 
+def test_configs_and_state_url_env_give_one_text_labelled_per_pipeline_with_the_worst_code(tmp_path: Path,
+                                                                                            pg_url: str) -> None:
+    sqlite_config, missing, pg_config = (write_config(tmp_path / "p" / name) for name in ("a", "b", "c"))
+    build_state(sqlite_config)
+    build_state(pg_config, pg_url)
+    env = {**process_env(), "STATE_C": pg_url}
+    env.pop("RIVET_STATE_URL", None)
+    digest = tree_digest(tmp_path)
+    proc = run_cli("metrics", "--configs", "p/*/rivet.yaml", "--state-url-env", "p/c/rivet.yaml=STATE_C",
+                   env=env, cwd=tmp_path)
+    assert proc.returncode == 5 and "RIVET_STATE_MISSING" in proc.stderr, describe(proc)
+    samples = parsed(proc.stdout)
+    labels = ["p/a/rivet.yaml", "p/b/rivet.yaml", "p/c/rivet.yaml"]
+    assert {dict(key)["pipeline"] for _, key in samples} == set(labels)
+    assert {dict(key)["pipeline"]: v for key, v in of(samples, "statetool_state_up").items()} == \
+        {"p/a/rivet.yaml": 1, "p/b/rivet.yaml": 0, "p/c/rivet.yaml": 1}
+    for label, config, url in (("p/a/rivet.yaml", sqlite_config, None), ("p/c/rivet.yaml", pg_config, pg_url)):
+        info = cli_json(config, {**env, **({"RIVET_STATE_URL": url} if url else {})}, "info")
+        backend = info["location"]["backend"]
+        assert [dict(key)["backend"] for key in of(samples, "statetool_state_info")
+                if dict(key)["pipeline"] == label] == [backend]
+        assert info["exports"]
+        for row in info["exports"]:
+            assert value(samples, "statetool_export_runs_total", pipeline=label, export=row["name"],
+                         status="succeeded") == row["runs_succeeded"], (label, row["name"])
+    assert tree_digest(tmp_path) == digest
+    one = run_cli("metrics", "--configs", "p/a/*.yaml", env=env, cwd=tmp_path)
+    assert one.returncode == 0, describe(one)
+    assert {dict(key).get("pipeline") for _, key in parsed(one.stdout)} == {"p/a/rivet.yaml"}
+    target = tmp_path / "fleet.prom"
+    twice = run_cli("-c", "p/a/rivet.yaml", "-c", "p/c/rivet.yaml", "metrics", "--state-url-env",
+                    "p/c/rivet.yaml=STATE_C", "--textfile", str(target), env=env, cwd=tmp_path)
+    assert (twice.returncode, twice.stdout) == (0, ""), describe(twice)
+    assert {dict(key)["pipeline"] for _, key in parsed(target.read_text())} == {"p/a/rivet.yaml", "p/c/rivet.yaml"}
+    shared = run_cli("metrics", "--configs", "p/*/rivet.yaml", "--json-errors", env={**env, "RIVET_STATE_URL": pg_url},
+                     cwd=tmp_path)
+    assert (error_object(shared)["code"], shared.returncode, shared.stdout) == ("RIVET_CLI_USAGE", 1, ""), \
+        describe(shared)
+
+
 # -- the writer ------------------------------------------------------------------------------
 
 

@@ -266,13 +266,15 @@ def write_textfile(path: Path, text: str) -> None:
         raise fault(path, err) or os_fault(err) or err from None
 
 
-def metrics(contexts: Sequence[Context], *, textfile: Path | None = None) -> MetricsResult:
+def metrics(contexts: Sequence[Context], *, textfile: Path | None = None,
+            labelled: bool | None = None) -> MetricsResult:
     """The metrics of every pipeline of ``contexts`` (one context per pipeline config), read
     one after the other, as one text; written to ``textfile`` (:func:`write_textfile`)
     when given, after :func:`textfile_path` checked it before any read.
 
-    With more than one context every sample carries a ``pipeline`` label, the context's
-    config path as given, first (docs/decisions.md, "Metrics"); with one, none. Raises
+    With ``labelled`` (default: more than one context) every sample carries a ``pipeline``
+    label, the context's config path as given, first (docs/decisions.md, "Metrics"; the CLI
+    labels whatever a ``--configs`` GLOB matched, one config too); else none. Raises
     ``RIVET_CLI_USAGE`` for no context or one config path given twice (two identical
     series), :func:`textfile_path`'s and :func:`write_textfile`'s codes. A state that cannot
     be read is not raised: it is in :attr:`MetricsResult.down`, and its samples say so."""
@@ -284,7 +286,8 @@ def metrics(contexts: Sequence[Context], *, textfile: Path | None = None) -> Met
     samples: list[Sample] = []
     down: list[StateError] = []
     for ctx, path in zip(contexts, paths, strict=True):
-        found, error = _collect(ctx, (("pipeline", path),) if len(contexts) > 1 else ())
+        found, error = _collect(ctx, (("pipeline", path),) if labelled or (labelled is None and len(contexts) > 1)
+                                else ())
         samples += found
         down += [error] if error is not None else []
     text = exposition(FAMILIES, samples)
