@@ -145,11 +145,19 @@ def test_a_symlink_to_a_file_is_followed_and_a_symlink_to_nothing_is_refused(sta
     _import_refused(store, state_backend, "RIVET_STATE_CHECKPOINT_NOT_A_FILE")
 
 
-def test_a_path_through_a_file_is_refused_not_absent(state_backend: StateBackend) -> None:
-    store, checkpoint = _store(state_backend)
-    checkpoint.parent.rmdir()
-    checkpoint.parent.write_text("a file where the checkpoint directory belongs")
-    assert _refused(store).code == "RIVET_STATE_CHECKPOINT_NOT_A_FILE"
+def test_a_symlink_to_nothing_in_the_declared_directory_is_not_passed_over_for_a_file_beside_the_config(
+        tmp_path: Path) -> None:
+    """The resolver uses a file beside the config only when nothing at all is under the
+    declared directory: a link there whose volume is not mounted must not make a stale
+    file beside the config the position."""
+    declared = tmp_path / "state"
+    declared.mkdir()
+    store, beside = _store(StateBackend.sqlite(tmp_path, declared))
+    beside.write_text(json.dumps({"file": "mysql-bin.000001", "pos": 4}))
+    (declared / "checkpoints").mkdir()
+    (declared / "checkpoints" / "order_events.json").symlink_to(tmp_path / "unmounted" / "order_events.json")
+    err = _refused(store)
+    assert err.code == "RIVET_STATE_CHECKPOINT_NOT_A_FILE" and str(declared) in err.message, err
 
 
 # -- finding 2: a file this user may not read, as nobody for real ---------------------------

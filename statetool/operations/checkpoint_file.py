@@ -6,12 +6,12 @@ findings 1-5; docs/decisions.md "One reader of checkpoint files").
 
 The rules, in the order they are applied:
 
-- nothing at the path (and no symlink there): *absent*, the one outcome that lets a run
-  start from no position;
+- nothing at the path (and no symlink there; a path through a file holds nothing either):
+  *absent*, the one outcome that lets a run start from no position;
 - a symlink is followed (the config names the path, and an operator may link it to
   durable storage), but its target must be a regular file; a symlink to nothing (a volume
   not mounted) is never *absent*;
-- a FIFO, a directory, a device, a socket, a symlink to nothing or a path through a file is
+- a FIFO, a directory, a device, a socket, a symlink to nothing or a loop of symlinks is
   ``RIVET_STATE_CHECKPOINT_NOT_A_FILE``, found by ``stat`` before any open (a FIFO is never
   opened, so never waited on; the open is non-blocking in case it changed meanwhile);
 - a file this user may not read (or whose directory it may not enter) is
@@ -79,15 +79,13 @@ def _stat(path: Path) -> os.stat_result | None:
     """``stat`` of ``path`` (through a symlink), None when nothing is there at all."""
     try:
         return os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         if os.path.lexists(path):
             raise _not_a_file(path, f"a symlink to nothing ({os.readlink(path)})") from None
-        return None
+        return None  # (a path through a file holds nothing: a declared directory that is a file is its own finding)
     except PermissionError:
         raise denied(path, "read") from None
     except OSError as err:
-        if err.errno == errno.ENOTDIR:
-            raise _not_a_file(path, "under a file, where a directory is expected") from None
         if err.errno == errno.ELOOP:
             raise _not_a_file(path, "a loop of symlinks") from None
         raise _unreadable(path, err.strerror or str(err)) from None
