@@ -256,6 +256,12 @@ REGISTRY: dict[str, Entry] = {
         "integrity", "data_integrity",
         "restore the checkpoint file from a backup; if none exists, reset the export on purpose",
     ),
+    "RIVET_STATE_POSITION_INVALID": _e(
+        "integrity", "data_integrity",
+        "the state's position row for the export named holds no position (JSON null, or text that is not JSON): "
+        "restore the state from a backup made by statetool, or put the right position back with "
+        "statetool checkpoints export and import; a run never falls back to the checkpoint file while the row is there",
+    ),
     "RIVET_STATE_VERIFY_FAILED": _e(
         "integrity", "data_integrity",
         "the state was left as it was before; report this with the message, and keep the backup it names",
@@ -293,6 +299,11 @@ REGISTRY: dict[str, Entry] = {
         "refusal", "refusal",
         "restore the checkpoint file (or set cdc.checkpoint to where it really is) before the next run; "
         "a run without it re-anchors the stream and loses the changes in between",
+    ),
+    "RIVET_STATE_CHECKPOINT_NOT_A_FILE": _e(
+        "refusal", "refusal",
+        "put the checkpoint file back at the path named (a FIFO, a directory or a device stands there, or a symlink "
+        "to nothing: mount the volume it points into), or set cdc.checkpoint to where the file really is, then re-run",
     ),
     "RIVET_STATE_CHECKPOINT_ON_POD_DISK": _e(
         "refusal", "refusal",

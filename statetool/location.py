@@ -412,7 +412,7 @@ FILE_CHECKPOINT_ENGINES = frozenset({"mysql", "mongodb", "oracle"})
 
 
 def resolve_checkpoint(configured: str | None, engine: str, location: Location, config_dir: Path,
-                       exists: Callable[[Path], bool] = os.path.exists) -> CheckpointPlace:
+                       exists: Callable[[Path], bool] = os.path.lexists) -> CheckpointPlace:
     """Resolve a ``cdc.checkpoint`` (SPEC §6); the one function the runtime, doctor,
     checkpoints and relocate use.
 
@@ -422,7 +422,9 @@ def resolve_checkpoint(configured: str | None, engine: str, location: Location, 
     ``RIVET_STATE_CHECKPOINT_RELATIVE`` under PostgreSQL state. No file configured: the
     postgres engine's position is in its replication slot (``path`` None); for the other
     engines the file is mandatory and ``why`` says it is missing from the config.
-    ``exists`` is the only I/O (injectable for tests of the rule itself).
+    ``exists`` is the only I/O (injectable for tests of the rule itself): ``lexists``, so
+    that a symlink to nothing under the declared directory (a volume not mounted) is what
+    is there, never passed over for a stale file beside the config.
     """
     if not configured:
         if engine in FILE_CHECKPOINT_ENGINES:

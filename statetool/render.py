@@ -663,7 +663,7 @@ _CHECKPOINT_COLUMNS = (Column("export"), Column("engine"), Column("stored in"), 
 #: it was committed, shown only when some position is in the state (a file has neither).
 _COMMITTED_COLUMNS = (Column("committed"), Column("run"))
 #: ``stored_in`` as people say it.
-_STORED_IN = {"state": "state", "file": "file", "server_slot": "server slot"}
+_STORED_IN = {"state": "state", "file": "file", "server_slot": "server slot", "unknown": "unknown"}
 
 
 def checkpoints(doc: dict[str, Any]) -> None:

@@ -38,13 +38,14 @@ from statetool import schema
 from statetool.backends.base import HeldLease
 from statetool.errors import StateError, StateWarning
 from statetool.location import resolve_checkpoint
+from statetool.operations.checkpoint_file import read_checkpoint
 from statetool.operations.checkpoints import checkpoints
 from statetool.operations.context import Context, now_iso
 from statetool.operations.create import init
 from statetool.operations.leasing import acquire, run_lease_key
 from statetool.operations.positions import put_position
 from statetool.operations.preflight import Preflight, require, run_preflight
-from statetool.operations.probe import position_text
+from statetool.operations.probe import decode_position, position_text
 from statetool.operations.writes import NO_LEASE, WHOLE_STATE, WriteSession, guarded_write
 
 #: Run statuses a runtime records.
@@ -100,7 +101,11 @@ class Writer:
         """Commit CDC export ``export``'s position ``value`` (any JSON value, as its engine's
         checkpoint file holds it) into the state (revision 0006, SPEC §6), with the run that
         committed it and the fencing token of the lease it was committed under. Raises
-        ``ValueError`` for a value that is not JSON."""
+        ``ValueError`` for a value that is not JSON, or is None: JSON null is no position,
+        and a row holding it would be read back as none (issue 15, finding 5)."""
+        if value is None:
+            raise ValueError(f"None is no position of {export}: commit the position its engine gave; a stream with "
+                             "no position yet commits nothing")
         self.guard(export)
         put_position(self.conn, export, engine, json.dumps(value, sort_keys=True, allow_nan=False), run_id=run_id,
                      token=token)
@@ -166,23 +171,21 @@ class Run:
             tx.record_chunk(self.export, run_id, index, lower, upper, status, rows=rows)
 
     def read_position(self) -> object | None:
-        """This CDC export's position: the state's (revision 0006) where it holds one, and
+        """This CDC export's position: the state's (revision 0006) where it holds a row, and
         then the checkpoint file is never read again; else the checkpoint file's JSON where
-        the config names one and it exists; else None (a first run of the stream). Reads
-        the state read-only. Raises ``RIVET_STATE_CHECKPOINT_UNREADABLE`` for a file that is
-        not JSON, ``RIVET_CLI_USAGE`` for an export that is not CDC."""
+        the config names one and a file is there (read by
+        :func:`~statetool.operations.checkpoint_file.read_checkpoint`, as every command
+        reads it); else None, the one answer that starts the stream from no position (SPEC
+        §5a). Reads the state read-only. Raises ``RIVET_STATE_POSITION_INVALID`` (the row
+        holds no position), the reader's ``RIVET_STATE_CHECKPOINT_NOT_A_FILE``,
+        ``RIVET_STATE_PERMISSION_DENIED`` and ``RIVET_STATE_CHECKPOINT_UNREADABLE``, and
+        ``RIVET_CLI_USAGE`` for an export that is not CDC."""
         self._engine()
         stored = self.store.stored_position(self.export)
         if stored is not None:
             return stored
         path = self.store.checkpoint_path(self.export)
-        if path is None or not path.is_file():
-            return None
-        try:
-            return json.loads(path.read_bytes())
-        except ValueError as err:
-            raise StateError("RIVET_STATE_CHECKPOINT_UNREADABLE", f"{path} is not JSON ({err}): the position of "
-                             f"{self.export} cannot be read", {"path": str(path), "export": self.export}) from None
+        return None if path is None else read_checkpoint(path).position
 
     def commit_position(self, value: object, *, run_id: str | None = None) -> None:
         """Commit this CDC export's position ``value`` into the state, fenced by this run's
@@ -277,11 +280,13 @@ class StateStore:
 
     def stored_position(self, export: str) -> object | None:
         """The position the state holds for CDC export ``export`` (its JSON value), or None
-        where it holds none (or its revision has no position table). Read-only."""
+        where it holds no row (or its revision has no position table): never None for a
+        row, since a row holding null is ``RIVET_STATE_POSITION_INVALID``
+        (:func:`~statetool.operations.probe.decode_position`). Read-only."""
         backend = self.ctx.backend()
         with backend.reading() as conn:
             text = position_text(conn, frozenset(backend.table_names(conn)), export)
-        return None if text is None else json.loads(text)
+        return None if text is None else decode_position(export, text)
 
     @contextmanager
     def guarded(self, held: list[HeldLease]) -> Iterator[WriteSession]:

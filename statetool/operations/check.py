@@ -17,7 +17,8 @@ from statetool.operations.preflight import Check, Preflight, run_preflight
 TARGETS = ("pods",)
 #: How the ``pods`` row says where a position that passes the pod rule lives (a ``file``
 #: that passes is one with no file there: no position yet).
-_POSITION_PLACES = {"state": "in the state", "server_slot": "in its replication slot"}
+_POSITION_PLACES = {"state": "in the state", "server_slot": "in its replication slot",
+                    "unknown": "not known (the state could not be read)"}
 
 
 @dataclass
@@ -82,13 +83,19 @@ def check(ctx: Context, *, strict: bool = False, target: str | None = None) -> C
 def _doctor_rows(ctx: Context, pf: Preflight) -> list[Check]:
     """What ``doctor`` finds beyond the pre-flight rows: lost or unreadable CDC checkpoints
     (fail), exports with no progress, relative checkpoints under PostgreSQL, ephemeral or
-    network state directories, orphaned -wal/-shm files (warn)."""
+    network state directories, orphaned -wal/-shm files (warn). Where doctor can give no
+    verdict (a checkpoint file this user may not read, a state row that holds no position),
+    its error is row ``doctor``, failing with its own code: never a first run."""
     from statetool.operations.doctor import doctor
 
     seen = {c.code for c in pf.checks if c.code}
     rows: list[Check] = []
     reported: set[tuple[str, str]] = set()
-    for diagnosis in doctor(ctx).exports:
+    try:
+        diagnoses = doctor(ctx).exports
+    except StateError as err:
+        return [] if err.code in seen else [Check("doctor", "fail", err.message, err.code, err)]
+    for diagnosis in diagnoses:
         for reason in diagnosis.reasons:
             state_level = reason.code in _STATE_LEVEL
             row_id = "doctor" if state_level else f"doctor:{diagnosis.name}"

@@ -9,14 +9,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from statetool.errors import StateWarning
-from statetool.moments import moment, parse_time
+from statetool.errors import StateError, StateWarning
 from statetool.location import checkpoint_relative_message, resolve_checkpoint
+from statetool.moments import moment, parse_time
+from statetool.operations.checkpoint_file import read_checkpoint
 from statetool.operations.context import Context
-
-#: Largest checkpoint file read for its position (bytes); a position is a few hundred.
-MAX_READ = 1 << 20
-
+from statetool.operations.probe import position_rows
 
 @dataclass
 class CheckpointReport:
@@ -35,7 +33,8 @@ class CheckpointReport:
     error: str | None = None
     warnings: list[StateWarning] = field(default_factory=list)
     #: Where the position a run resumes from lives: ``state`` (revision 0006: the file is
-    #: not read for it), ``file`` or ``server_slot`` (issue 15 item 5).
+    #: not read for it), ``file`` or ``server_slot`` (issue 15 item 5); ``unknown`` when the
+    #: state could not be read (``error`` says why).
     stored_in: str = "file"
     #: When the state's position was committed, and by which run (``stored_in`` ``state``).
     committed_at: str | None = None
@@ -80,44 +79,78 @@ def file_newer_warning(export: str, path: Path | None, stored: dict[str, Any]) -
     """Warning ``RIVET_STATE_CHECKPOINT_FILE_NEWER`` when CDC export ``export``'s checkpoint
     file at ``path`` holds another position than the state's ``stored`` one and was written
     after it was committed (a worker that still writes the file): both values are named,
-    neither is merged into the other (issue 15 item 5). None otherwise."""
-    if path is None or not path.is_file():
+    neither is merged into the other (issue 15 item 5). None otherwise, and for a file that
+    the one reader (:func:`~statetool.operations.checkpoint_file.read_checkpoint`) refuses:
+    the state's position is the one in force, and no run reads that file."""
+    if path is None:
         return None
     try:
-        position = json.loads(path.read_bytes()[:MAX_READ])
-        written = datetime.fromtimestamp(path.stat().st_mtime, UTC)
-    except (OSError, ValueError):
+        found = read_checkpoint(path)
+    except StateError:
         return None
     committed = parse_time(stored["committed_at"])
-    if position == stored["position"] or committed is None or written <= committed:
+    if not found.present or found.position == stored["position"] or committed is None:
+        return None
+    written = datetime.fromtimestamp(found.modified or 0, UTC)
+    if written <= committed:
         return None
     return StateWarning("RIVET_STATE_CHECKPOINT_FILE_NEWER",
                         f"CDC export {export}: the state holds position {json.dumps(stored['position'])} (committed "
                         f"{moment(stored['committed_at'])}), and {path}, written later ({moment(written)}), holds "
-                        f"{json.dumps(position)}; the state's is the one a run resumes from")
+                        f"{json.dumps(found.position)}; the state's is the one a run resumes from")
 
 
 def stored_positions(ctx: Context) -> dict[str, dict[str, Any]]:
-    """The CDC positions the state holds (revision 0006), read read-only; ``{}`` where no
-    state can be read (the pre-flight rows say why)."""
-    from statetool.errors import StateError
-    from statetool.operations.probe import position_rows
-
+    """The CDC positions the state holds (revision 0006, :func:`position_rows`), read
+    read-only; ``{}`` where there is no state, or its revision has no position table.
+    Raises the read's ``StateError`` (permission denied, unreachable, corrupt, a row that
+    holds no position...): a state that cannot be read is never taken for one that holds no
+    position (issue 15, finding 6); each caller says what that means for it."""
     backend = ctx.backend()
-    try:
-        if not backend.present():
-            return {}
-        with backend.reading() as conn:
-            return position_rows(conn, frozenset(backend.table_names(conn)))
-    except StateError:
+    if not backend.present():
         return {}
+    with backend.reading() as conn:
+        return position_rows(conn, frozenset(backend.table_names(conn)))
+
+
+def _state_unknown(report: CheckpointReport, err: StateError) -> None:
+    """``report`` of a state that could not be read: where the position lives is not known
+    (``stored_in`` ``unknown``), so the file is not reported as the position (its own
+    error, if any, follows the state's)."""
+    report.stored_in, report.position = "unknown", None
+    report.error = (f"{err.code}: the state could not be read ({err.message}); whether it holds the position of "
+                    f"{report.export} is not known, so its file is not taken for it"
+                    + (f"; the file: {report.error}" if report.error else ""))
+
+
+def _read_file(report: CheckpointReport, path: Path) -> None:
+    """Fill ``report`` from the checkpoint file at ``path`` as the one reader reads it: its
+    size, age and position, or the reader's error (``CODE: message``); ``present`` is
+    whether a regular file is there."""
+    try:
+        found = read_checkpoint(path)
+    except StateError as err:
+        report.error = f"{err.code}: {err.message}"
+        if err.code != "RIVET_STATE_CHECKPOINT_NOT_A_FILE":
+            report.present = True
+        return
+    if found.present:
+        report.present, report.size_bytes = True, found.size_bytes
+        report.age_seconds = round(time.time() - (found.modified or 0), 3)
+        report.position = found.position
 
 
 def checkpoints(ctx: Context) -> CheckpointsResult:
     """Resolve and read every CDC checkpoint of the config. Never writes. Raises the
-    resolver's and config loader's codes only; an unreadable file is reported in ``error``."""
+    resolver's and config loader's codes only; a file the one reader refuses is reported
+    in ``error``, and so is a state that cannot be read (``stored_in`` ``unknown``: the
+    file is then not reported as the position)."""
     location, config = ctx.location, ctx.config
-    stored = stored_positions(ctx) if any(e.cdc is not None for e in config.exports) else {}
+    state_error: StateError | None = None
+    try:
+        stored = stored_positions(ctx) if any(e.cdc is not None for e in config.exports) else {}
+    except StateError as err:
+        stored, state_error = {}, err
     out = []
     for export in config.exports:
         if export.cdc is None:
@@ -137,16 +170,9 @@ def checkpoints(ctx: Context) -> CheckpointsResult:
             report.stored_in = "server_slot"
         if place.warning:
             report.warnings.append(checkpoint_warning(place.warning, export.name, place.path))
-        if place.path is not None and place.path.is_file():
-            stat = place.path.stat()
-            report.present, report.size_bytes = True, stat.st_size
-            report.age_seconds = round(time.time() - stat.st_mtime, 3)
-            try:
-                with open(place.path, "rb") as fh:
-                    report.position = json.loads(fh.read(MAX_READ))
-            except (OSError, UnicodeDecodeError, ValueError) as err:
-                report.error = f"{place.path} is not readable JSON: {err}"
-        elif place.path is not None and place.path.exists():
-            report.error = f"{place.path} is not a regular file"
+        if place.path is not None:
+            _read_file(report, place.path)
+        if state_error is not None:
+            _state_unknown(report, state_error)
         out.append(report)
     return CheckpointsResult(out)

@@ -34,6 +34,7 @@ from statetool.identity import identity_message, identity_verdict, identity_warn
 from statetool.location import ENV_VAR, Location, resolve_checkpoint
 from statetool.moments import moment
 from statetool.mounts import mount_of
+from statetool.operations.checkpoint_file import read_checkpoint
 from statetool.operations.checkpoints import checkpoint_warning, file_newer_warning
 from statetool.operations.context import Context
 from statetool.operations.probe import (ResumePoint, Snapshot, last_resets, position_rows, read_snapshot,
@@ -44,8 +45,9 @@ from statetool.operations.search import search
 FIRST_RUN_CLASS = "refusal"
 #: Codes whose presence makes an export's next run a first run.
 FIRST_RUN_CODES = frozenset({"RIVET_STATE_MISSING", "RIVET_EXPORT_NO_PROGRESS", "RIVET_STATE_CHECKPOINT_MISSING",
-                             "RIVET_STATE_CHECKPOINT_UNREADABLE", "RIVET_STATE_FOREIGN", "RIVET_STATE_RELOCATED",
-                             "RIVET_STATE_NOT_A_STATE", "RIVET_STATE_CORRUPT", "RIVET_STATE_DIR_MISSING"})
+                             "RIVET_STATE_CHECKPOINT_UNREADABLE", "RIVET_STATE_CHECKPOINT_NOT_A_FILE",
+                             "RIVET_STATE_FOREIGN", "RIVET_STATE_RELOCATED", "RIVET_STATE_NOT_A_STATE",
+                             "RIVET_STATE_CORRUPT", "RIVET_STATE_DIR_MISSING"})
 
 
 @dataclass
@@ -205,7 +207,14 @@ def _checkpoint(ctx: Context, export: Export, has_progress: bool,
             return reasons, "the replication slot's position", None
         reasons.append(Reason("RIVET_STATE_CHECKPOINT_MISSING", place.why, {"configured": None}))
         return reasons, None, None
-    if not place.path.is_file():
+    try:
+        found = read_checkpoint(place.path)
+    except StateError as err:
+        if err.code not in FIRST_RUN_CODES:
+            raise  # this user may not read it: no verdict can be given, and never a first run (SPEC §8a)
+        reasons.append(Reason(err.code, err.message, {"path": str(place.path)}))
+        return reasons, None, None
+    if not found.present:
         if has_progress:
             reasons.append(Reason(
                 "RIVET_STATE_CHECKPOINT_MISSING",
@@ -213,15 +222,8 @@ def _checkpoint(ctx: Context, export: Export, has_progress: bool,
                 "will re-anchor and the changes between the lost position and the new anchor are lost",
                 {"path": str(place.path), "why": place.why}))
         return reasons, None, None
-    age = None
-    try:
-        position = json.loads(place.path.read_bytes())
-        age = round(datetime.now(UTC).timestamp() - place.path.stat().st_mtime, 3)
-    except (OSError, ValueError) as err:
-        reasons.append(Reason("RIVET_STATE_CHECKPOINT_UNREADABLE", f"{place.path} is not readable JSON: {err}",
-                              {"path": str(place.path)}))
-        return reasons, None, None
-    return reasons, f"CDC position {json.dumps(position, sort_keys=True)} in {place.path}", age
+    age = round(datetime.now(UTC).timestamp() - (found.modified or 0), 3)
+    return reasons, f"CDC position {json.dumps(found.position, sort_keys=True)} in {place.path}", age
 
 
 def _diagnose(ctx: Context, export: Export, progress: ResumePoint | None, state_reasons: list[Reason],

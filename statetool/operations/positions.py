@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 from statetool.errors import StateError
 from statetool.location import resolve_checkpoint
+from statetool.operations.checkpoint_file import read_checkpoint
 from statetool.operations.context import Context, now_iso
 from statetool.operations.probe import position_text
 
@@ -45,10 +46,6 @@ EXPORT_POINTS = ("leased", "temp-written", "file-written", "removed", "committed
 #: Why an export is left as it is.
 _HOLDS_ANOTHER = "the state holds another position already; checkpoints export first to go back to the file"
 _HOLDS_NONE = "the state holds no position"
-
-#: The largest checkpoint file moved (bytes), as ``statetool checkpoints`` reads them.
-_MAX = 1 << 20
-
 
 class Moved(NamedTuple):
     """One export's position moved (or, in a dry run, that would be): ``file`` the
@@ -105,16 +102,18 @@ class FilePosition(NamedTuple):
 def checkpoint_files(ctx: Context, export: str | None = None) -> tuple[list[FilePosition], list[dict[str, str]]]:
     """The position of each CDC export of the config (or only ``export``) read from its
     checkpoint file, resolved where ``ctx``'s state is (SPEC §6), and the exports skipped
-    with why (no checkpoint file configured, or none at its place). Raises
-    ``RIVET_EXPORT_UNKNOWN`` (``export`` is no CDC export of the config) and
-    ``RIVET_STATE_CHECKPOINT_UNREADABLE`` (a file that holds no position in JSON)."""
+    with why (no checkpoint file configured, or nothing at its place). Raises
+    ``RIVET_EXPORT_UNKNOWN`` (``export`` is no CDC export of the config) and the one
+    reader's codes (:func:`read_checkpoint_file`): a FIFO, a directory or a file this user
+    may not read is never "no file"."""
     files: list[FilePosition] = []
     skipped: list[dict[str, str]] = []
     for name, engine, path in _cdc_exports(ctx, export):
-        if path is None or not path.is_file():
+        found = read_checkpoint(path) if path is not None else None
+        if found is None or found.text is None:
             skipped.append({"export": name, "why": "no checkpoint file" if path is None else f"no file at {path}"})
             continue
-        files.append(FilePosition(name, engine, path, *read_checkpoint_file(path)))
+        files.append(FilePosition(name, engine, found.path, found.text, found.position))
     return files, skipped
 
 
@@ -181,19 +180,14 @@ def retire_file(path: Path, kept: Path) -> None:
         raise fault(path, err) or err from None
 
 
-def read_checkpoint_file(path: Path) -> tuple[str, object]:
-    """The text of the checkpoint file at ``path`` and the position it holds;
-    ``RIVET_STATE_CHECKPOINT_UNREADABLE`` for a file that is not UTF-8 JSON or is larger than
-    a position is."""
-    data = path.read_bytes()[:_MAX + 1]
-    try:
-        if len(data) > _MAX:
-            raise ValueError(f"larger than {_MAX} bytes")
-        text = data.decode()
-        return text, json.loads(text)
-    except ValueError as err:
-        raise StateError("RIVET_STATE_CHECKPOINT_UNREADABLE", f"{path} is not a position in JSON ({err}); nothing "
-                         "was moved", {"path": str(path)}) from None
+def read_checkpoint_file(path: Path) -> tuple[str | None, object]:
+    """The text of the checkpoint file at ``path`` and the position it holds, read by the
+    one reader (:func:`~statetool.operations.checkpoint_file.read_checkpoint`); ``(None,
+    None)`` when nothing is there. Raises its ``RIVET_STATE_CHECKPOINT_UNREADABLE`` (not
+    UTF-8 JSON, a byte-order mark, over the cap, JSON null),
+    ``RIVET_STATE_CHECKPOINT_NOT_A_FILE`` and ``RIVET_STATE_PERMISSION_DENIED``."""
+    found = read_checkpoint(path)
+    return found.text, found.position
 
 
 def import_positions(ctx: Context, export: str | None = None, *, dry_run: bool = False) -> MoveResult:
@@ -256,9 +250,9 @@ def _import_one(ctx: Context, name: str, engine: str, path: Path) -> Moved | dic
 
     with guarded_write(ctx, one_export(name), claim=False, advance=False) as session:
         ctx.on_step("leased")
-        if not path.is_file():
-            return {"export": name, "why": f"no file at {path}"}
         text, position = read_checkpoint_file(path)
+        if text is None:
+            return {"export": name, "why": f"no file at {path}"}
         kept = kept_path(path)
         held = position_text(session.reader, session.snapshot.tables, name)
         if held is not None and json.loads(held) != position:

@@ -395,11 +395,14 @@ def lineage(conn: Reader, tables: frozenset[str]) -> tuple[str | None, int | Non
 
 def position_rows(conn: Reader, tables: frozenset[str]) -> dict[str, dict[str, Any]]:
     """``{export: {engine, position, committed_at, run_id, fencing_token}}``: the CDC
-    positions the state holds (revision 0006), each position its JSON value; ``{}`` before."""
+    positions the state holds (revision 0006), each position its JSON value
+    (:func:`decode_position`: ``RIVET_STATE_POSITION_INVALID`` for a row that holds none);
+    ``{}`` before."""
     if CDC_POSITIONS not in tables:
         return {}
     query = f"SELECT export_name, engine, position, committed_at, run_id, fencing_token FROM {CDC_POSITIONS}"
-    return {row[0]: {"engine": row[1], "position": json.loads(row[2]), "committed_at": row[3], "run_id": row[4],
+    return {row[0]: {"engine": row[1], "position": decode_position(row[0], row[2]), "committed_at": row[3],
+                     "run_id": row[4],
                      "fencing_token": None if row[5] is None else int(row[5])} for row in conn.rows(query)}
 
 
@@ -409,10 +412,29 @@ def write_id_of(conn: Reader, tables: frozenset[str]) -> str | None:
     return conn.scalar(f"SELECT write_id FROM {LINEAGE} WHERE id = 1") if LINEAGE in tables else None
 
 
+def decode_position(export: str, text: str) -> object:
+    """The value of CDC export ``export``'s position row ``text`` (revision 0006). A row
+    holding JSON ``null`` (committed by a release before ``commit_position(None)`` was
+    refused, or a hand edit) or text that is not JSON holds no position, and is never read
+    as "no row", which would make a run read the checkpoint file again (issue 15, finding 5):
+    ``RIVET_STATE_POSITION_INVALID``."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        value = None
+    if value is None:
+        raise StateError("RIVET_STATE_POSITION_INVALID", f"the state's position row for CDC export {export} holds "
+                         f"{str(text)[:80]!r}, which is no position; a run of {export} is refused until it holds one",
+                         {"export": export})
+    return value
+
+
 def position_text(conn: Reader, tables: frozenset[str], export: str) -> str | None:
-    """The position the state holds for CDC export ``export`` as its JSON text exactly, as
-    it was committed or imported from a checkpoint file (so ``checkpoints export`` gives the
-    file back byte for byte); None where it holds none."""
+    """THE test of whether the state holds a position row for CDC export ``export``: its
+    JSON text exactly, as it was committed or imported from a checkpoint file (so
+    ``checkpoints export`` gives the file back byte for byte), or None where there is no
+    row (no table before revision 0006). The column is ``NOT NULL``: None is never a row;
+    a row holding JSON null is the text ``"null"`` (:func:`decode_position` refuses it)."""
     if CDC_POSITIONS not in tables:
         return None
     text = conn.scalar(f"SELECT position FROM {CDC_POSITIONS} WHERE export_name = :e", {"e": export})

@@ -380,7 +380,7 @@ def _retire_files(ctx: Context, moving: list[FilePosition]) -> list[Moved]:
     for f in moving:
         kept = kept_path(f.path)
         try:
-            current = read_checkpoint_file(f.path)[0] if f.path.is_file() else None
+            current = read_checkpoint_file(f.path)[0]
         except StateError:
             current = None
         if current == f.text:
@@ -453,7 +453,7 @@ def _left_files(dest: TransferDestination, source: str) -> list[FilePosition]:
     for entry in done.get("checkpoints", []):
         path = Path(entry["file"])
         try:
-            text, position = read_checkpoint_file(path) if path.is_file() else (None, None)
+            text, position = read_checkpoint_file(path)
         except StateError:
             continue
         if text is not None and text == texts[entry["export"]]:
