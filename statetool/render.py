@@ -981,6 +981,18 @@ def _positions_moved(positions: dict[str, Any] | None) -> list[str]:
             + [f"position {k['export']}: not moved ({k['why']})" for k in positions["skipped"]])
 
 
+def _in_state(cp: dict[str, Any], dry_run: bool) -> str:
+    """Where a transfer's checkpoint ``cp`` whose position is in the state after it had it
+    before: in the source state, or in its file, which a dry run says is where it is now
+    (finding 2 of issue 15's fresh user: a plan never says the place to come is the one now)."""
+    if cp.get("stored_in_before", "state") == "state":
+        return "its position is in the state; the file is not read for it"
+    if dry_run:
+        return "its position is in its checkpoint file now; the transfer moves it into the state, and the file is " \
+               "not read for it after"
+    return "its position was in its checkpoint file and is in the state now; the file is not read for it"
+
+
 def transfer(doc: dict[str, Any]) -> None:
     """``statetool transfer`` for people: the plan of a dry run, else what was copied and
     verified, where the old bytes are kept, and the ``RIVET_STATE_URL`` line every task
@@ -1012,7 +1024,7 @@ def transfer(doc: dict[str, Any]) -> None:
     lines = []
     for cp in doc["checkpoints"]:
         found = next((w for w in relative if cp["resolves_to"] in w["message"]), None)
-        lines.append(f"checkpoint {cp['export']}: its position is in the state; the file is not read for it"
+        lines.append(f"checkpoint {cp['export']}: {_in_state(cp, doc['dry_run'])}"
                      if cp.get("stored_in") == "state" else
                      f"checkpoint {cp['export']}: [{found['code']}] {found['message']} At least, set "
                      f"cdc.checkpoint to {cp['set_to']}, or move the position into the state "

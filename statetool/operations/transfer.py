@@ -44,7 +44,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shlex
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -54,15 +56,17 @@ from sqlalchemy.engine import Connection
 
 from statetool import migrations, schema
 from statetool.backends import open_backend, retirement
+from statetool.backends.faults import fault
 from statetool.errors import StateError, StateWarning
 from statetool.identity import identity_verdict
 from statetool.location import ENV_VAR, Location, checkpoint_relative_message, resolve_checkpoint, resolve_location
 from statetool.operations.context import Context
 from statetool.operations.leasing import refuse_untakable
-from statetool.operations.positions import (FilePosition, MoveResult, Moved, checkpoint_files, kept_path,
-                                            put_position, read_checkpoint_file, retire_file)
+from statetool.operations.positions import (FilePosition, MoveResult, Moved, kept_path, put_position,
+                                            read_checkpoint_file, retire_file)
 from statetool.operations.preflight import require, run_preflight
-from statetool.operations.probe import position_rows, position_text, read_snapshot, row_counts
+from statetool.operations.probe import (ResumePoint, position_rows, position_text, read_snapshot, resume_points,
+                                        row_counts)
 from statetool.operations.relocate import finish_command, retirement_doc
 from statetool.operations.writes import (WHOLE_STATE, WriteSession, guarded_write, require_writable,
                                          tolerate_read_only)
@@ -171,7 +175,10 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = 
     is live, in the destination once it is (a file left beside it holds the same position
     and is never read: the state's wins), and a re-run renames what is left. An export whose
     position the source state holds already keeps it (its file is not read); a file that is
-    not a position in JSON is refused (``RIVET_STATE_CHECKPOINT_UNREADABLE``) before anything.
+    not a position in JSON, or something at the file's place that is no regular file, is
+    refused (``RIVET_STATE_CHECKPOINT_UNREADABLE``) before anything, and so is an export with
+    progress whose position is nowhere (``RIVET_STATE_CHECKPOINT_MISSING``, SPEC §5a:
+    :func:`_position_plan`).
     """
     source = _source(ctx)
     dest = _destination(ctx, source, to, to_setting)
@@ -189,13 +196,17 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = 
     with source.reading() as conn:
         counts = _counts(conn)
         in_state = {row[0] for row in conn.rows(_EXPORT_NAMES)}
-        held = set(position_rows(conn, frozenset(source.table_names(conn))))
+        tables = frozenset(source.table_names(conn))
+        held = set(position_rows(conn, tables))
+        progress = resume_points(conn, tables, [e.name for e in ctx.config.exports if e.cdc is not None]) \
+            if with_checkpoints else {}
     with dest.inspecting() as conn:
         dest.check_rights("create", conn)  # the dry run refuses what the real run would, before any lease
         earlier = _check_destination(ctx, dest, conn, source_key, old.place)
-    files = _position_plan(ctx, held) if with_checkpoints else None
+    files = _position_plan(ctx, held, progress) if with_checkpoints else None
     moving = files[0] if files else []
-    checkpoints, warnings = _checkpoint_plan(ctx, dest.location, held | {f.export for f in moving})
+    before = files[2] if files else {e.name: "state" if e.name in held else "file" for e in ctx.config.exports}
+    checkpoints, warnings = _checkpoint_plan(ctx, dest.location, held | {f.export for f in moving}, before)
     result = TransferResult(old.place, dest.location.display, dest.location.state_url, old.size_bytes(),
                             [TableCopy(t.name, counts[t.name]) for t in COPIED],
                             checkpoints, dry_run=dry_run, resumed=earlier is not None, warnings=warnings)
@@ -324,12 +335,15 @@ def _check_destination(ctx: Context, dest: TransferDestination, conn: Reader, so
     return None
 
 
-def _checkpoint_plan(ctx: Context, target: Location, in_state: set[str]
+def _checkpoint_plan(ctx: Context, target: Location, in_state: set[str], before: dict[str, str]
                      ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """Where each CDC checkpoint resolves once the state is at ``target`` (``stored_in``:
-    ``state`` for the exports of ``in_state``, whose position the state holds, the file not
-    read for it; else ``file``), and the warnings of the files that will be relative to a
-    worker's own disk (``RIVET_STATE_CHECKPOINT_RELATIVE``; none for a position in the state)."""
+    """Where each CDC checkpoint resolves once the state is at ``target``, where its position
+    is before the transfer (``stored_in_before``, from ``before``: ``state``, ``file`` or
+    ``none``) and where it is after (``stored_in``: ``state`` for the exports of ``in_state``,
+    whose position the state holds then, the file not read for it; else ``file``), and the
+    warnings of the files that will be relative to a worker's own disk
+    (``RIVET_STATE_CHECKPOINT_RELATIVE``; none for a position in the state). Finding 2 of
+    issue 15's fresh user: a dry run names both places, never the one to come as the one now."""
     plan, warnings = [], []
     for export in ctx.config.exports:
         if export.cdc is None or not export.cdc.checkpoint:
@@ -338,20 +352,89 @@ def _checkpoint_plan(ctx: Context, target: Location, in_state: set[str]
         stored_in = "state" if export.name in in_state else "file"
         plan.append({"export": export.name, "configured": export.cdc.checkpoint, "resolves_to": str(place.path),
                      "set_to": str(place.path) if place.warning and stored_in == "file" else export.cdc.checkpoint,
-                     "stored_in": stored_in})
+                     "stored_in": stored_in, "stored_in_before": before[export.name]})
         if place.warning == "RIVET_STATE_CHECKPOINT_RELATIVE" and stored_in == "file":
             message = checkpoint_relative_message(export.name, place.path)  # type: ignore[arg-type]
             warnings.append(StateWarning(place.warning, message).as_dict())
     return plan, warnings
 
 
-def _position_plan(ctx: Context, held: set[str]) -> tuple[list[FilePosition], list[dict[str, str]]]:
-    """``--with-checkpoints``: the checkpoint files whose positions move, and the exports
-    skipped with why (those of ``held``, whose position the source state holds already)."""
-    files, skipped = checkpoint_files(ctx)
-    skipped += [{"export": f.export, "why": "the state holds its position already; the file is not read"}
-                for f in files if f.export in held]
-    return [f for f in files if f.export not in held], skipped
+def _position_plan(ctx: Context, held: set[str], progress: dict[str, ResumePoint]
+                   ) -> tuple[list[FilePosition], list[dict[str, str]], dict[str, str]]:
+    """``--with-checkpoints``: where each CDC export's position is before the transfer, and
+    what moves. Returns the checkpoint files whose positions move (each read once, here),
+    the exports skipped with why, and ``{export: stored_in_before}``: ``state`` (``held``:
+    the source state holds it, the file is not read), ``server_slot`` (a postgres stream
+    without a file), ``file``, or ``none``.
+
+    ``none`` is an export with no position anywhere and no progress in the source state
+    (``progress``, :func:`statetool.operations.probe.resume_points`, the rule by which
+    ``doctor`` calls a missing checkpoint lost, SPEC §3): it never ran, so no position is
+    lost, and its first run starts the stream either way. An export WITH progress and no
+    position anywhere (its file missing, or no ``cdc.checkpoint`` for an engine that needs
+    one) is refused, ``RIVET_STATE_CHECKPOINT_MISSING``: after the transfer its next run
+    would be a first run, the changes between the lost position and the new anchor gone
+    without an error (SPEC §5a; finding 1 of issue 15's fresh user). A place that holds no
+    regular file is ``RIVET_STATE_CHECKPOINT_UNREADABLE`` (:func:`_file_at`). Both before
+    any lease or write."""
+    files: list[FilePosition] = []
+    skipped: list[dict[str, str]] = []
+    before: dict[str, str] = {}
+    for export in ctx.config.exports:
+        if export.cdc is None:
+            continue
+        name, engine = export.name, export.cdc.engine
+        place = resolve_checkpoint(export.cdc.checkpoint, engine, ctx.location, ctx.config.directory)
+        found = _file_at(place.path) if place.path is not None and name not in held else None
+        if name in held:
+            before[name] = "state"
+            skipped.append({"export": name, "why": "the state holds its position already; the file is not read"})
+        elif place.path is None and engine == "postgres":
+            before[name] = "server_slot"
+            skipped.append({"export": name, "why": "its position is in the postgres stream's replication slot"})
+        elif found is not None and place.path is not None:
+            before[name] = "file"
+            files.append(FilePosition(name, engine, place.path, *found))
+        elif name in progress and progress[name].has_progress:
+            lost = f"its checkpoint {place.path} is missing" if place.path is not None else place.why
+            raise StateError("RIVET_STATE_CHECKPOINT_MISSING",
+                             f"the state shows progress for CDC export {name}, and holds no position of it, but "
+                             f"{lost}: after the transfer its next run would be a first run, the stream re-anchored "
+                             "and the changes between the lost position and the new anchor gone; nothing was changed",
+                             {"export": name, "path": str(place.path) if place.path is not None else None})
+        else:
+            before[name] = "none"
+            skipped.append({"export": name, "why": "no position yet: no checkpoint file and no progress in the "
+                                                   "state (it never ran), so none is lost"})
+    return files, skipped, before
+
+
+def _file_at(path: Path) -> tuple[str, object] | None:
+    """The text and position of the checkpoint file at ``path`` (read by
+    :func:`~statetool.operations.positions.read_checkpoint_file`, and its codes), or None
+    when nothing is there. Something that is no regular file (a directory, a FIFO, a link
+    to nothing) is never opened: ``RIVET_STATE_CHECKPOINT_UNREADABLE``; a place this user
+    may not look into is its fault's code (SPEC §8a: never reported as missing)."""
+    try:
+        mode: int | None = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        if not os.path.islink(path):
+            return None
+        mode = None
+    except OSError as err:
+        raise fault(path, err) or err from None
+    if mode is None or not stat.S_ISREG(mode):
+        what = "a link to nothing" if mode is None else f"a {_kind(mode)}"
+        raise StateError("RIVET_STATE_CHECKPOINT_UNREADABLE", f"{path} is not a regular file ({what}): it holds no "
+                         "position that can be moved; nothing was changed", {"path": str(path)})
+    return read_checkpoint_file(path)
+
+
+def _kind(mode: int) -> str:
+    """What a file of ``mode`` that is no regular file is, as people say it."""
+    return ("directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else
+            "socket" if stat.S_ISSOCK(mode) else "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "special file")
 
 
 def _moved_doc(moving: list[FilePosition]) -> list[dict[str, str]]:
@@ -374,15 +457,17 @@ def _put_positions(dest: TransferDestination, conn: Connection, moving: list[Fil
 
 def _retire_files(ctx: Context, moving: list[FilePosition]) -> list[Moved]:
     """Rename each checkpoint file of ``moving`` ``<name>.imported-<UTC time>`` once the
-    destination holding its position is live; a file that no longer holds the moved text
-    is left where it is (``checkpoints`` then reports both values)."""
+    destination holding its position is live, each file read once, here; a file that no
+    longer holds the moved text (or is gone, or cannot be read) is left where it is
+    (``kept_as`` None; ``checkpoints`` then reports both values)."""
     moved = []
     for f in moving:
         kept = kept_path(f.path)
         try:
-            current = read_checkpoint_file(f.path)[0] if f.path.is_file() else None
-        except StateError:
-            current = None
+            found = _file_at(f.path)
+        except (StateError, OSError):
+            found = None
+        current = found[0] if found is not None else None
         if current == f.text:
             retire_file(f.path, kept)
             ctx.on_step("checkpoint-renamed")
@@ -435,30 +520,24 @@ def _already_transferred(ctx: Context, dest: TransferDestination, old: Retiremen
     if not dry_run:
         old.finish_retired()
         dest.make_live()
-        left = _left_files(dest, old.place)
-        if left:
-            result.positions = MoveResult("into_state", _retire_files(ctx, left), [], dry_run).as_dict()
+        renamed = [m for m in _retire_files(ctx, _left_files(dest, old.place)) if m.kept_as is not None]
+        if renamed:
+            result.positions = MoveResult("into_state", renamed, [], dry_run).as_dict()
     return result
 
 
 def _left_files(dest: TransferDestination, source: str) -> list[FilePosition]:
     """The checkpoint files that the transfer of ``source`` into ``dest`` moved (its audit
-    row names them) and a kill left at their place, still holding the very text the
-    destination holds as the position: those a re-run renames."""
+    row names them), each with the text the destination holds as its position: a kill
+    may have left them at their place, and :func:`_retire_files` renames those that still
+    hold that very text (reading each once: finding 3 of issue 15's fresh user). No file
+    is read here."""
     with dest.reading() as conn:
         tables = frozenset(dest.table_names(conn))
         done = _transfer_row(conn, set(tables), source) or {}
         texts = {c["export"]: position_text(conn, tables, c["export"]) for c in done.get("checkpoints", [])}
-    left = []
-    for entry in done.get("checkpoints", []):
-        path = Path(entry["file"])
-        try:
-            text, position = read_checkpoint_file(path) if path.is_file() else (None, None)
-        except StateError:
-            continue
-        if text is not None and text == texts[entry["export"]]:
-            left.append(FilePosition(entry["export"], "", path, text, position))
-    return left
+    return [FilePosition(c["export"], "", Path(c["file"]), text, json.loads(text))
+            for c in done.get("checkpoints", []) if (text := texts[c["export"]]) is not None]
 
 
 def _copy(ctx: Context, source: TransferSource, source_conn: Connection, dest: TransferDestination,
