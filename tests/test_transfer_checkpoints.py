@@ -420,3 +420,29 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
 
 
 sys.addaudithook(_audit)
+
+
+def test_a_file_a_run_writes_while_the_transfer_waits_for_its_lease_is_the_position_that_moves(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    """What moves is decided under every run lease, never from the plan read before the
+    wait: a run that held its lease when the transfer started writes its file, then ends."""
+    cfg, files, data = _pipeline(tmp_path / "pipeline")
+    started = tmp_path / "started"
+    newer = '{"file": "mysql-bin.000043", "pos": 7}'
+    script = f"touch {started}; sleep 2; printf '%s' '{newer}' > {files['order_events']}"
+    run = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(cfg), "leases", "run", "--export",
+                            "order_events", "--", "sh", "-c", script], env=process_env())
+    try:
+        deadline = time.monotonic() + 30
+        while not started.exists():
+            assert time.monotonic() < deadline and run.poll() is None, "the run never started"
+            time.sleep(0.05)
+        proc = run_cli_process("-c", str(cfg), "--json", "--lock-wait", "60", "transfer", "--to", pg_url,
+                               "--with-checkpoints", timeout=120)
+    finally:
+        assert run.wait(timeout=60) == 0
+    assert proc.returncode == 0, describe(proc)
+    assert _pg_positions(admin, pg_url)["order_events"] == newer
+    assert [k.read_text() for k in _kept(files)["order_events"]] == [newer]
+    moved = {m["export"]: m["position"] for m in json.loads(proc.stdout)["positions"]["moved"]}
+    assert moved["order_events"] == json.loads(newer)

@@ -196,23 +196,15 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = 
     with source.reading() as conn:
         counts = _counts(conn)
         in_state = {row[0] for row in conn.rows(_EXPORT_NAMES)}
-        tables = frozenset(source.table_names(conn))
-        held = set(position_rows(conn, tables))
-        progress = resume_points(conn, tables, [e.name for e in ctx.config.exports if e.cdc is not None]) \
-            if with_checkpoints else {}
+        moving, checkpoints, warnings, positions = _positions(ctx, source, conn, dest.location, with_checkpoints,
+                                                              dry_run)
     with dest.inspecting() as conn:
         dest.check_rights("create", conn)  # the dry run refuses what the real run would, before any lease
         earlier = _check_destination(ctx, dest, conn, source_key, old.place)
-    files = _position_plan(ctx, held, progress) if with_checkpoints else None
-    moving = files[0] if files else []
-    before = files[2] if files else {e.name: "state" if e.name in held else "file" for e in ctx.config.exports}
-    checkpoints, warnings = _checkpoint_plan(ctx, dest.location, held | {f.export for f in moving}, before)
     result = TransferResult(old.place, dest.location.display, dest.location.state_url, old.size_bytes(),
                             [TableCopy(t.name, counts[t.name]) for t in COPIED],
-                            checkpoints, dry_run=dry_run, resumed=earlier is not None, warnings=warnings)
-    if files is not None:
-        result.positions = MoveResult("into_state", [Moved(f.export, str(f.path), f.position, None) for f in moving],
-                                      files[1], dry_run).as_dict()
+                            checkpoints, dry_run=dry_run, resumed=earlier is not None, warnings=warnings,
+                            positions=positions)
     # the guarded write's own first refusal, before any lease or file; the dry run the same
     read_only = retirable or require_writable(ctx, replaced_by=_REPLACED_BY, dry_run=dry_run)
     result.warnings += [w.as_dict() for w in read_only]
@@ -231,6 +223,10 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = 
                                                     lock_code="RIVET_STATE_RUN_IN_PROGRESS",
                                                     replaced_by=_REPLACED_BY))
         old.require_frozen()
+        if with_checkpoints:  # decided again under every run lease: a run waited for may have written a file since
+            moving, result.checkpoints, relative, result.positions = _positions(
+                ctx, source, source.reader(session.conn), dest.location, True, False)
+            result.warnings = [w for w in result.warnings if w["code"] != "RIVET_STATE_CHECKPOINT_RELATIVE"] + relative
         digest = old.digest(session.conn)
         ctx.on_step("digested")
         # counted again under the write lock: a run waited for above may have added rows
@@ -333,6 +329,29 @@ def _check_destination(ctx: Context, dest: TransferDestination, conn: Reader, so
                          f"the destination {dest.location.display} already holds progress for {', '.join(busy)}; "
                          "a transfer never overwrites progress")
     return None
+
+
+def _positions(ctx: Context, source: TransferSource, conn: Reader, target: Location, with_checkpoints: bool,
+               dry_run: bool) -> tuple[list[FilePosition], list[dict[str, str]], list[dict[str, str]],
+                                       dict[str, object] | None]:
+    """Where each CDC export's position is and will be, read on ``conn``: the source's read
+    session for the plan, then its write connection under every run lease for the transfer
+    itself (a run waited for meanwhile may have written its file or committed a position
+    into the state: what moves is what is there once every writer is held off). Returns the
+    files whose positions move (:func:`_position_plan`, with ``with_checkpoints``), the
+    checkpoint rows and warnings (:func:`_checkpoint_plan`), and the ``positions`` document
+    (None without ``with_checkpoints``). Raises :func:`_position_plan`'s codes."""
+    tables = frozenset(source.table_names(conn))
+    held = set(position_rows(conn, tables))
+    if not with_checkpoints:
+        checkpoints, warnings = _checkpoint_plan(ctx, target, held, {e.name: "state" if e.name in held else "file"
+                                                                     for e in ctx.config.exports})
+        return [], checkpoints, warnings, None
+    progress = resume_points(conn, tables, [e.name for e in ctx.config.exports if e.cdc is not None])
+    moving, skipped, before = _position_plan(ctx, held, progress)
+    checkpoints, warnings = _checkpoint_plan(ctx, target, held | {f.export for f in moving}, before)
+    return moving, checkpoints, warnings, MoveResult(
+        "into_state", [Moved(f.export, str(f.path), f.position, None) for f in moving], skipped, dry_run).as_dict()
 
 
 def _checkpoint_plan(ctx: Context, target: Location, in_state: set[str], before: dict[str, str]
