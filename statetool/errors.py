@@ -402,6 +402,10 @@ WARNINGS: dict[str, str] = {
     "RIVET_STATE_CHECKPOINT_FILE_NEWER":
         "the state's position is the one runs resume from; stop whatever still writes the file (a worker of an "
         "older release), then remove the file or move it aside",
+    "RIVET_STATE_CHECKPOINT_FILE_OLDER":
+        "the state's position is the one runs resume from; move the file aside (a restored backup or a copy). Only "
+        "if the file's position is the right one: move it aside, run statetool checkpoints export --export NAME, "
+        "put the file back in its place, then statetool checkpoints import --export NAME",
     "RIVET_STATE_ROLLED_BACK":
         "compare the two (statetool diff COPY sqlite:/dir), then put the newer one back on purpose with statetool "
         "restore NAME; until then the exports resume from the older progress",

@@ -503,7 +503,8 @@ def leases(doc: dict[str, Any]) -> None:
 
 
 def info(doc: dict[str, Any]) -> None:
-    """``statetool info`` for people: where, revision, identity, then the tables."""
+    """``statetool info`` for people: where, revision, identity, then the tables: the
+    exports, the CDC checkpoints (when the config has a CDC export), the leases."""
     loc, rev, ident = doc["location"], doc["revision"], doc["identity"]
     page = Page()
     real = [("real file", loc["real_path"])] if loc.get("real_path") not in (None, loc["path"]) else []
@@ -520,6 +521,9 @@ def info(doc: dict[str, Any]) -> None:
                             ("lineage", lineage.get("id") or "none recorded"), ("serial", lineage.get("serial"))])
     page.line()
     _exports(page, doc["exports"], _now())
+    if doc.get("checkpoints"):  # SPEC §8: info shows the checkpoints (finding 5 of issue 15's fresh user)
+        page.line()
+        _checkpoint_table(page, doc["checkpoints"])
     if doc.get("leases"):
         page.line()
         _lease_table(page, doc["leases"])
@@ -666,20 +670,27 @@ _COMMITTED_COLUMNS = (Column("committed"), Column("run"))
 _STORED_IN = {"state": "state", "file": "file", "server_slot": "server slot", "unknown": "unknown"}
 
 
-def checkpoints(doc: dict[str, Any]) -> None:
-    """``statetool checkpoints`` for people: where each position lives (``stored in``:
-    state, file or server slot; issue 15 item 5), ``written`` the file's age; with
-    ``committed`` (UTC to the second) and ``run`` when a position is in the state."""
-    page = Page()
-    in_state = any(row["stored_in"] == "state" for row in doc["checkpoints"])
+def _checkpoint_table(page: Page, checkpoints: list[dict[str, Any]]) -> None:
+    """The table of CDC checkpoints ``statetool checkpoints`` and ``statetool info`` show:
+    where each position lives (``stored in``: state, file or server slot; issue 15 item 5),
+    ``written`` the file's age; with ``committed`` (UTC to the second) and ``run`` when a
+    position is in the state."""
+    in_state = any(row["stored_in"] == "state" for row in checkpoints)
     rows = []
-    for row in doc["checkpoints"]:
+    for row in checkpoints:
         position = row["error"] or (json.dumps(row["position"]) if row["position"] is not None else None)
         rows.append([row["export"], row["engine"], _STORED_IN[row["stored_in"]], row["path"], row["why"],
                      row["present"], row["size_bytes"], ago(row["age_seconds"]), position,
                      *([timestamp(row["committed_at"]), row["run_id"]] if in_state else [])])
     page.table("CDC checkpoints", _CHECKPOINT_COLUMNS + (_COMMITTED_COLUMNS if in_state else ()), rows)
-    if not rows:
+
+
+def checkpoints(doc: dict[str, Any]) -> None:
+    """``statetool checkpoints`` for people: the table of :func:`_checkpoint_table`, then
+    the warnings."""
+    page = Page()
+    _checkpoint_table(page, doc["checkpoints"])
+    if not doc["checkpoints"]:
         page.line("no CDC export in the config")
     page.show()
     print_warnings(doc["warnings"])
@@ -981,6 +992,18 @@ def _positions_moved(positions: dict[str, Any] | None) -> list[str]:
             + [f"position {k['export']}: not moved ({k['why']})" for k in positions["skipped"]])
 
 
+def _in_state(cp: dict[str, Any], dry_run: bool) -> str:
+    """Where a transfer's checkpoint ``cp`` whose position is in the state after it had it
+    before: in the source state, or in its file, which a dry run says is where it is now
+    (finding 2 of issue 15's fresh user: a plan never says the place to come is the one now)."""
+    if cp.get("stored_in_before", "state") == "state":
+        return "its position is in the state; the file is not read for it"
+    if dry_run:
+        return "its position is in its checkpoint file now; the transfer moves it into the state, and the file is " \
+               "not read for it after"
+    return "its position was in its checkpoint file and is in the state now; the file is not read for it"
+
+
 def transfer(doc: dict[str, Any]) -> None:
     """``statetool transfer`` for people: the plan of a dry run, else what was copied and
     verified, where the old bytes are kept, and the ``RIVET_STATE_URL`` line every task
@@ -1012,7 +1035,7 @@ def transfer(doc: dict[str, Any]) -> None:
     lines = []
     for cp in doc["checkpoints"]:
         found = next((w for w in relative if cp["resolves_to"] in w["message"]), None)
-        lines.append(f"checkpoint {cp['export']}: its position is in the state; the file is not read for it"
+        lines.append(f"checkpoint {cp['export']}: {_in_state(cp, doc['dry_run'])}"
                      if cp.get("stored_in") == "state" else
                      f"checkpoint {cp['export']}: [{found['code']}] {found['message']} At least, set "
                      f"cdc.checkpoint to {cp['set_to']}, or move the position into the state "

@@ -6,7 +6,10 @@ tests/test_guarded_writes.py (fencing on SQLite)."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +25,17 @@ def _store(backend: StateBackend) -> tuple[StateStore, Path]:
     config = write_config(backend.pipeline)
     store = StateStore.open(config, env=process_env(backend.env), create=True)
     return store, config.parent / "checkpoints" / "order_events.json"
+
+
+def _committed(backend: StateBackend) -> tuple[StateStore, Path, str]:
+    """:func:`_store`, then a succeeded run of order_events that committed :data:`POSITION`
+    into the state; returns the store, the checkpoint file's place and the run's id."""
+    store, checkpoint = _store(backend)
+    with store.run("order_events", "cdc") as run:
+        run_id = run.start_run()
+        run.commit_position(POSITION)
+        run.finish_run(run_id, "succeeded", rows=1)
+    return store, checkpoint, run_id
 
 
 def test_a_committed_position_is_read_from_the_state_and_the_file_never_again(state_backend: StateBackend) -> None:
@@ -115,12 +129,8 @@ def test_doctor_and_checkpoints_say_the_position_is_in_the_state_with_no_file(st
     and a file a worker wrote later is reported with both values, never merged."""
     from support import describe, run_cli
 
-    store, checkpoint = _store(state_backend)
+    store, checkpoint, run_id = _committed(state_backend)
     config = store.ctx.config.path
-    with store.run("order_events", "cdc") as run:
-        run_id = run.start_run()
-        run.commit_position(POSITION)
-        run.finish_run(run_id, "succeeded", rows=1)
     assert not checkpoint.exists()
     proc = run_cli("-c", str(config), "--json", "doctor", "--export", "order_events", env=state_backend.env)
     assert proc.returncode == 0, describe(proc)
@@ -246,3 +256,77 @@ def test_checkpoints_export_and_import_of_a_state_that_cannot_be_read_are_refuse
             proc = run_cli("-c", str(config), "--json-errors", "checkpoints", *verb, env=env)
             assert proc.returncode != 0 and error_object(proc)["code"] == code, (verb, describe(proc))
     assert tree_digest(tmp_path) == before
+
+
+# -- issue 15's fresh user, findings 4-6: what checkpoints, doctor and info report ---------
+
+
+def _cli_json(backend: StateBackend, config: Path, *args: str, code: int = 0) -> dict[str, Any]:
+    from support import describe, run_cli
+
+    proc = run_cli("-c", str(config), "--json", *args, env=backend.env)
+    assert proc.returncode == code, describe(proc)
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("shift", "code"), [(-3600, "RIVET_STATE_CHECKPOINT_FILE_OLDER"),
+                                             (3600, "RIVET_STATE_CHECKPOINT_FILE_NEWER")])
+def test_a_checkpoint_file_with_another_position_is_reported_with_both_values_whichever_is_newer(
+        shift: int, code: str, state_backend: StateBackend) -> None:
+    """Finding 4: a file that holds another position than the state's is a fact to see
+    whether it was written before the state's commit (a restored backup, a copy) or after
+    (something still writes it): `checkpoints`, `doctor` and `info` name both values."""
+    store, checkpoint = _store(state_backend)
+    config = store.ctx.config.path
+    with store.run("order_events", "cdc") as run:
+        run.commit_position(POSITION)
+    checkpoint.parent.mkdir()
+    checkpoint.write_text(json.dumps({"file": "mysql-bin.000007", "pos": 4}))
+    when = time.time() + shift  # a restored backup keeps its old mtime
+    os.utime(checkpoint, (when, when))
+
+    def both(warning: dict[str, Any]) -> None:
+        assert warning["code"] == code and "000007" in warning["message"] and "000042" in warning["message"], warning
+        assert str(checkpoint) in warning["message"], warning
+
+    listed = _cli_json(state_backend, config, "checkpoints")
+    (warning,) = listed["checkpoints"][0]["warnings"]
+    both(warning)
+    assert listed["checkpoints"][0]["position"] == POSITION, "the state's position stays the one reported"
+    (events,) = _cli_json(state_backend, config, "doctor", "--export", "order_events")["exports"]
+    assert events["verdict"] == "resumes" and "000042" in events["resumes_from"], events
+    both(next(r for r in events["reasons"] if r["code"] == code))
+    both(next(w for w in _cli_json(state_backend, config, "info")["warnings"] if w["code"] == code))
+    checkpoint.write_text(json.dumps(POSITION))
+    assert _cli_json(state_backend, config, "checkpoints")["warnings"] == [], "the same position is no finding"
+
+
+def test_doctor_json_says_where_each_export_s_position_lives(state_backend: StateBackend, tmp_path: Path) -> None:
+    """Finding 6: `stored_in` per export in doctor --json, as checkpoints gives it (issue 15 item 5)."""
+    from support import CDC_EXPORTS
+
+    config = write_config(state_backend.pipeline, exports=CDC_EXPORTS.format(absolute=tmp_path / "audit.scn"))
+    store = StateStore.open(config, env=process_env(state_backend.env), create=True)
+    with store.run("order_events", "cdc") as run:
+        run_id = run.start_run()
+        run.commit_position(POSITION)
+    (tmp_path / "audit.scn").write_text('{"scn": 1}')
+    # exit 5: the exports without progress would first-run
+    doctor = {e["name"]: e["stored_in"] for e in _cli_json(state_backend, config, "doctor", code=5)["exports"]}
+    assert doctor == {"orders": None, "order_events": "state", "carts": "file", "ledger": "server_slot",
+                      "audit": "file"}, doctor
+    listed = {c["export"]: c["stored_in"] for c in _cli_json(state_backend, config, "checkpoints")["checkpoints"]}
+    assert listed == {k: v for k, v in doctor.items() if v is not None}
+    (events,) = _cli_json(state_backend, config, "doctor", "--export", "order_events")["exports"]
+    assert f"by run {run_id}" in events["resumes_from"] and events["age_seconds"] is not None, events
+
+
+def test_info_for_people_shows_where_each_position_lives_its_age_and_run(state_backend: StateBackend) -> None:
+    """Finding 5: SPEC §8 lists checkpoints among what `info` shows; the human page had none."""
+    from support import describe, run_cli_process
+
+    store, _, run_id = _committed(state_backend)
+    proc = run_cli_process("-c", str(store.ctx.config.path), "info", env=state_backend.env)
+    assert proc.returncode == 0, describe(proc)
+    page = proc.stdout[proc.stdout.index("CDC checkpoints"):]
+    assert "order_events" in page and "state" in page and run_id in page and "000042" in page, proc.stdout

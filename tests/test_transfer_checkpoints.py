@@ -12,15 +12,17 @@ once it is), and a re-run converges.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from support import describe, error_object, fork_cli, process_env, run_cli, tree_digest, write_config
+from support import describe, error_object, fork_cli, process_env, run_cli, run_cli_process, tree_digest, write_config
 from support.crash_driver import run_killed_at
 from statetool.errors import StateError
 from statetool.runtime import StateStore
@@ -282,3 +284,165 @@ def test_a_kill_at_a_blind_time_leaves_every_position_live_in_one_place_and_a_re
     child.wait()
     _live(cfg, pg_url, files, data)
     _converged(cfg, admin, pg_url, files, data)
+
+
+# -- finding 1 of issue 15's fresh user: a position that is nowhere is refused, never lost --
+
+
+def _ran(cfg: Path, export: str) -> None:
+    """A succeeded run of ``export`` in the source state: progress (SPEC §3), as a pipeline
+    whose stream keeps its position in the checkpoint file records it."""
+    store = StateStore.open(cfg, env=process_env())
+    with store.run(export, "cdc") as run:
+        run.finish_run(run.start_run(), "succeeded", rows=3)
+
+
+def _refused(cfg: Path, admin: str, pg_url: str, code: str, *extra: str) -> dict[str, Any]:  # noqa: F811
+    """Run the transfer (and its dry run) in a process of the real CLI and assert each is
+    refused with ``code`` and changes no byte of the pipeline's tree and creates no
+    destination schema."""
+    before = tree_digest(cfg.parent)
+    for dry in ((), ("--dry-run",)):
+        proc = run_cli_process("-c", str(cfg), "--json-errors", "transfer", "--to", pg_url, "--with-checkpoints",
+                               *extra, *dry, timeout=60)
+        err = error_object(proc)
+        assert err["code"] == code, describe(proc)
+        assert tree_digest(cfg.parent) == before and not schema_exists(admin, split_url(pg_url)[1])
+    return err
+
+
+def test_a_missing_checkpoint_file_of_an_export_with_progress_is_refused_before_anything_is_written(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, _ = _pipeline(tmp_path / "pipeline")
+    _ran(cfg, "order_events")
+    files["order_events"].unlink()
+    err = _refused(cfg, admin, pg_url, "RIVET_STATE_CHECKPOINT_MISSING")
+    assert err["exit_code"] == 5 and "order_events" in err["message"] and str(files["order_events"]) in err["message"]
+
+
+def test_a_missing_checkpoint_file_of_an_export_whose_position_the_state_holds_is_no_loss(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, _ = _pipeline(tmp_path / "pipeline")
+    _ran(cfg, "order_events")
+    store = StateStore.open(cfg, env=process_env())
+    with store.run("order_events", "cdc") as run:
+        run.commit_position({"file": "mysql-bin.000050", "pos": 4})
+    files["order_events"].unlink()
+    done = _cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints")
+    assert done["done"] and "order_events" in {s["export"] for s in done["positions"]["skipped"]}
+    assert _resumes_from(cfg, {"RIVET_STATE_URL": pg_url})["order_events"] == {"file": "mysql-bin.000050", "pos": 4}
+
+
+def test_an_export_that_never_ran_and_has_no_file_has_no_position_to_lose_and_is_skipped_with_why(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, data = _pipeline(tmp_path / "pipeline")
+    files["order_events"].unlink()
+    plan = _cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints", "--dry-run")
+    rows = {c["export"]: c for c in plan["checkpoints"]}
+    assert rows["order_events"]["stored_in_before"] == "none", rows
+    done = _cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints")
+    skipped = {s["export"]: s["why"] for s in done["positions"]["skipped"]}
+    assert "never ran" in skipped["order_events"], skipped
+    assert sorted(_pg_positions(admin, pg_url)) == sorted(n for n in data if n != "order_events")
+    assert _resumes_from(cfg, {"RIVET_STATE_URL": pg_url})["order_events"] is None
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "dangling link"])
+def test_a_checkpoint_place_that_holds_no_regular_file_is_refused_never_opened(
+        kind: str, tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, _ = _pipeline(tmp_path / "pipeline")
+    place = files["customer_changes"]
+    place.unlink()
+    if kind == "directory":
+        place.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(place)  # opened for reading, it would block the transfer for ever: the timeout fails it
+    else:
+        place.symlink_to(tmp_path / "nowhere.json")
+    err = _refused(cfg, admin, pg_url, "RIVET_STATE_CHECKPOINT_NOT_A_FILE")
+    assert str(place) in err["message"] and "not a regular file" in err["message"], err
+
+
+# -- finding 2: the plan says where each position is now, and where it will be --------------
+
+
+def test_the_plan_says_a_position_is_in_its_file_now_and_in_the_state_after(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, data = _pipeline(tmp_path / "pipeline")
+    plan = _cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints", "--dry-run")
+    assert {c["export"]: (c["stored_in_before"], c["stored_in"]) for c in plan["checkpoints"]} == {
+        n: ("file", "state") for n in data}
+    human = run_cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints", "--dry-run")
+    assert human.returncode == 0, describe(human)
+    text = " ".join(human.stdout.split())
+    assert "its position is in the state" not in text, human.stdout
+    assert "checkpoint order_events: its position is in its checkpoint file now; the transfer moves it into the " \
+           "state" in text, human.stdout
+    done = run_cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints")
+    assert done.returncode == 0, describe(done)
+    assert "checkpoint order_events: its position was in its checkpoint file and is in the state now" in " ".join(
+        done.stdout.split()), done.stdout
+
+
+# -- finding 3: a re-run after the switch reads each left file once --------------------------
+
+
+def test_the_rerun_after_a_kill_past_the_switch_reads_each_left_file_once(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    from statetool.operations.context import Context
+    from statetool.operations.transfer import transfer
+
+    cfg, files, data = _pipeline(tmp_path / "pipeline")
+    killed = run_killed_at("swapped", "-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints")
+    assert killed.returncode == -signal.SIGKILL, describe(killed)
+    assert all(p.exists() for p in files.values())
+    watched = {str(p) for p in files.values()}
+    opened: list[str] = []
+    _OPENS.append(lambda path: opened.append(path) if path in watched else None)
+    try:
+        result = transfer(Context(cfg, None, env=process_env(), config_given=True), pg_url, with_checkpoints=True)
+    finally:
+        _OPENS.clear()
+    assert result.already and sorted(m["export"] for m in result.positions["moved"]) == sorted(data)
+    assert sorted(opened) == sorted(watched), "each left file is read exactly once"
+    assert not any(p.exists() for p in files.values())
+
+
+#: The watchers of every ``open`` of this process (a Python audit hook, which cannot be
+#: removed once added: added once, and idle while the list is empty).
+_OPENS: list[Any] = []
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if event == "open" and _OPENS and isinstance(args[0], (str, os.PathLike)):
+        for watch in _OPENS:
+            watch(os.fspath(args[0]))
+
+
+sys.addaudithook(_audit)
+
+
+def test_a_file_a_run_writes_while_the_transfer_waits_for_its_lease_is_the_position_that_moves(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    """What moves is decided under every run lease, never from the plan read before the
+    wait: a run that held its lease when the transfer started writes its file, then ends."""
+    cfg, files, data = _pipeline(tmp_path / "pipeline")
+    started = tmp_path / "started"
+    newer = '{"file": "mysql-bin.000043", "pos": 7}'
+    script = f"touch {started}; sleep 2; printf '%s' '{newer}' > {files['order_events']}"
+    run = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(cfg), "leases", "run", "--export",
+                            "order_events", "--", "sh", "-c", script], env=process_env())
+    try:
+        deadline = time.monotonic() + 30
+        while not started.exists():
+            assert time.monotonic() < deadline and run.poll() is None, "the run never started"
+            time.sleep(0.05)
+        proc = run_cli_process("-c", str(cfg), "--json", "--lock-wait", "60", "transfer", "--to", pg_url,
+                               "--with-checkpoints", timeout=120)
+    finally:
+        assert run.wait(timeout=60) == 0
+    assert proc.returncode == 0, describe(proc)
+    assert _pg_positions(admin, pg_url)["order_events"] == newer
+    assert [k.read_text() for k in _kept(files)["order_events"]] == [newer]
+    moved = {m["export"]: m["position"] for m in json.loads(proc.stdout)["positions"]["moved"]}
+    assert moved["order_events"] == json.loads(newer)

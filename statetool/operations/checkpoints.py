@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from statetool.config import Export
 from statetool.errors import StateError, StateWarning
 from statetool.location import checkpoint_relative_message, resolve_checkpoint
 from statetool.moments import moment, parse_time
@@ -75,29 +76,48 @@ def checkpoint_warning(code: str, export: str, path: object) -> StateWarning:
                               "directory so it lives and moves with the state")
 
 
-def file_newer_warning(export: str, path: Path | None, stored: dict[str, Any]) -> StateWarning | None:
-    """Warning ``RIVET_STATE_CHECKPOINT_FILE_NEWER`` when CDC export ``export``'s checkpoint
-    file at ``path`` holds another position than the state's ``stored`` one and was written
-    after it was committed (a worker that still writes the file): both values are named,
-    neither is merged into the other (issue 15 item 5). None otherwise, and for a file that
-    the one reader (:func:`~statetool.operations.checkpoint_file.read_checkpoint`) refuses:
-    the state's position is the one in force, and no run reads that file."""
+def file_differs_warning(export: str, path: Path | None, stored: dict[str, Any]) -> StateWarning | None:
+    """The warning when CDC export ``export``'s checkpoint file at ``path`` holds another
+    position than the state's ``stored`` one, naming both values and both times, neither
+    merged into the other (issue 15 item 5): ``RIVET_STATE_CHECKPOINT_FILE_NEWER`` when the
+    file was written after the state's position was committed (a worker that still writes
+    it), ``RIVET_STATE_CHECKPOINT_FILE_OLDER`` otherwise (a restored backup, a copy: a file
+    that differs is a fact to see whichever is newer; finding 4 of issue 15's fresh user).
+    None when no such file is there, it holds the state's position, or the one reader
+    (:func:`~statetool.operations.checkpoint_file.read_checkpoint`) refuses it: the state's
+    position is the one in force, and no run reads that file."""
     if path is None:
         return None
     try:
         found = read_checkpoint(path)
     except StateError:
         return None
-    committed = parse_time(stored["committed_at"])
-    if not found.present or found.position == stored["position"] or committed is None:
+    if not found.present or found.position == stored["position"]:
         return None
     written = datetime.fromtimestamp(found.modified or 0, UTC)
-    if written <= committed:
-        return None
-    return StateWarning("RIVET_STATE_CHECKPOINT_FILE_NEWER",
-                        f"CDC export {export}: the state holds position {json.dumps(stored['position'])} (committed "
-                        f"{moment(stored['committed_at'])}), and {path}, written later ({moment(written)}), holds "
-                        f"{json.dumps(found.position)}; the state's is the one a run resumes from")
+    committed = parse_time(stored["committed_at"])
+    state = f"the state holds position {json.dumps(stored['position'])} (committed {moment(stored['committed_at'])})"
+    if committed is not None and written > committed:
+        return StateWarning("RIVET_STATE_CHECKPOINT_FILE_NEWER",
+                            f"CDC export {export}: {state}, and {path}, written later ({moment(written)}), holds "
+                            f"{json.dumps(found.position)}; the state's is the one a run resumes from")
+    when = f"earlier ({moment(written)})" if committed is not None else \
+        f"{moment(written)} (the state's commit time cannot be read)"
+    return StateWarning("RIVET_STATE_CHECKPOINT_FILE_OLDER",
+                        f"CDC export {export}: {state}, and {path}, written {when}, holds "
+                        f"{json.dumps(found.position)} (an older copy: a restored backup, a file copied back); the "
+                        "state's is the one a run resumes from")
+
+
+def stored_in_of(export: Export, in_state: bool) -> str:
+    """Where CDC export ``export``'s position lives (issue 15 item 5; the one rule of
+    ``checkpoints``, ``doctor`` and ``info``): ``state`` when the state holds it
+    (``in_state``: revision 0006, the file is not read), ``server_slot`` for a postgres
+    stream without a checkpoint file (SPEC §6), ``file`` otherwise."""
+    assert export.cdc is not None
+    if in_state:
+        return "state"
+    return "server_slot" if not export.cdc.checkpoint and export.cdc.engine == "postgres" else "file"
 
 
 def stored_positions(ctx: Context) -> dict[str, dict[str, Any]]:
@@ -158,16 +178,15 @@ def checkpoints(ctx: Context) -> CheckpointsResult:
         place = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, location, config.directory)
         report = CheckpointReport(export.name, export.cdc.engine, export.cdc.checkpoint,
                                   str(place.path) if place.path else None, place.why, False)
+        report.stored_in = stored_in_of(export, export.name in stored)
         if export.name in stored:
             row = stored[export.name]
-            report.stored_in, report.present, report.position = "state", True, row["position"]
+            report.present, report.position = True, row["position"]
             report.committed_at, report.run_id = row["committed_at"], row["run_id"]
-            newer = file_newer_warning(export.name, place.path, row)
-            report.warnings += [newer] if newer is not None else []
+            differs = file_differs_warning(export.name, place.path, row)
+            report.warnings += [differs] if differs is not None else []
             out.append(report)
             continue
-        if place.path is None and export.cdc.engine == "postgres":
-            report.stored_in = "server_slot"
         if place.warning:
             report.warnings.append(checkpoint_warning(place.warning, export.name, place.path))
         if place.path is not None:

@@ -35,7 +35,7 @@ from statetool.location import ENV_VAR, Location, resolve_checkpoint
 from statetool.moments import moment
 from statetool.mounts import mount_of
 from statetool.operations.checkpoint_file import read_checkpoint
-from statetool.operations.checkpoints import checkpoint_warning, file_newer_warning
+from statetool.operations.checkpoints import checkpoint_warning, file_differs_warning, stored_in_of
 from statetool.operations.context import Context
 from statetool.operations.probe import (ResumePoint, Snapshot, last_resets, position_rows, read_snapshot,
                                         resume_points)
@@ -86,12 +86,15 @@ class ExportDiagnosis:
     #: The exact time ``resumes_from`` names (ISO-8601, as the state holds it) when it
     #: resumes from a finished run, so people read it to the second (issue 12 item 4).
     resumes_from_at: str | None = None
+    #: Where a CDC export's position lives, as ``checkpoints`` says it (issue 15 item 5):
+    #: ``state``, ``file`` or ``server_slot``; None for an export that is not CDC.
+    stored_in: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """``{name, mode, verdict, resumes_from, resumes_from_at, age_seconds, reasons: [...]}``."""
+        """``{name, mode, verdict, resumes_from, resumes_from_at, age_seconds, reasons: [...], stored_in}``."""
         return {"name": self.name, "mode": self.mode, "verdict": self.verdict, "resumes_from": self.resumes_from,
                 "resumes_from_at": self.resumes_from_at, "age_seconds": self.age_seconds,
-                "reasons": [r.as_dict() for r in self.reasons]}
+                "reasons": [r.as_dict() for r in self.reasons], "stored_in": self.stored_in}
 
 
 @dataclass
@@ -190,16 +193,17 @@ def _checkpoint(ctx: Context, export: Export, has_progress: bool,
                 stored: dict[str, Any] | None) -> tuple[list[Reason], str | None, float | None]:
     """Reasons about a CDC export's checkpoint, and the position it resumes from: the
     state's where it holds one (``stored``, revision 0006: no file is needed, and the file
-    a worker may have left is only compared, :func:`file_newer_warning`), else the file's."""
+    a worker or a restore may have left is only compared, :func:`file_differs_warning`), else the file's."""
     assert export.cdc is not None
     place = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, ctx.location, ctx.config.directory)
     reasons: list[Reason] = []
     if stored is not None:
-        newer = file_newer_warning(export.name, place.path, stored)
-        if newer is not None:
-            reasons.append(Reason.of(newer, {"path": str(place.path), "state_position": stored["position"]}))
+        differs = file_differs_warning(export.name, place.path, stored)
+        if differs is not None:
+            reasons.append(Reason.of(differs, {"path": str(place.path), "state_position": stored["position"]}))
+        by = f" by run {stored['run_id']}" if stored["run_id"] else ""
         return (reasons, f"CDC position {json.dumps(stored['position'], sort_keys=True)} in the state (committed "
-                f"{moment(stored['committed_at'])})", _age(stored["committed_at"]))
+                f"{moment(stored['committed_at'])}{by})", _age(stored["committed_at"]))
     if place.warning:
         reasons.append(Reason.of(checkpoint_warning(place.warning, export.name, place.path), {"path": str(place.path)}))
     if place.path is None:
@@ -263,16 +267,18 @@ def _diagnose(ctx: Context, export: Export, progress: ResumePoint | None, state_
             resumes_from = "the progress the state holds (finished chunks or load ledger rows)"
         if export.mode == "full":
             resumes_from, age, resumes_from_at = "a full read (by design: a full export keeps no position)", None, None
+    stored_in = None
     if export.cdc is not None:
         cdc_reasons, position, position_age = _checkpoint(ctx, export, bool(progress and progress.has_progress),
                                                           stored)
         reasons += cdc_reasons
         if position is not None and progress is not None and (progress.has_progress or stored is not None):
             resumes_from, age, resumes_from_at = position, position_age, None
+        stored_in = stored_in_of(export, stored is not None)
     first = any(r.code in FIRST_RUN_CODES for r in reasons)
     return ExportDiagnosis(export.name, export.mode, "first_run" if first else "resumes",
                            None if first else resumes_from, None if first else age, reasons,
-                           None if first else resumes_from_at)
+                           None if first else resumes_from_at, stored_in)
 
 
 @dataclass

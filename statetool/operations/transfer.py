@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,10 +60,11 @@ from statetool.identity import identity_verdict
 from statetool.location import ENV_VAR, Location, checkpoint_relative_message, resolve_checkpoint, resolve_location
 from statetool.operations.context import Context
 from statetool.operations.leasing import refuse_untakable
-from statetool.operations.positions import (FilePosition, MoveResult, Moved, checkpoint_files, kept_path,
-                                            put_position, read_checkpoint_file, retire_file)
+from statetool.operations.positions import (FilePosition, MoveResult, Moved, kept_path, put_position,
+                                            read_checkpoint_file, retire_file)
 from statetool.operations.preflight import require, run_preflight
-from statetool.operations.probe import position_rows, position_text, read_snapshot, row_counts
+from statetool.operations.probe import (ResumePoint, position_rows, position_text, read_snapshot, resume_points,
+                                        row_counts)
 from statetool.operations.relocate import finish_command, retirement_doc
 from statetool.operations.writes import (WHOLE_STATE, WriteSession, guarded_write, require_writable,
                                          tolerate_read_only)
@@ -171,7 +173,10 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = 
     is live, in the destination once it is (a file left beside it holds the same position
     and is never read: the state's wins), and a re-run renames what is left. An export whose
     position the source state holds already keeps it (its file is not read); a file that is
-    not a position in JSON is refused (``RIVET_STATE_CHECKPOINT_UNREADABLE``) before anything.
+    not a position in JSON, or something at the file's place that is no regular file, is
+    refused (``RIVET_STATE_CHECKPOINT_UNREADABLE``) before anything, and so is an export with
+    progress whose position is nowhere (``RIVET_STATE_CHECKPOINT_MISSING``, SPEC §5a:
+    :func:`_position_plan`).
     """
     source = _source(ctx)
     dest = _destination(ctx, source, to, to_setting)
@@ -189,19 +194,15 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = 
     with source.reading() as conn:
         counts = _counts(conn)
         in_state = {row[0] for row in conn.rows(_EXPORT_NAMES)}
-        held = set(position_rows(conn, frozenset(source.table_names(conn))))
+        moving, checkpoints, warnings, positions = _positions(ctx, source, conn, dest.location, with_checkpoints,
+                                                              dry_run)
     with dest.inspecting() as conn:
         dest.check_rights("create", conn)  # the dry run refuses what the real run would, before any lease
         earlier = _check_destination(ctx, dest, conn, source_key, old.place)
-    files = _position_plan(ctx, held) if with_checkpoints else None
-    moving = files[0] if files else []
-    checkpoints, warnings = _checkpoint_plan(ctx, dest.location, held | {f.export for f in moving})
     result = TransferResult(old.place, dest.location.display, dest.location.state_url, old.size_bytes(),
                             [TableCopy(t.name, counts[t.name]) for t in COPIED],
-                            checkpoints, dry_run=dry_run, resumed=earlier is not None, warnings=warnings)
-    if files is not None:
-        result.positions = MoveResult("into_state", [Moved(f.export, str(f.path), f.position, None) for f in moving],
-                                      files[1], dry_run).as_dict()
+                            checkpoints, dry_run=dry_run, resumed=earlier is not None, warnings=warnings,
+                            positions=positions)
     # the guarded write's own first refusal, before any lease or file; the dry run the same
     read_only = retirable or require_writable(ctx, replaced_by=_REPLACED_BY, dry_run=dry_run)
     result.warnings += [w.as_dict() for w in read_only]
@@ -220,6 +221,10 @@ def transfer(ctx: Context, to: str, *, dry_run: bool = False, to_setting: str = 
                                                     lock_code="RIVET_STATE_RUN_IN_PROGRESS",
                                                     replaced_by=_REPLACED_BY))
         old.require_frozen()
+        if with_checkpoints:  # decided again under every run lease: a run waited for may have written a file since
+            moving, result.checkpoints, relative, result.positions = _positions(
+                ctx, source, source.reader(session.conn), dest.location, True, False)
+            result.warnings = [w for w in result.warnings if w["code"] != "RIVET_STATE_CHECKPOINT_RELATIVE"] + relative
         digest = old.digest(session.conn)
         ctx.on_step("digested")
         # counted again under the write lock: a run waited for above may have added rows
@@ -324,12 +329,38 @@ def _check_destination(ctx: Context, dest: TransferDestination, conn: Reader, so
     return None
 
 
-def _checkpoint_plan(ctx: Context, target: Location, in_state: set[str]
+def _positions(ctx: Context, source: TransferSource, conn: Reader, target: Location, with_checkpoints: bool,
+               dry_run: bool) -> tuple[list[FilePosition], list[dict[str, str]], list[dict[str, str]],
+                                       dict[str, object] | None]:
+    """Where each CDC export's position is and will be, read on ``conn``: the source's read
+    session for the plan, then its write connection under every run lease for the transfer
+    itself (a run waited for meanwhile may have written its file or committed a position
+    into the state: what moves is what is there once every writer is held off). Returns the
+    files whose positions move (:func:`_position_plan`, with ``with_checkpoints``), the
+    checkpoint rows and warnings (:func:`_checkpoint_plan`), and the ``positions`` document
+    (None without ``with_checkpoints``). Raises :func:`_position_plan`'s codes."""
+    tables = frozenset(source.table_names(conn))
+    held = set(position_rows(conn, tables))
+    if not with_checkpoints:
+        checkpoints, warnings = _checkpoint_plan(ctx, target, held, {e.name: "state" if e.name in held else "file"
+                                                                     for e in ctx.config.exports})
+        return [], checkpoints, warnings, None
+    progress = resume_points(conn, tables, [e.name for e in ctx.config.exports if e.cdc is not None])
+    moving, skipped, before = _position_plan(ctx, held, progress)
+    checkpoints, warnings = _checkpoint_plan(ctx, target, held | {f.export for f in moving}, before)
+    return moving, checkpoints, warnings, MoveResult(
+        "into_state", [Moved(f.export, str(f.path), f.position, None) for f in moving], skipped, dry_run).as_dict()
+
+
+def _checkpoint_plan(ctx: Context, target: Location, in_state: set[str], before: dict[str, str]
                      ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """Where each CDC checkpoint resolves once the state is at ``target`` (``stored_in``:
-    ``state`` for the exports of ``in_state``, whose position the state holds, the file not
-    read for it; else ``file``), and the warnings of the files that will be relative to a
-    worker's own disk (``RIVET_STATE_CHECKPOINT_RELATIVE``; none for a position in the state)."""
+    """Where each CDC checkpoint resolves once the state is at ``target``, where its position
+    is before the transfer (``stored_in_before``, from ``before``: ``state``, ``file`` or
+    ``none``) and where it is after (``stored_in``: ``state`` for the exports of ``in_state``,
+    whose position the state holds then, the file not read for it; else ``file``), and the
+    warnings of the files that will be relative to a worker's own disk
+    (``RIVET_STATE_CHECKPOINT_RELATIVE``; none for a position in the state). Finding 2 of
+    issue 15's fresh user: a dry run names both places, never the one to come as the one now."""
     plan, warnings = [], []
     for export in ctx.config.exports:
         if export.cdc is None or not export.cdc.checkpoint:
@@ -338,20 +369,64 @@ def _checkpoint_plan(ctx: Context, target: Location, in_state: set[str]
         stored_in = "state" if export.name in in_state else "file"
         plan.append({"export": export.name, "configured": export.cdc.checkpoint, "resolves_to": str(place.path),
                      "set_to": str(place.path) if place.warning and stored_in == "file" else export.cdc.checkpoint,
-                     "stored_in": stored_in})
+                     "stored_in": stored_in, "stored_in_before": before[export.name]})
         if place.warning == "RIVET_STATE_CHECKPOINT_RELATIVE" and stored_in == "file":
             message = checkpoint_relative_message(export.name, place.path)  # type: ignore[arg-type]
             warnings.append(StateWarning(place.warning, message).as_dict())
     return plan, warnings
 
 
-def _position_plan(ctx: Context, held: set[str]) -> tuple[list[FilePosition], list[dict[str, str]]]:
-    """``--with-checkpoints``: the checkpoint files whose positions move, and the exports
-    skipped with why (those of ``held``, whose position the source state holds already)."""
-    files, skipped = checkpoint_files(ctx)
-    skipped += [{"export": f.export, "why": "the state holds its position already; the file is not read"}
-                for f in files if f.export in held]
-    return [f for f in files if f.export not in held], skipped
+def _position_plan(ctx: Context, held: set[str], progress: dict[str, ResumePoint]
+                   ) -> tuple[list[FilePosition], list[dict[str, str]], dict[str, str]]:
+    """``--with-checkpoints``: where each CDC export's position is before the transfer, and
+    what moves. Returns the checkpoint files whose positions move (each read once, here),
+    the exports skipped with why, and ``{export: stored_in_before}``: ``state`` (``held``:
+    the source state holds it, the file is not read), ``server_slot`` (a postgres stream
+    without a file), ``file``, or ``none``.
+
+    ``none`` is an export with no position anywhere and no progress in the source state
+    (``progress``, :func:`statetool.operations.probe.resume_points`, the rule by which
+    ``doctor`` calls a missing checkpoint lost, SPEC §3): it never ran, so no position is
+    lost, and its first run starts the stream either way. An export WITH progress and no
+    position anywhere (its file missing, or no ``cdc.checkpoint`` for an engine that needs
+    one) is refused, ``RIVET_STATE_CHECKPOINT_MISSING``: after the transfer its next run
+    would be a first run, the changes between the lost position and the new anchor gone
+    without an error (SPEC §5a; finding 1 of issue 15's fresh user). A place that holds no
+    regular file, a file this user may not read or one that holds no position is refused by
+    the one reader's codes (:func:`~statetool.operations.positions.read_checkpoint_file`:
+    ``RIVET_STATE_CHECKPOINT_NOT_A_FILE``, ``RIVET_STATE_PERMISSION_DENIED``,
+    ``RIVET_STATE_CHECKPOINT_UNREADABLE``). Both before any lease or write."""
+    files: list[FilePosition] = []
+    skipped: list[dict[str, str]] = []
+    before: dict[str, str] = {}
+    for export in ctx.config.exports:
+        if export.cdc is None:
+            continue
+        name, engine = export.name, export.cdc.engine
+        place = resolve_checkpoint(export.cdc.checkpoint, engine, ctx.location, ctx.config.directory)
+        text, position = read_checkpoint_file(place.path) if place.path is not None and name not in held \
+            else (None, None)
+        if name in held:
+            before[name] = "state"
+            skipped.append({"export": name, "why": "the state holds its position already; the file is not read"})
+        elif place.path is None and engine == "postgres":
+            before[name] = "server_slot"
+            skipped.append({"export": name, "why": "its position is in the postgres stream's replication slot"})
+        elif text is not None and place.path is not None:
+            before[name] = "file"
+            files.append(FilePosition(name, engine, place.path, text, position))
+        elif name in progress and progress[name].has_progress:
+            lost = f"its checkpoint {place.path} is missing" if place.path is not None else place.why
+            raise StateError("RIVET_STATE_CHECKPOINT_MISSING",
+                             f"the state shows progress for CDC export {name}, and holds no position of it, but "
+                             f"{lost}: after the transfer its next run would be a first run, the stream re-anchored "
+                             "and the changes between the lost position and the new anchor gone; nothing was changed",
+                             {"export": name, "path": str(place.path) if place.path is not None else None})
+        else:
+            before[name] = "none"
+            skipped.append({"export": name, "why": "no position yet: no checkpoint file and no progress in the "
+                                                   "state (it never ran), so none is lost"})
+    return files, skipped, before
 
 
 def _moved_doc(moving: list[FilePosition]) -> list[dict[str, str]]:
@@ -374,8 +449,9 @@ def _put_positions(dest: TransferDestination, conn: Connection, moving: list[Fil
 
 def _retire_files(ctx: Context, moving: list[FilePosition]) -> list[Moved]:
     """Rename each checkpoint file of ``moving`` ``<name>.imported-<UTC time>`` once the
-    destination holding its position is live; a file that no longer holds the moved text
-    is left where it is (``checkpoints`` then reports both values)."""
+    destination holding its position is live, each file read once, here; a file that no
+    longer holds the moved text (or is gone, or cannot be read) is left where it is
+    (``kept_as`` None; ``checkpoints`` then reports both values)."""
     moved = []
     for f in moving:
         kept = kept_path(f.path)
@@ -435,30 +511,24 @@ def _already_transferred(ctx: Context, dest: TransferDestination, old: Retiremen
     if not dry_run:
         old.finish_retired()
         dest.make_live()
-        left = _left_files(dest, old.place)
-        if left:
-            result.positions = MoveResult("into_state", _retire_files(ctx, left), [], dry_run).as_dict()
+        renamed = [m for m in _retire_files(ctx, _left_files(dest, old.place)) if m.kept_as is not None]
+        if renamed:
+            result.positions = MoveResult("into_state", renamed, [], dry_run).as_dict()
     return result
 
 
 def _left_files(dest: TransferDestination, source: str) -> list[FilePosition]:
     """The checkpoint files that the transfer of ``source`` into ``dest`` moved (its audit
-    row names them) and a kill left at their place, still holding the very text the
-    destination holds as the position: those a re-run renames."""
+    row names them), each with the text the destination holds as its position: a kill
+    may have left them at their place, and :func:`_retire_files` renames those that still
+    hold that very text (reading each once: finding 3 of issue 15's fresh user). No file
+    is read here."""
     with dest.reading() as conn:
         tables = frozenset(dest.table_names(conn))
         done = _transfer_row(conn, set(tables), source) or {}
         texts = {c["export"]: position_text(conn, tables, c["export"]) for c in done.get("checkpoints", [])}
-    left = []
-    for entry in done.get("checkpoints", []):
-        path = Path(entry["file"])
-        try:
-            text, position = read_checkpoint_file(path)
-        except StateError:
-            continue
-        if text is not None and text == texts[entry["export"]]:
-            left.append(FilePosition(entry["export"], "", path, text, position))
-    return left
+    return [FilePosition(c["export"], "", Path(c["file"]), text, json.loads(text))
+            for c in done.get("checkpoints", []) if (text := texts[c["export"]]) is not None]
 
 
 def _copy(ctx: Context, source: TransferSource, source_conn: Connection, dest: TransferDestination,
