@@ -16,7 +16,12 @@ transaction, never from what it read before it waited for the lease (a run holdi
 lease meanwhile may have committed a position: an import then leaves the export, an
 export writes that position); and the import's rename is its last step under the lease,
 so that an export never writes the file back between the commit and the rename, to see it
-renamed away (no position anywhere, a silent first run; SPEC §5a).
+renamed away (no position anywhere, a silent first run; SPEC §5a). Before any of that,
+both decide every export from a read-only look and make every check of every move (the
+rename or the file possible, the position no larger than a file may be, nothing foreign at
+the file's place, no checkpoint file shared by two exports): a refusal writes nothing,
+and an export with nothing to move takes no lease (docs/decisions.md, "CDC positions, the
+write side").
 """
 
 from __future__ import annotations
