@@ -196,6 +196,23 @@ REGISTRY: dict[str, Entry] = {
         "free space on the filesystem named in the message (or choose a directory on a larger one), then re-run; "
         "the state was left as it was",
     ),
+    # CDC positions, the write side (issue 15, the fresh user's findings)
+    "RIVET_STATE_POSITION_TOO_LARGE": _e(
+        "usage", "generic",
+        "keep a CDC position under 1 MiB of JSON, what a checkpoint file may hold: commit only the engine's position "
+        "(a log file and offset, a resume token), never data; nothing was written, and a position already in the "
+        "state stays there",
+    ),
+    "RIVET_STATE_CHECKPOINT_MOUNTED": _e(
+        "environment", "generic",
+        "mount the checkpoint file's directory rather than the file alone (no rename can move a file mounted by "
+        "itself), or move its position into the state where the file is an ordinary file; nothing was written",
+    ),
+    "RIVET_STATE_CHECKPOINT_NOT_RENAMED": _e(
+        "environment", "generic",
+        "nothing is lost: the position is in the state, which every run reads; make the checkpoint file's directory "
+        "writable, then run the command the message names (it only renames the file), or move the file aside",
+    ),
     # statetool metrics --textfile PATH (issue 16 item 3)
     "RIVET_METRICS_DIR_MISSING": _e(
         "usage", "generic",
@@ -330,6 +347,11 @@ REGISTRY: dict[str, Entry] = {
         "refusal", "refusal",
         "a symlink or a non-regular file stands where statetool keeps one of its own files (named in the "
         "message): find out who put it there, move it away, and re-run",
+    ),
+    "RIVET_STATE_POSITIONS_IN_STATE": _e(
+        "refusal", "refusal",
+        "run statetool checkpoints export first (each CDC position back to its checkpoint file, where a release "
+        "before revision 0006 reads it), then run the downgrade again; --allow-data-loss never drops a position",
     ),
     "RIVET_STATE_DATA_LOSS": _e(
         "refusal", "refusal",

@@ -1148,7 +1148,7 @@ def restored(doc: dict[str, Any]) -> None:
 
 def positions_moved(doc: dict[str, Any]) -> None:
     """``statetool checkpoints import`` / ``export`` for people: each position moved, the
-    file it came from or went to, and the exports skipped with why."""
+    file it came from or went to, the exports skipped with why, and the warnings on stderr."""
     page = Page()
     into = doc["direction"] == "into_state"
     verb = ("Would move" if doc["dry_run"] else "Moved") + (" into the state" if into else " back to its file")
@@ -1162,6 +1162,7 @@ def positions_moved(doc: dict[str, Any]) -> None:
     if not doc["moved"] and not doc["skipped"]:
         page.line("no CDC export in the config")
     page.show()
+    print_warnings(doc.get("warnings", []))
 
 
 # -- several pipelines at once (issue 16 item 1) ------------------------------------------------

@@ -363,6 +363,74 @@ def test_a_checkpoint_place_that_holds_no_regular_file_is_refused_never_opened(
     assert str(place) in err["message"] and "not a regular file" in err["message"], err
 
 
+def test_two_exports_whose_checkpoints_are_one_file_are_refused_before_anything_is_written(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, _ = _pipeline(tmp_path / "pipeline")
+    files["invoice_changes"].unlink()
+    files["invoice_changes"].symlink_to(files["order_events"])
+    err = _refused(cfg, admin, pg_url, "RIVET_STATE_CHECKPOINT_SHARED")
+    assert "order_events and invoice_changes" in err["message"] or "invoice_changes and order_events" in \
+        err["message"], err
+
+
+def _bind_read_only(directory: Path) -> None:
+    """``directory`` bind-mounted on itself, read-only (the caller unmounts it)."""
+    if os.geteuid() != 0:
+        pytest.skip("SKIPPED LOUDLY: a read-only bind mount needs root")
+    subprocess.run(["mount", "--bind", str(directory), str(directory)], check=True, capture_output=True)
+    subprocess.run(["mount", "-o", "remount,ro,bind", str(directory)], check=True, capture_output=True)
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_is_refused_before_the_transfer_and_the_dry_run_warns(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    cfg, files, _ = _pipeline(tmp_path / "pipeline")
+    directory = files["order_events"].parent
+    _bind_read_only(directory)
+    try:
+        before = tree_digest(cfg.parent)
+        proc = run_cli("-c", str(cfg), "--json-errors", "transfer", "--to", pg_url, "--with-checkpoints")
+        err = error_object(proc)
+        assert (err["code"], proc.returncode) == ("RIVET_STATE_READ_ONLY", 1), describe(proc)
+        assert "the transfer renames" in err["message"] and str(files["order_events"]) in err["message"], err
+        assert tree_digest(cfg.parent) == before and not schema_exists(admin, split_url(pg_url)[1])
+        plan = _cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints", "--dry-run")
+        assert "RIVET_STATE_READ_ONLY_DRY_RUN" in [w["code"] for w in plan["warnings"]], plan["warnings"]
+        assert tree_digest(cfg.parent) == before and not schema_exists(admin, split_url(pg_url)[1])
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def test_a_rename_that_fails_after_the_switch_says_the_transfer_is_done_and_a_rerun_renames(
+        tmp_path: Path, admin: str, pg_url: str) -> None:  # noqa: F811
+    from statetool.operations.context import Context
+    from statetool.operations.transfer import transfer
+
+    cfg, files, data = _pipeline(tmp_path / "pipeline")
+    directory = files["order_events"].parent
+    mounted: list[Path] = []
+
+    def remount_at(step: str) -> None:
+        if step == "swapped":
+            _bind_read_only(directory)
+            mounted.append(directory)
+
+    ctx = Context(cfg, None, env=process_env(), lock_wait=10, on_step=remount_at)
+    try:
+        with pytest.raises(StateError) as caught:
+            transfer(ctx, pg_url, with_checkpoints=True)
+    finally:
+        for point in mounted:
+            subprocess.run(["umount", str(point)], check=True)
+    err = caught.value
+    assert mounted and err.code == "RIVET_STATE_CHECKPOINT_NOT_RENAMED", err
+    assert "nothing was written" not in err.message and "the transfer is done" in err.message, err.message
+    assert files["order_events"].read_bytes() == data["order_events"]
+    assert json.loads(_pg_positions(admin, pg_url)["order_events"]) == json.loads(data["order_events"])
+    _cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints")
+    assert not files["order_events"].exists()
+    assert [p.read_bytes() for p in directory.glob("order_events.json.imported-*")] == [data["order_events"]]
+
+
 # -- finding 2: the plan says where each position is now, and where it will be --------------
 
 

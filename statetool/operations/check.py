@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from statetool.errors import REGISTRY, StateError, failure_exit_code, unit_failure, worst
-from statetool.operations.checkpoints import checkpoints
+from statetool.operations.checkpoints import checkpoints, shared_checkpoint
 from statetool.operations.context import Context
 from statetool.operations.preflight import Check, Preflight, run_preflight
 
@@ -57,7 +57,8 @@ def require_target(target: str | None) -> None:
 def check(ctx: Context, *, strict: bool = False, target: str | None = None) -> CheckResult:
     """Run every pre-flight check. Never writes, never raises for a failing check.
 
-    Besides the pre-flight rows, ``doctor``'s findings are rows too (``doctor`` and
+    Besides the pre-flight rows, CDC exports sharing one checkpoint file fail row
+    ``checkpoints`` (:func:`_shared_rows`), and ``doctor``'s findings are rows too (``doctor`` and
     ``doctor:<export>``). With ``target`` ``"pods"`` (one of :data:`TARGETS`), the pod rule
     adds rows ``pods`` and ``pods:<export>`` (:func:`pod_rows`). Exit code: the class of the worst failing row
     (:func:`statetool.errors.worst`, SPEC §7: data_integrity > internal > refusal > schema_drift > retryable >
@@ -69,7 +70,8 @@ def check(ctx: Context, *, strict: bool = False, target: str | None = None) -> C
     pf = run_preflight(ctx)
     # doctor reads the config: with a config that failed its row there is nothing more to diagnose.
     config_read = not any(c.id == "config" and c.status == "fail" for c in pf.checks)
-    rows = pf.checks + (_doctor_rows(ctx, pf) if pf.snapshot is not None and config_read else [])
+    rows = pf.checks + _shared_rows(ctx, pf, config_read) + (
+        _doctor_rows(ctx, pf) if pf.snapshot is not None and config_read else [])
     if target == "pods":
         rows += pod_rows(ctx, pf, config_read)
     if strict:
@@ -78,6 +80,16 @@ def check(ctx: Context, *, strict: bool = False, target: str | None = None) -> C
     code = worst([c.code for c in failed if c.code])
     row = next((c for c in reversed(failed) if c.code == code), None)
     return CheckResult(rows, failure_exit_code(code) if code else 0, row)
+
+
+def _shared_rows(ctx: Context, pf: Preflight, config_read: bool) -> list[Check]:
+    """Row ``checkpoints``, failing ``RIVET_STATE_CHECKPOINT_SHARED`` when CDC exports of
+    this one config share a checkpoint file (:func:`~statetool.operations.checkpoints.shared_checkpoint`),
+    whatever the state; no row when each has its own, or the location or config did not resolve."""
+    if not config_read or any(c.id == "location" and c.status == "fail" for c in pf.checks):
+        return []
+    err = shared_checkpoint(ctx)
+    return [] if err is None else [Check("checkpoints", "fail", err.message, err.code, err)]
 
 
 def _doctor_rows(ctx: Context, pf: Preflight) -> list[Check]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -118,6 +119,33 @@ def stored_in_of(export: Export, in_state: bool) -> str:
     if in_state:
         return "state"
     return "server_slot" if not export.cdc.checkpoint and export.cdc.engine == "postgres" else "file"
+
+
+def shared_checkpoint(ctx: Context) -> StateError | None:
+    """``RIVET_STATE_CHECKPOINT_SHARED`` when CDC exports of ``ctx``'s config resolve their
+    ``cdc.checkpoint`` to one file (by real path, through every symlink; SPEC §6), naming
+    each such file and its exports; None when each has a file of its own (or none). One
+    file holds one stream's position: each run overwrites the other's, and an import or
+    export of one moves the other's too. ``checkpoints import|export`` refuse it before
+    any write, ``check`` fails with it; the fleet's pre-flight applies the same rule across
+    pipelines. Reads the config and resolves paths only; raises the resolver's and config
+    loader's codes."""
+    location, config = ctx.location, ctx.config
+    files: dict[str, list[str]] = {}
+    for export in config.exports:
+        if export.cdc is None:
+            continue
+        where = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, location, config.directory).path
+        if where is not None:
+            files.setdefault(os.path.realpath(where), []).append(export.name)
+    shared = {path: names for path, names in files.items() if len(names) > 1}
+    if not shared:
+        return None
+    named = "; ".join(f"{' and '.join(names)} keep their position in one file, {path}" for path, names in shared.items())
+    return StateError("RIVET_STATE_CHECKPOINT_SHARED",
+                      f"the CDC exports {named}: each run overwrites the other's position, and the next run of either "
+                      "resumes from the other stream's position or re-anchors, losing changes without an error; "
+                      "nothing was changed", {"files": shared})
 
 
 def stored_positions(ctx: Context) -> dict[str, dict[str, Any]]:

@@ -22,8 +22,8 @@ from statetool import migrations
 from statetool.errors import StateError, StateWarning
 from statetool.operations.context import Context
 from statetool.operations.preflight import Preflight, require, run_preflight
-from statetool.operations.probe import row_counts
-from statetool.tables import AUDIT, IDENTITY, LEASE_TABLES, LINEAGE, VERSION_TABLE
+from statetool.operations.probe import position_texts, row_counts
+from statetool.tables import AUDIT, CDC_POSITIONS, IDENTITY, LEASE_TABLES, LINEAGE, VERSION_TABLE
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -104,6 +104,26 @@ def _plan(backend: Backend, conn: Reader, tables: set[str], direction: str,
     return plans
 
 
+def _refuse_dropped_positions(target: str, steps: list[StepPlan], stored: dict[str, str]) -> None:
+    """``RIVET_STATE_POSITIONS_IN_STATE`` when a downgrade to ``target`` whose ``steps``
+    (:func:`_plan`'s) drop the CDC position table (revision 0006) while the state holds positions
+    (``stored``, ``{export: text}``), whatever ``--allow-data-loss`` says: a run of a release
+    below 0006 would find no position and re-anchor each stream, losing the changes in
+    between without an error (SPEC §5a, §9; issue 15, the fresh user's finding 7). The way
+    down without a loss is ``statetool checkpoints export`` first, which the message names
+    first."""
+    if not stored or not any(CDC_POSITIONS in step.loses for step in steps):
+        return
+    names = ", ".join(sorted(stored))
+    raise StateError("RIVET_STATE_POSITIONS_IN_STATE",
+                     f"run statetool checkpoints export first: downgrading to {target} drops the table of CDC "
+                     f"positions (revision 0006), and the state holds the positions of {names}. A release before "
+                     "0006 reads a position only from its checkpoint file: without it, each stream re-anchors and "
+                     "the changes in between are lost without an error. checkpoints export writes each position back "
+                     "to its file (an export with no cdc.checkpoint needs one in the config first); then run this "
+                     "downgrade again. Nothing was changed", {"target": target, "exports": sorted(stored)})
+
+
 def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: bool = False,
             allow_data_loss: bool = False) -> MigrateResult:
     """Move the state to revision ``to`` (default head), up or down.
@@ -111,7 +131,9 @@ def migrate(ctx: Context, *, to: str | None = None, dry_run: bool = False, sql: 
     Raises every pre-flight code (a missing state is ``RIVET_STATE_MISSING``: migrate
     never creates one, ``statetool init`` does), ``RIVET_STATE_REVISION_UNKNOWN``,
     ``RIVET_STATE_DATA_LOSS`` (a downgrade that drops rows, without
-    ``allow_data_loss``), ``RIVET_STATE_SQL_UNSUPPORTED`` (``sql`` on SQLite),
+    ``allow_data_loss``), ``RIVET_STATE_POSITIONS_IN_STATE`` (a downgrade below revision
+    0006 while the state holds CDC positions, even with ``allow_data_loss``:
+    :func:`_refuse_dropped_positions`), ``RIVET_STATE_SQL_UNSUPPORTED`` (``sql`` on SQLite),
     ``RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN`` (a live lease past ``--lock-wait``; while it
     runs the migration holds the state lease and every run lease, so no run starts),
     ``RIVET_STATE_MIGRATION_LOCKED`` (another writer past ``--lock-wait``),
@@ -146,6 +168,7 @@ def _migrate(ctx: Context, to: str | None, dry_run: bool, sql: bool, allow_data_
     backend = ctx.backend()
     with backend.reading() as conn:
         plans = _plan(backend, conn, set(snap.tables), direction, steps)
+        _refuse_dropped_positions(target, plans, position_texts(conn, snap.tables))
     result = MigrateResult(ctx.location.as_dict(), "legacy" if snap.legacy else current, target, direction, plans,
                            dry_run=dry_run)
     lost = {f"{p.id}:{t}": n for p in plans for t, n in p.loses.items() if n}
@@ -193,6 +216,9 @@ def _execute(ctx: Context, result: MigrateResult, pf: Preflight, legacy: bool) -
                 return
             raise StateError("RIVET_STATE_MIGRATION_PENDING",
                              f"the state moved to revision {now} while waiting; re-run to plan again")
+        # Under every run lease and the write lock: a run may have committed a position
+        # after the plan was read.
+        _refuse_dropped_positions(target, result.steps, position_texts(reader, frozenset(tables)))
         before = row_counts(reader, tables - _WRITTEN_BY_MIGRATE)
         with ctx.progress("copying") as update:
             migration = backend.migration(conn, result.from_revision or "legacy", update, ctx.on_step)

@@ -16,21 +16,30 @@ transaction, never from what it read before it waited for the lease (a run holdi
 lease meanwhile may have committed a position: an import then leaves the export, an
 export writes that position); and the import's rename is its last step under the lease,
 so that an export never writes the file back between the commit and the rename, to see it
-renamed away (no position anywhere, a silent first run; SPEC §5a).
+renamed away (no position anywhere, a silent first run; SPEC §5a). Before any of that,
+both decide every export from a read-only look and make every check of every move (the
+rename or the file possible, the position no larger than a file may be, nothing foreign at
+the file's place, no checkpoint file shared by two exports): a refusal writes nothing,
+and an export with nothing to move takes no lease (docs/decisions.md, "CDC positions, the
+write side").
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from statetool.errors import StateError
+from statetool.errors import StateError, StateWarning
 from statetool.location import resolve_checkpoint
-from statetool.operations.checkpoint_file import read_checkpoint
+from statetool.operations.checkpoint_file import MAX_CHECKPOINT_BYTES, read_checkpoint
+from statetool.operations.checkpoints import shared_checkpoint
 from statetool.operations.context import Context, now_iso
 from statetool.operations.probe import position_text
 
@@ -46,6 +55,26 @@ EXPORT_POINTS = ("leased", "temp-written", "file-written", "removed", "committed
 #: Why an export is left as it is.
 _HOLDS_ANOTHER = "the state holds another position already; checkpoints export first to go back to the file"
 _HOLDS_NONE = "the state holds no position"
+
+#: The name a kept file gets after its checkpoint's (:func:`kept_path`): the time, then ``-N``.
+_KEPT = re.compile(r"\.imported-(\d{8}T\d{6}Z)(?:-(\d+))?")
+
+
+def require_fits(export: str, text: str, *, held: bool = False) -> None:
+    """``RIVET_STATE_POSITION_TOO_LARGE`` when CDC export ``export``'s position ``text`` (its
+    JSON) is larger than a checkpoint file may be (:data:`~statetool.operations.checkpoint_file.MAX_CHECKPOINT_BYTES` bytes, UTF-8): a position
+    committed that no file can hold could never go back to its file (``checkpoints
+    export``, a downgrade), nor be read by a release that reads files. ``held``: the
+    position is the state's already (an export refused: it stays there). The fresh user's
+    finding 1 of issue 15."""
+    size = len(text.encode())
+    if size > MAX_CHECKPOINT_BYTES:
+        where = "it stays in the state, and no file was written" if held else "nothing was written"
+        raise StateError("RIVET_STATE_POSITION_TOO_LARGE",
+                         f"the position of CDC export {export} is {size} bytes of JSON, larger than a checkpoint "
+                         f"file may be ({MAX_CHECKPOINT_BYTES} bytes, 1 MiB): {where}", {"export": export, "bytes": size,
+                                                                        "limit": MAX_CHECKPOINT_BYTES})
+
 
 class Moved(NamedTuple):
     """One export's position moved (or, in a dry run, that would be): ``file`` the
@@ -63,28 +92,38 @@ class Moved(NamedTuple):
 
 class MoveResult(NamedTuple):
     """``checkpoints import`` / ``export``: ``direction`` (``into_state`` or ``to_file``),
-    the positions moved, and the exports skipped with why."""
+    the positions moved, the exports skipped with why, and the warnings (a dry run's
+    ``RIVET_STATE_READ_ONLY_DRY_RUN``)."""
 
     direction: str
     moved: list[Moved]
     skipped: list[dict[str, str]]
     dry_run: bool
+    warnings: tuple[StateWarning, ...] = ()
 
     def as_dict(self) -> dict[str, object]:
-        """``{direction, moved, skipped, dry_run}``."""
+        """``{direction, moved, skipped, dry_run, warnings}``."""
         return {"direction": self.direction, "moved": [m.as_dict() for m in self.moved], "skipped": self.skipped,
-                "dry_run": self.dry_run}
+                "dry_run": self.dry_run, "warnings": [w.as_dict() for w in self.warnings]}
 
 
 def _cdc_exports(ctx: Context, export: str | None) -> list[tuple[str, str, Path | None]]:
     """``(name, engine, checkpoint path)`` of each CDC export of the config, or only
-    ``export`` (``RIVET_EXPORT_UNKNOWN`` when it is no CDC export of the config)."""
+    ``export`` (``RIVET_EXPORT_UNKNOWN`` when it is no CDC export of the config);
+    ``RIVET_STATE_CHECKPOINT_SHARED`` when one of them shares its checkpoint file with
+    another export of the config (:func:`~statetool.operations.checkpoints.shared_checkpoint`):
+    the file holds the position of whichever wrote it last, so moving it would move the
+    other's too (issue 15, the fresh user's finding 5)."""
     found = [(e.name, e.cdc.engine, resolve_checkpoint(e.cdc.checkpoint, e.cdc.engine, ctx.location,
                                                        ctx.config.directory).path)
              for e in ctx.config.exports if e.cdc is not None and (export is None or e.name == export)]
     if export is not None and not found:
         raise StateError("RIVET_EXPORT_UNKNOWN", f"'{export}' is no CDC export of {ctx.config.path}",
                          {"export": export})
+    shared = shared_checkpoint(ctx)
+    if shared is not None and any(name in names for names in shared.details["files"].values()
+                                  for name, _engine, _path in found):
+        raise shared
     return found
 
 
@@ -117,34 +156,102 @@ def checkpoint_files(ctx: Context, export: str | None = None) -> tuple[list[File
     return files, skipped
 
 
-def _stored(ctx: Context) -> dict[str, dict[str, Any]]:
-    """The CDC positions the state holds, read after the pre-flight of a write passed:
-    a state that cannot be read, is missing, retired, foreign or not at head is refused by
-    its code (a dry run too), never taken for one that holds no position (a rollback
-    reporting "nothing to move" while the state holds the position is a silent re-anchor
-    later). Raises every pre-flight code of SPEC §5a's write path."""
+def _stored(ctx: Context) -> dict[str, str]:
+    """``{export: JSON text}``: the CDC positions the state holds, read by the pre-flight of
+    a write in its one read: a state that cannot be read, is missing, retired, foreign or
+    not at head is refused by its code (a dry run too), never taken for one that holds no
+    position (a rollback reporting "nothing to move" while the state holds the position is
+    a silent re-anchor later). Raises every pre-flight code of SPEC §5a's write path."""
     from statetool.operations.preflight import require, run_preflight
-    from statetool.operations.probe import position_rows
 
-    require(run_preflight(ctx, for_write=True, progress=False))
-    backend = ctx.backend()
-    with backend.reading() as conn:
-        return position_rows(conn, frozenset(backend.table_names(conn)))
+    positions = require(run_preflight(ctx, for_write=True, progress=False, positions=True)).positions
+    assert positions is not None
+    return positions
+
+
+def require_renamable(path: Path, by: str = "the import") -> None:
+    """Prove, before anything is written, that the checkpoint file ``path`` can be renamed
+    beside itself once its position is committed (issue 15, the fresh user's finding 2;
+    ``by`` names the command in the messages: ``checkpoints import``'s and ``transfer
+    --with-checkpoints``'s):
+    its directory on a filesystem mounted read-write (``RIVET_STATE_READ_ONLY``), writable
+    and searchable by this user, and not a sticky directory that keeps this user from
+    renaming another's file (``RIVET_STATE_PERMISSION_DENIED``); the file on its
+    directory's filesystem, not a mount point of its own (a file bind-mounted alone, which
+    no rename can move: ``RIVET_STATE_CHECKPOINT_MOUNTED``)."""
+    from statetool.access import denied
+    from statetool.backends.faults import refuse_unwritable
+    from statetool.mounts import mount_of
+
+    directory = path.parent
+    try:
+        refuse_unwritable(directory, directories=(directory,), need=0)
+    except StateError as err:
+        raise StateError(err.code, f"{err.message.removesuffix('; nothing was written')}: {by} renames {path} "
+                         "once its position is in the state, and cannot there; nothing was written",
+                         err.details) from None
+    held, mine = os.stat(directory), os.lstat(path)
+    if held.st_mode & stat.S_ISVTX and os.geteuid() not in (0, held.st_uid, mine.st_uid):
+        raise denied(path, "rename (a sticky directory that is not this user's, a file of another user)")
+    mount = mount_of(path)
+    if mine.st_dev != held.st_dev or (mount is not None and mount.point == os.path.realpath(path)):
+        raise StateError("RIVET_STATE_CHECKPOINT_MOUNTED",
+                         f"{path} is a mount point of its own (a file mounted alone, as a container's volume of "
+                         f"one file): {by} renames it once its position is in the state, and no rename can "
+                         "move a mount point; nothing was written", {"path": str(path)})
+
+
+def _writable_place(path: Path, size: int) -> None:
+    """Prove, before anything is written, that ``checkpoints export`` can write the file
+    ``path`` of ``size`` bytes: the nearest directory of it that exists on a filesystem
+    mounted read-write, writable by this user, with room (``RIVET_STATE_READ_ONLY``,
+    ``RIVET_STATE_PERMISSION_DENIED``, ``RIVET_STATE_DISK_FULL``)."""
+    from statetool.backends.faults import refuse_unwritable
+
+    directory = path.parent
+    while not directory.is_dir() and directory != directory.parent:
+        directory = directory.parent
+    refuse_unwritable(directory, directories=(directory,), need=size, room_for="the checkpoint file")
+
+
+def _owner_model(path: Path) -> tuple[os.stat_result, bool]:
+    """The file whose owner and group the checkpoint file ``path`` gets when ``checkpoints
+    export`` writes it, and whether its mode too (issue 15, the fresh user's finding 3):
+    the file at ``path`` (a re-run's, holding that very position), else the newest file
+    ``path`` was kept as when its position was imported (``<name>.imported-<time>``, by
+    ``checkpoints import`` or ``transfer --with-checkpoints``: the original file, renamed),
+    else ``path``'s directory, owner and group only (a position the runtime committed has
+    no original). Symlinks are never followed."""
+    if os.path.isfile(path) and not os.path.islink(path):
+        return os.lstat(path), True
+    kept = []
+    for entry in os.scandir(path.parent):
+        found = _KEPT.fullmatch(entry.name[len(path.name):]) if entry.name.startswith(path.name) else None
+        if found and entry.is_file(follow_symlinks=False):
+            kept.append(((found[1], int(found[2] or 1)), entry.path))
+    if kept:
+        return os.lstat(max(kept)[1]), True
+    return os.stat(path.parent), False
 
 
 def _write_file(path: Path, text: str, on_step: Callable[[str], None]) -> None:
     """Write ``text`` to the checkpoint file ``path``: a temporary file beside it, created
-    never through a link, fsynced (``temp-written`` told to ``on_step``), renamed into place, read back
-    (``RIVET_STATE_VERIFY_FAILED`` when it does not read back); the directory's faults by
-    their registered codes."""
-    from statetool.backends.durable import CREATE_FLAGS, fsync_dir
+    never through a link, given the owner, group and mode of :func:`_owner_model` (as far
+    as this user may: root all of them), fsynced (``temp-written`` told to ``on_step``),
+    renamed into place, read back (``RIVET_STATE_VERIFY_FAILED`` when it does not read
+    back); the directory's faults by their registered codes."""
+    from statetool.backends.durable import CREATE_FLAGS, fsync_dir, share_owner
     from statetool.backends.faults import fault
 
     tmp = path.with_name(f".{path.name}.export-tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.unlink(missing_ok=True)  # a killed export's: the run lease keeps every other writer of this name out
-        fd = os.open(tmp, CREATE_FLAGS, 0o644)
+        model, with_mode = _owner_model(path)
+        fd = os.open(tmp, CREATE_FLAGS, 0o600 if with_mode else 0o644)
+        if with_mode:
+            os.fchmod(fd, stat.S_IMODE(model.st_mode))
+        share_owner(fd, model)
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()
@@ -159,12 +266,25 @@ def _write_file(path: Path, text: str, on_step: Callable[[str], None]) -> None:
         raise StateError("RIVET_STATE_VERIFY_FAILED", f"{path} does not read back as the state's position")
 
 
-def _rename(path: Path, kept: Path, on_step: Callable[[str], None]) -> None:
-    """Rename the imported checkpoint file ``path`` to ``kept`` once its position is
-    committed (``committed`` then ``renamed`` told to ``on_step``); a fault by its registered
-    code (the position is in the state already: a re-run only renames)."""
+def _rename(name: str, path: Path, kept: Path, on_step: Callable[[str], None]) -> None:
+    """Rename CDC export ``name``'s imported checkpoint file ``path`` to ``kept`` once its
+    position is committed (``committed`` then ``renamed`` told to ``on_step``). A rename that
+    fails there (:func:`require_renamable` proved it possible before the commit; the directory
+    changed since) is ``RIVET_STATE_CHECKPOINT_NOT_RENAMED``, saying what is where: the
+    position in the state, which every reader takes, the file still in place, and the
+    command that finishes (a re-run only renames; issue 15, the fresh user's finding 2)."""
     on_step("committed")
-    retire_file(path, kept)
+    try:
+        retire_file(path, kept)
+    except StateError as err:
+        again = f"statetool checkpoints import --export {shlex.quote(name)}"
+        raise StateError("RIVET_STATE_CHECKPOINT_NOT_RENAMED",
+                         f"the position of {name} is in the state now (committed and audited), and every run reads "
+                         f"it from there; but {path} could not be renamed to {kept.name} "
+                         f"({err.message.removesuffix('; nothing was written')}): the file is still there, with the "
+                         f"same position, and is not read for it. Once its directory can be written, run {again} "
+                         "(it only renames the file)",
+                         {"export": name, "path": str(path), "kept_as": str(kept), "cause": err.code}) from None
     on_step("renamed")
 
 
@@ -191,26 +311,44 @@ def read_checkpoint_file(path: Path) -> tuple[str | None, object]:
 
 
 def import_positions(ctx: Context, export: str | None = None, *, dry_run: bool = False) -> MoveResult:
-    """``statetool checkpoints import``: see the module docstring. Each export with a file
-    is moved by :func:`_import_one`, which decides under its run lease; the dry run decides
-    the same way from a read-only look. Raises ``RIVET_EXPORT_UNKNOWN``,
+    """``statetool checkpoints import``: see the module docstring. Every export is decided
+    first from a read-only look (the pre-flight's one read of the state, and the files),
+    and every check of every move is made before the first is written: a move the look
+    finds nothing for takes no lease and changes no byte (not even a lease record: the
+    fresh user's finding 6), and a file that could not be renamed after its commit
+    (:func:`require_renamable`) refuses the import before any write. Each move is then made by
+    :func:`_import_one`, which decides again under its run lease; the dry run stops before
+    them. Raises ``RIVET_EXPORT_UNKNOWN``, ``RIVET_STATE_CHECKPOINT_SHARED``,
     ``RIVET_STATE_CHECKPOINT_UNREADABLE``, ``RIVET_STATE_MIGRATION_PENDING`` (a state before
-    revision 0006) and a guarded write's codes."""
-    from statetool.operations.writes import require_writable
+    revision 0006), :func:`require_renamable`'s codes, ``RIVET_STATE_CHECKPOINT_NOT_RENAMED`` (the
+    rename failed after the commit) and a guarded write's codes."""
+    from statetool.operations.writes import require_writable, tolerate_read_only
 
     stored = _stored(ctx)  # the pre-flight, for the dry run as for the real run
-    moved: list[Moved] = []
     files, skipped = checkpoint_files(ctx, export)  # an unreadable file is refused before any lease is taken
-    for name, engine, path, _text, position in files:
-        if not dry_run:
-            _record(_import_one(ctx, name, engine, path), moved, skipped)
-        elif name in stored and stored[name]["position"] != position:
-            skipped.append({"export": name, "why": _HOLDS_ANOTHER})
-        else:
-            if name not in stored:
-                require_writable(ctx, dry_run=True)
-            moved.append(Moved(name, str(path), position, str(kept_path(path))))
+    moving: list[FilePosition] = []
+    warnings: list[StateWarning] = []
+    for f in files:
+        held = stored.get(f.export)
+        if held is not None and json.loads(held) != f.position:
+            skipped.append({"export": f.export, "why": _HOLDS_ANOTHER})
+            continue
+        warnings += tolerate_read_only(lambda path=f.path: require_renamable(path), dry_run=dry_run)
+        if held is None:
+            warnings += require_writable(ctx, dry_run=dry_run)
+        moving.append(f)
+    if dry_run:
+        moved = [Moved(f.export, str(f.path), f.position, str(kept_path(f.path))) for f in moving]
+        return MoveResult("into_state", moved, skipped, dry_run, _once(warnings))
+    moved = []
+    for f in moving:
+        _record(_import_one(ctx, f.export, f.engine, f.path), moved, skipped)
     return MoveResult("into_state", moved, skipped, dry_run)
+
+
+def _once(warnings: list[StateWarning]) -> tuple[StateWarning, ...]:
+    """``warnings`` without repeats (each export's checks may give the same one)."""
+    return tuple(dict.fromkeys(warnings))
 
 
 def _record(outcome: Moved | dict[str, str], moved: list[Moved], skipped: list[dict[str, str]]) -> None:
@@ -267,7 +405,7 @@ def _import_one(ctx: Context, name: str, engine: str, path: Path) -> Moved | dic
             session.audit("checkpoints.import", {"export": name, "file": str(path), "position": position,
                                                  "kept_as": str(kept)})
             ctx.on_step("stored")
-        session.after_commit(lambda: _rename(path, kept, ctx.on_step))
+        session.after_commit(lambda: _rename(name, path, kept, ctx.on_step))
     return Moved(name, str(path), position, str(kept))
 
 
@@ -277,11 +415,14 @@ def put_position(conn: Any, name: str, engine: str, text: str | None, *, committ
     0006), in the writing transaction ``conn`` of a guarded write: the row replaced by one
     holding the JSON ``text`` exactly (committed ``committed_at``, default now, by run
     ``run_id`` under the lease of fencing token ``token``), or removed with ``text`` None.
-    Used by the runtime's ``commit_position``, ``checkpoints import/export`` and ``import``."""
+    Used by the runtime's ``commit_position``, ``checkpoints import/export`` and ``import``.
+    Raises ``RIVET_STATE_POSITION_TOO_LARGE`` (:func:`require_fits`) before any SQL."""
     import sqlalchemy as sa
 
     from statetool import schema
 
+    if text is not None:
+        require_fits(name, text)
     p = schema.cdc_positions
     conn.execute(sa.delete(p).where(p.c.export_name == name))
     if text is not None:
@@ -290,46 +431,79 @@ def put_position(conn: Any, name: str, engine: str, text: str | None, *, committ
 
 
 def export_positions(ctx: Context, export: str | None = None, *, dry_run: bool = False) -> MoveResult:
-    """``statetool checkpoints export``: see the module docstring. Each export whose
-    position the state holds is moved by :func:`_export_one`, which decides under its run
-    lease; the dry run decides the same way from a read-only look. Raises
-    ``RIVET_EXPORT_UNKNOWN``, ``RIVET_STATE_TARGET_NOT_EMPTY`` (a file with another position
-    is at the checkpoint's place) and a guarded write's codes."""
-    from statetool.operations.writes import require_writable
+    """``statetool checkpoints export``: see the module docstring. Every export is decided
+    first from a read-only look, and everything a move needs is proved for every export
+    before the first is written (:func:`_refuse_unfit`: the position fits a file, nothing
+    that is not that position stands at the file's place; the place can be written): an
+    export with nothing to move takes no lease and changes no byte. Each move is then made
+    by :func:`_export_one`, which decides again under its run lease; the dry run stops
+    before them. Raises ``RIVET_EXPORT_UNKNOWN``, ``RIVET_STATE_CHECKPOINT_SHARED``,
+    :func:`_refuse_unfit`'s codes and a guarded write's codes."""
+    from statetool.operations.writes import require_writable, tolerate_read_only
 
     stored = _stored(ctx)
-    moved: list[Moved] = []
+    moving: list[tuple[str, Path, object]] = []
     skipped: list[dict[str, str]] = []
+    warnings: list[StateWarning] = []
     for name, _engine, path in _cdc_exports(ctx, export):
-        if name not in stored or path is None:
-            skipped.append({"export": name, "why": _HOLDS_NONE if name not in stored else
-                            "no checkpoint file is configured"})
+        text = stored.get(name)
+        if text is None or path is None:
+            skipped.append({"export": name, "why": _HOLDS_NONE if text is None else "no checkpoint file is configured"})
             continue
-        position = stored[name]["position"]
-        _refuse_another_file(path, position)  # before any lease is taken
-        if dry_run:
-            require_writable(ctx, dry_run=True)
-            moved.append(Moved(name, str(path), position, None))
-            continue
+        position = _refuse_unfit(name, path, text)  # before any lease is taken
+        warnings += tolerate_read_only(lambda p=path, t=text: _writable_place(p, len(t.encode())), dry_run=dry_run)
+        warnings += require_writable(ctx, dry_run=dry_run)
+        moving.append((name, path, position))
+    if dry_run:
+        return MoveResult("to_file", [Moved(name, str(path), position, None) for name, path, position in moving],
+                          skipped, dry_run, _once(warnings))
+    moved: list[Moved] = []
+    for name, path, _position in moving:
         _record(_export_one(ctx, name, path), moved, skipped)
     return MoveResult("to_file", moved, skipped, dry_run)
 
 
-def _refuse_another_file(path: Path, position: object) -> None:
-    """``RIVET_STATE_TARGET_NOT_EMPTY`` when something other than a file holding
-    ``position`` is at the checkpoint's place ``path``."""
-    if path.exists() and (not path.is_file() or read_checkpoint_file(path)[1] != position):
+def _refuse_unfit(name: str, path: Path, text: str) -> object:
+    """Refuse, before a byte is written, an export of CDC export ``name``'s position (the
+    JSON ``text`` the state holds) to its checkpoint file ``path`` that could not end
+    whole, and return the position: ``RIVET_STATE_POSITION_TOO_LARGE`` (no file may hold
+    it: the reader of files would refuse it, the fresh user's finding 1);
+    ``RIVET_STATE_UNSAFE_FILE`` (a symlink, a directory or another non-regular file at
+    ``path``, never followed nor replaced, SPEC §8a); ``RIVET_STATE_TARGET_NOT_EMPTY`` (a
+    file at ``path`` that holds another position, or none at all: not JSON, not a
+    position, too large; no checkpoint file of this export, which the export must not
+    replace, finding 4)."""
+    require_fits(name, text, held=True)
+    position = json.loads(text)
+    if not os.path.lexists(path):
+        return position
+    kind = os.lstat(path).st_mode
+    if not stat.S_ISREG(kind):
+        what = "a symlink" if stat.S_ISLNK(kind) else "a directory" if stat.S_ISDIR(kind) else "not a regular file"
+        raise StateError("RIVET_STATE_UNSAFE_FILE", f"{path} is {what}, where the checkpoint file of {name} goes: "
+                         "statetool neither follows nor replaces it; nothing was changed", {"path": str(path)})
+    try:
+        there = read_checkpoint_file(path)[1]
+    except StateError as err:
+        if err.code != "RIVET_STATE_CHECKPOINT_UNREADABLE":
+            raise
+        raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{path} holds no position ({err.message}): it is no "
+                         f"checkpoint file of {name}, and the state's position would replace it; move it aside "
+                         "first; nothing was changed", {"path": str(path)}) from None
+    if there != position:
         raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{path} holds another position; move it aside first "
                          "(the state's would replace it); nothing was changed", {"path": str(path)})
+    return position
 
 
 def _export_one(ctx: Context, name: str, path: Path) -> Moved | dict[str, str]:
     """Move CDC export ``name``'s position from the state to its checkpoint file ``path``
     in one guarded write under its run lease, deciding there: the state's position is read
     in the write's transaction (a run that held the lease meanwhile may have committed
-    another: that one is written, never the one read before), the file's place is checked
-    again, the file written (read back), the row removed, audited. Returns the
-    :class:`Moved`, or ``{export, why}`` when the state no longer holds a position."""
+    another: that one is written, never the one read before), and checked again as
+    before (:func:`_refuse_unfit`) before the file is written (read back), the row
+    removed, audited. Returns the :class:`Moved`, or ``{export, why}`` when the state no
+    longer holds a position."""
     from statetool.operations.writes import guarded_write, one_export
 
     with guarded_write(ctx, one_export(name), claim=False, advance=False) as session:
@@ -337,8 +511,7 @@ def _export_one(ctx: Context, name: str, path: Path) -> Moved | dict[str, str]:
         text = position_text(session.reader, session.snapshot.tables, name)
         if text is None:
             return {"export": name, "why": _HOLDS_NONE}
-        position = json.loads(text)
-        _refuse_another_file(path, position)
+        position = _refuse_unfit(name, path, text)
         session.warnings = session.claim()
         session.advance()
         _write_file(path, text, ctx.on_step)

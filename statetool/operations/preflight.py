@@ -93,7 +93,7 @@ class Preflight:
 
 
 def run_preflight(ctx: Context, *, for_write: bool = False, progress: bool = True, integrity: bool = True,
-                  config_optional: bool = False) -> Preflight:
+                  config_optional: bool = False, positions: bool = False) -> Preflight:
     """Run every check in order on a read-only open. Never raises a :class:`StateError`:
     failures become ``fail`` rows carrying their error.
 
@@ -105,7 +105,8 @@ def run_preflight(ctx: Context, *, for_write: bool = False, progress: bool = Tru
     ``config_optional=True`` (``leases release``, issue 12 item 7) lets a state named by
     ``RIVET_STATE_URL`` go without a pipeline config when there is none
     (:meth:`Context.config_or_none`): the ``config`` and ``identity`` rows are skipped; a
-    config that is there is read and compared as always.
+    config that is there is read and compared as always. ``positions=True`` reads the CDC
+    positions' texts in the same read (:attr:`~statetool.operations.probe.Snapshot.positions`).
     A SQLite state with the hot journal of a killed writer is read as it was before that
     write (the backend rolls it back in a private copy): the ``integrity`` row warns
     ``RIVET_STATE_HOT_JOURNAL``, and nothing beside the state changes, for a write too; only
@@ -143,7 +144,7 @@ def run_preflight(ctx: Context, *, for_write: bool = False, progress: bool = Tru
         return pf
     pf.add("state", "ok", f"found at {location.display}")
     try:
-        snap = _read_named(backend, progress, integrity)
+        snap = _read_named(backend, progress, integrity, positions)
     except StateError as err:
         pf.fail(err, _READ_FAILURE_ROW.get(err.code, "integrity"))
         pf.skip_rest("the state cannot be read")
@@ -185,13 +186,13 @@ def _check_leftovers(pf: Preflight, backend: Backend) -> None:
            "a backup)", "RIVET_STATE_LEFTOVER_TEMP")
 
 
-def _read_named(backend: Backend, progress: bool, integrity: bool) -> Snapshot:
+def _read_named(backend: Backend, progress: bool, integrity: bool, positions: bool) -> Snapshot:
     """The snapshot of one read-only open, with an environment fault met on the way (a
     state file this user may not open, say) raised as its registered error, so it becomes
     a ``fail`` row."""
     try:
         with backend.reading() as conn:
-            return read_snapshot(backend, conn, progress=progress, integrity=integrity)
+            return read_snapshot(backend, conn, progress=progress, integrity=integrity, positions=positions)
     except OSError as exc:
         raise os_fault(exc) or exc from None
 

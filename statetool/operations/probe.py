@@ -89,6 +89,9 @@ class Snapshot:
     #: The id of the write that gave the state its serial (revision 0005): two states of one
     #: lineage at one serial with other ids went apart.
     write_id: str | None = None
+    #: ``{export: its CDC position's JSON text}`` (revision 0006; ``{}`` before), read in the
+    #: same transaction when the read asked for them (``positions``); None otherwise.
+    positions: dict[str, str] | None = None
 
     @property
     def effective_revision(self) -> str | None:
@@ -148,7 +151,7 @@ def _in_flight_error(where: str, conn: Reader) -> StateError:
 
 
 def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, progress: bool = True,
-                  full: bool = False) -> Snapshot:
+                  full: bool = False, positions: bool = False) -> Snapshot:
     """Read the state on a read-only ``conn``.
 
     Raises ``RIVET_STATE_NOT_A_STATE`` (no table of the state, or a shape of no release)
@@ -158,7 +161,8 @@ def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, pro
     know is returned with ``known=False`` and no progress read (its tables may differ).
     ``integrity=False`` skips ``quick_check`` and ``progress=False`` the per-export
     progress (both read every page of a large state; ``doctor`` reads only what it needs);
-    ``full`` makes the check ``integrity_check`` (``backups verify``, ``restore``).
+    ``full`` makes the check ``integrity_check`` (``backups verify``, ``restore``);
+    ``positions`` reads the CDC positions' texts too (:attr:`Snapshot.positions`).
     """
     where = backend.location.display
     tables = frozenset(backend.table_names(conn))
@@ -201,6 +205,8 @@ def read_snapshot(backend: Backend, conn: Reader, *, integrity: bool = True, pro
             snap.recorded_key = recorded_key(conn)
         snap.lineage, snap.serial = lineage(conn, tables)
         snap.write_id = write_id_of(conn, tables)
+        if positions:
+            snap.positions = position_texts(conn, tables)
     return snap
 
 
@@ -404,6 +410,14 @@ def position_rows(conn: Reader, tables: frozenset[str]) -> dict[str, dict[str, A
     return {row[0]: {"engine": row[1], "position": decode_position(row[0], row[2]), "committed_at": row[3],
                      "run_id": row[4],
                      "fencing_token": None if row[5] is None else int(row[5])} for row in conn.rows(query)}
+
+
+def position_texts(conn: Reader, tables: frozenset[str]) -> dict[str, str]:
+    """``{export: its CDC position's JSON text exactly}`` (:func:`position_text` of every
+    export that has one); ``{}`` before revision 0006."""
+    if CDC_POSITIONS not in tables:
+        return {}
+    return {row[0]: str(row[1]) for row in conn.rows(f"SELECT export_name, position FROM {CDC_POSITIONS}")}
 
 
 def write_id_of(conn: Reader, tables: frozenset[str]) -> str | None:

@@ -58,10 +58,11 @@ from statetool.backends import open_backend, retirement
 from statetool.errors import StateError, StateWarning
 from statetool.identity import identity_verdict
 from statetool.location import ENV_VAR, Location, checkpoint_relative_message, resolve_checkpoint, resolve_location
+from statetool.operations.checkpoints import shared_checkpoint
 from statetool.operations.context import Context
 from statetool.operations.leasing import refuse_untakable
 from statetool.operations.positions import (FilePosition, MoveResult, Moved, kept_path, put_position,
-                                            read_checkpoint_file, retire_file)
+                                            read_checkpoint_file, require_renamable, retire_file)
 from statetool.operations.preflight import require, run_preflight
 from statetool.operations.probe import (ResumePoint, position_rows, position_text, read_snapshot, resume_points,
                                         row_counts)
@@ -348,6 +349,9 @@ def _positions(ctx: Context, source: TransferSource, conn: Reader, target: Locat
     progress = resume_points(conn, tables, [e.name for e in ctx.config.exports if e.cdc is not None])
     moving, skipped, before = _position_plan(ctx, held, progress)
     checkpoints, warnings = _checkpoint_plan(ctx, target, held | {f.export for f in moving}, before)
+    for f in moving:  # each file is renamed once the destination is live: proved possible first
+        warnings += [w.as_dict() for w in tolerate_read_only(
+            lambda path=f.path: require_renamable(path, "the transfer"), dry_run=dry_run)]
     return moving, checkpoints, warnings, MoveResult(
         "into_state", [Moved(f.export, str(f.path), f.position, None) for f in moving], skipped, dry_run).as_dict()
 
@@ -395,7 +399,12 @@ def _position_plan(ctx: Context, held: set[str], progress: dict[str, ResumePoint
     regular file, a file this user may not read or one that holds no position is refused by
     the one reader's codes (:func:`~statetool.operations.positions.read_checkpoint_file`:
     ``RIVET_STATE_CHECKPOINT_NOT_A_FILE``, ``RIVET_STATE_PERMISSION_DENIED``,
-    ``RIVET_STATE_CHECKPOINT_UNREADABLE``). Both before any lease or write."""
+    ``RIVET_STATE_CHECKPOINT_UNREADABLE``); two exports whose checkpoints are one file are
+    ``RIVET_STATE_CHECKPOINT_SHARED`` (:func:`~statetool.operations.checkpoints.shared_checkpoint`:
+    one file cannot be two streams' positions in the state). Both before any lease or write."""
+    shared = shared_checkpoint(ctx)
+    if shared is not None:
+        raise shared
     files: list[FilePosition] = []
     skipped: list[dict[str, str]] = []
     before: dict[str, str] = {}
@@ -451,7 +460,9 @@ def _retire_files(ctx: Context, moving: list[FilePosition]) -> list[Moved]:
     """Rename each checkpoint file of ``moving`` ``<name>.imported-<UTC time>`` once the
     destination holding its position is live, each file read once, here; a file that no
     longer holds the moved text (or is gone, or cannot be read) is left where it is
-    (``kept_as`` None; ``checkpoints`` then reports both values)."""
+    (``kept_as`` None; ``checkpoints`` then reports both values). A rename that fails is
+    ``RIVET_STATE_CHECKPOINT_NOT_RENAMED``, saying the transfer is done and how to finish
+    the renames (the same transfer again)."""
     moved = []
     for f in moving:
         kept = kept_path(f.path)
@@ -460,7 +471,18 @@ def _retire_files(ctx: Context, moving: list[FilePosition]) -> list[Moved]:
         except StateError:
             current = None
         if current == f.text:
-            retire_file(f.path, kept)
+            try:
+                retire_file(f.path, kept)
+            except StateError as err:
+                raise StateError("RIVET_STATE_CHECKPOINT_NOT_RENAMED",
+                                 f"the transfer is done: the destination is live and holds the position of "
+                                 f"{f.export}, which every run reads from there; but {f.path} could not be renamed "
+                                 f"to {kept.name} ({err.message.removesuffix('; nothing was written')}): the file is "
+                                 "still there, with the same position, and is not read for it. Once its directory "
+                                 "can be written, run the same transfer again with --with-checkpoints (it finds the "
+                                 "destination live and only renames the files left)",
+                                 {"export": f.export, "path": str(f.path), "kept_as": str(kept),
+                                  "cause": err.code}) from None
             ctx.on_step("checkpoint-renamed")
         moved.append(Moved(f.export, str(f.path), f.position, str(kept) if current == f.text else None))
     return moved
