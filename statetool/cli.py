@@ -377,7 +377,7 @@ def metrics(
         from statetool import render
 
         if g.json_errors:
-            render.print_failure_line(result.worst.code, result.worst.message, result.worst)
+            render.print_failure_line(result.worst.code, result.worst.message, result.worst, result.failures)
         for error in [] if g.json_errors else result.down:
             render.print_error(error)
         raise typer.Exit(result.exit_code)

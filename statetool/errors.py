@@ -219,6 +219,12 @@ REGISTRY: dict[str, Entry] = {
         "create the directory of --textfile PATH first (node-exporter's --collector.textfile.directory), or name "
         "a file in one that exists; metrics creates no directory",
     ),
+    "RIVET_METRICS_TEXTFILE_UNWRITABLE": _e(
+        "environment", "generic",
+        "name a --textfile PATH in a directory this user may create files in, on a filesystem mounted read-write "
+        "(node-exporter's --collector.textfile.directory, writable by the user cron or the timer runs metrics as), "
+        "or make that directory so; nothing was written",
+    ),
     # retryable (2): a re-run without human action may succeed
     "RIVET_STATE_UNREACHABLE": _e(
         "transient", "retryable", "check that the state database is up and reachable, then re-run",

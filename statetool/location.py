@@ -166,6 +166,28 @@ class Location(NamedTuple):
             return ""
         return f"; a sqlite: location names the directory that holds {STATE_FILE}: sqlite:{directory.parent}"
 
+    @property
+    def server(self) -> str | None:
+        """The PostgreSQL server and database this location names, in one canonical
+        spelling (:func:`canonical_server`: libpq's own parse of :attr:`url`, no user, no
+        password); None for SQLite."""
+        return canonical_server(self.url or "") if self.backend == "postgres" else None
+
+    def same_state_key(self) -> tuple[object, ...]:
+        """What two locations share exactly when they are one state (issue 16 item 1):
+        a SQLite file's identity, ``("sqlite", st_dev, st_ino)`` of the real state file when
+        it exists (so a symlinked directory, a hard link and a bind mount are all found),
+        else ``("sqlite", its real path)`` (every symlink followed); a PostgreSQL
+        ``("postgres", server, schema)`` (:attr:`server`). Reads one ``stat``."""
+        if self.path is None:
+            return ("postgres", self.server, self.schema)
+        real = os.path.realpath(self.path)
+        try:
+            st = os.stat(real)
+        except OSError:
+            return ("sqlite", real)
+        return ("sqlite", st.st_dev, st.st_ino)
+
     def as_dict(self) -> dict[str, object]:
         """JSON shape: ``{backend, scope, origin, path, directory, url, schema, display}``."""
         return {
@@ -391,6 +413,45 @@ def _check_conninfo(raw: str, url: str) -> None:
     except ProgrammingError:
         raise _url_invalid(raw, "does not parse for libpq (a '%' must start %XX with two hex digits, "
                                 "and %00 is never allowed)") from None
+
+
+def _canonical_host(host: str) -> str:
+    """One host of a conninfo: a socket directory (an absolute path, or libpq's ``@`` for
+    an abstract socket) normalized as a path; a name or address lower-cased."""
+    if host.startswith(("/", "@")):
+        return os.path.normpath(host)
+    return host.lower()
+
+
+def canonical_server(conninfo: str) -> str:
+    """The server and database a libpq ``conninfo`` names (a ``postgresql://`` URL or the
+    ``key=value`` keyword form), as one canonical, password-free keyword string
+    ``host=... port=... dbname=...`` (psycopg's ``make_conninfo``), so that every
+    spelling of one server compares equal: the host in the authority or in ``?host=``, a
+    socket directory with or without a trailing ``/``, the port 5432 spelled or not, the
+    user, password and other parameters, which name no other server, left out. What is
+    not given is what libpq would use (``PGHOST``, ``PGPORT``, ``PGDATABASE``, else
+    libpq's defaults: the default socket, 5432, a database named as the user). Several
+    hosts (``h1,h2``) keep their order, each with its port. Two names of one machine
+    (``localhost``, ``127.0.0.1``) stay two. ``""`` when libpq cannot parse it. No
+    connection, no DNS."""
+    from psycopg import ProgrammingError, pq
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    try:
+        given = {k: str(v) for k, v in conninfo_to_dict(conninfo).items() if v is not None and str(v) != ""}
+    except ProgrammingError:
+        return ""
+    defaults = {o.keyword.decode(): o.val.decode() for o in pq.Conninfo.get_defaults() if o.val is not None}
+    hosts = (given.get("host") or given.get("hostaddr") or defaults.get("host") or defaults.get("hostaddr")
+             or "").split(",")
+    default_port = defaults.get("port") or "5432"
+    ports = (given.get("port") or default_port).split(",")
+    if len(ports) == 1:
+        ports *= len(hosts)
+    dbname = given.get("dbname") or defaults.get("dbname") or given.get("user") or defaults.get("user") or ""
+    return make_conninfo(host=",".join(_canonical_host(h) for h in hosts),
+                         port=",".join(p or default_port for p in ports), dbname=dbname)
 
 
 class CheckpointPlace(NamedTuple):

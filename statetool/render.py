@@ -1196,16 +1196,15 @@ def _finding_status(code: str) -> str:
 
 def _fleet_end(page: Page, doc: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """Each failing or warning row (:func:`fleet_rows`) as a paragraph and its action whole on
-    a line, then how many pipelines are ok (neither failing on their own nor named by a
-    failing fleet finding: info's findings fail nothing), and ``ok`` / ``not ok``."""
+    a line, then how many pipelines are ok (each pipeline's ``ok``: neither failing on its
+    own nor named by a failing fleet finding; info's findings fail nothing), and ``ok`` /
+    ``not ok``."""
     for row in rows:
         page.line()
         page.para(row["message"], f"{row['id']}: {row['status']} [{_fmt(row['code'])}] ", "  ")
         page.line(f"Try ({row['id']}): {row['action']}")
     page.line()
-    failing = {config for f in doc["fleet"] if f["status"] == "fail" and doc["command"] != "info"
-               for config in f["configs"]}
-    fine = sum(1 for p in doc["pipelines"] if p["ok"] and p["config"] not in failing)
+    fine = sum(1 for p in doc["pipelines"] if p["ok"])
     page.line(f"{_plural(len(doc['pipelines']), 'pipeline')}: {fine} ok, {len(doc['pipelines']) - fine} not ok")
     page.line("ok" if doc["ok"] else "not ok")
 

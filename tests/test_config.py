@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from support import describe, error_object, run_cli, write_config
+from support import describe, error_object, run_cli, run_cli_process, write_config
 from statetool.config import load_config
 from statetool.errors import StateError
 from statetool.identity import state_key
@@ -381,3 +381,20 @@ def test_cli_check_reports_an_invalid_config_with_its_position(tmp_path: Path) -
     row = next(c for c in json.loads(proc.stdout)["checks"] if c["id"] == "config")
     assert (row["status"], row["code"]) == ("fail", "RIVET_CONFIG_INVALID"), describe(proc)
     assert row["message"].startswith(f"{config}:{line}:{column}: "), describe(proc)
+
+
+def test_cli_check_of_a_config_that_does_not_parse_and_has_no_state_exits_with_the_config_s_class(
+        tmp_path: Path) -> None:
+    """Bad YAML, or a wrong type, in a config that exists, with no state beside it yet:
+    ``check`` exits 1 with ``RIVET_CONFIG_INVALID`` (the config decides), not 5 for the
+    state that is missing; the state's row still says so."""
+    for name, text in (("yaml", "source: [unclosed\n"), ("types", "exports: 5\n")):
+        (tmp_path / name).mkdir()
+        config = tmp_path / name / "rivet.yaml"
+        config.write_text(text)
+        proc = run_cli_process("-c", str(config), "--json", "--json-errors", "check")
+        assert proc.returncode == 1, describe(proc)
+        assert error_object(proc)["code"] == "RIVET_CONFIG_INVALID", describe(proc)
+        rows = {c["id"]: (c["status"], c["code"]) for c in json.loads(proc.stdout)["checks"]}
+        assert rows["config"] == ("fail", "RIVET_CONFIG_INVALID") and rows["state"] == ("fail", "RIVET_STATE_MISSING")
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["rivet.yaml"], "check created a file"

@@ -6,6 +6,7 @@ in one checkpoint file. docs/commands.md "Several pipelines at once"."""
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import jsonschema
 import pytest
 
 from support import describe, error_object, run_cli, run_cli_process, tree_digest, write_config
+from support.pg import PG_PASSWORD, PG_PASSWORD_USER
 from support.states import build_state
 from statetool.example import build_legacy_state
 from statetool.operations.fleet import MAX_WORKERS, read_all, workers
@@ -149,9 +151,11 @@ def test_a_fleet_of_22_pipelines_is_checked_in_one_command_every_row_the_worst_e
     # the worst of all: a truncated state (data_integrity, 4) outranks refusals and drift
     assert proc.returncode == 4 and doc["ok"] is False and doc["command"] == "check", describe(proc)
     assert [p["config"] for p in doc["pipelines"]] == fleet.labels()
+    named = {config for f in doc["fleet"] if f["status"] == "fail" for config in f["configs"]}
     for p in doc["pipelines"]:
         assert p["exit_code"] == fleet.expected[p["config"]], (p["config"], p["checks"])
-        assert p["ok"] is (p["exit_code"] == 0)
+        # not ok: failing on its own, or named by a failing finding (its own exit code stays its command's)
+        assert p["ok"] is (p["exit_code"] == 0 and p["config"] not in named), p["config"]
         rows = {(r["id"], r["status"], r["code"]) for r in p["checks"] if r["status"] in ("fail", "warn")}
         assert rows == failing.get(p["config"], set()), (p["config"], rows)
     by_label = {p["config"]: p for p in doc["pipelines"]}
@@ -408,3 +412,194 @@ def test_a_fleet_checked_for_pods_gives_each_pipeline_the_pod_rule_and_an_unknow
     proc = run_cli("-c", str(a), "-c", str(b), "--json-errors", "check", "--target", "moon")
     assert proc.returncode == 1 and error_object(proc)["code"] == "RIVET_CLI_USAGE", describe(proc)
     assert tree_digest(tmp_path) == before
+
+
+# -- one state under two names (a fresh user's findings) ---------------------------------------
+
+
+def _two_sources_one_file(tmp_path: Path, reach: Callable[[Path, Path], None]) -> list[str]:
+    """Pipelines ``a`` (state built beside it) and ``b`` of another source, whose directory
+    ``reach(a_dir, b_dir)`` makes reach a's state file; returns their configs as given."""
+    a, = small_fleet(tmp_path, "a")
+    b_dir = tmp_path / "p" / "b"
+    reach(a.parent, b_dir)
+    write_config(b_dir, source_url=source("b"), checkpoint=str(tmp_path / "cp" / "b" / "order_events.json"))
+    (tmp_path / "cp" / "b").mkdir(parents=True)
+    (tmp_path / "cp" / "b" / "order_events.json").write_text(json.dumps({"pos": 9}))
+    return ["p/a/rivet.yaml", "p/b/rivet.yaml"]
+
+
+def _hard_link(a_dir: Path, b_dir: Path) -> None:
+    b_dir.mkdir(parents=True)
+    (b_dir / ".rivet_state.db").hardlink_to(a_dir / ".rivet_state.db")
+
+
+def _bind_mount(a_dir: Path, b_dir: Path) -> None:
+    b_dir.mkdir(parents=True)
+    (b_dir / ".rivet_state.db").touch()
+    mounted = subprocess.run(["mount", "--bind", str(a_dir / ".rivet_state.db"), str(b_dir / ".rivet_state.db")],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"no bind mount here (needs root): {mounted.stderr.strip()}")
+
+
+def _symlinked_directory(a_dir: Path, b_dir: Path) -> None:
+    b_dir.mkdir(parents=True)
+    (b_dir / ".rivet_state.db").symlink_to(a_dir / ".rivet_state.db")
+
+
+@pytest.mark.parametrize("reach", [_hard_link, _bind_mount, _symlinked_directory],
+                         ids=["hard-link", "bind-mount", "symlinked-file"])
+def test_one_sqlite_file_reached_by_two_paths_is_one_state_and_both_pipelines_are_not_ok(
+        tmp_path: Path, reach: Callable[[Path, Path], None]) -> None:
+    """Two configs of different sources whose state paths differ as text but are one file
+    (a hard link, a bind mount, a symlink): ``RIVET_STATE_SHARED``, exit 5, and each
+    pipeline's ``ok`` false though its own check passes (a foreign state beside a config
+    only warns)."""
+    labels = _two_sources_one_file(tmp_path, reach)
+    try:
+        proc = run_cli_process("--json", "--json-errors", "check", "-c", labels[0], "-c", labels[1], cwd=tmp_path)
+    finally:
+        if reach is _bind_mount:
+            subprocess.run(["umount", str(tmp_path / "p" / "b" / ".rivet_state.db")], check=True)
+    doc = valid(json.loads(proc.stdout))
+    assert [(f["code"], f["configs"]) for f in doc["fleet"] if f["id"] == "fleet:state"] == \
+        [("RIVET_STATE_SHARED", labels)], describe(proc)
+    assert proc.returncode == 5 and doc["ok"] is False, describe(proc)
+    assert [(p["exit_code"], p["ok"]) for p in doc["pipelines"]] == [(0, False), (0, False)], doc["pipelines"]
+    assert [(u["config"], u["code"]) for u in error_object(proc)["failures"]] == \
+        [(labels[0], "RIVET_STATE_SHARED"), (labels[1], "RIVET_STATE_SHARED")]
+
+
+def test_two_sqlite_states_not_there_yet_are_one_when_their_real_paths_are_one(tmp_path: Path) -> None:
+    """No file yet: the real path decides (a symlinked directory), and two directories
+    that are not one are two states."""
+    for name in ("a", "b"):
+        write_config(tmp_path / "p" / name, source_url=source(name))
+    (tmp_path / "p" / "a-link").symlink_to(tmp_path / "p" / "a")
+    write_config(tmp_path / "p" / "a-link", source_url=source("other"), name="second.yaml")
+    proc = run_cli("--json", "check", "-c", "p/a/rivet.yaml", "-c", "p/a-link/second.yaml", "-c", "p/b/rivet.yaml",
+                   cwd=tmp_path)
+    doc = valid(json.loads(proc.stdout))
+    assert [(f["code"], f["configs"]) for f in doc["fleet"] if f["id"] == "fleet:state"] == \
+        [("RIVET_STATE_SHARED", ["p/a/rivet.yaml", "p/a-link/second.yaml"])], describe(proc)
+
+
+def _spellings(base: str, schema: str) -> list[str]:
+    """Four spellings of one PostgreSQL server, database and schema, from the test server's
+    ``postgresql://postgres@/postgres?host=DIR``: the user in the query, the port spelled,
+    the socket directory in the authority (percent-encoded, a trailing ``/``), a password
+    role's URL."""
+    socket_dir = base.split("host=", 1)[1]
+    encoded = socket_dir.replace("/", "%2F")
+    return [f"{base}&schema={schema}",
+            f"postgresql:///postgres?host={socket_dir}&user=postgres&port=5432&schema={schema}",
+            f"postgresql://postgres@{encoded}%2F:5432/postgres?schema={schema}",
+            f"postgresql://{PG_PASSWORD_USER}:{PG_PASSWORD}@/postgres?host={socket_dir}/&schema={schema}"]
+
+
+@pytest.mark.postgres
+def test_one_postgresql_schema_spelled_four_ways_is_one_state_and_no_password_is_printed(
+        tmp_path: Path, pg_server: dict[str, str], pg_schemas: Callable[[], str]) -> None:
+    schema = pg_schemas().rsplit("schema=", 1)[1]
+    urls = _spellings(pg_server["url"], schema)
+    fleet = Fleet(tmp_path)
+    first = write_config(tmp_path / "pipelines" / "s0", source_url=source("s0"))
+    build_state(first, urls[0], env={})
+    fleet.add(first, 0, urls[0])
+    for n, url in enumerate(urls[1:], 1):
+        fleet.add(write_config(tmp_path / "pipelines" / f"s{n}", source_url=source(f"s{n}")), 0, url)
+    other = pg_schemas()
+    fleet.add(write_config(tmp_path / "pipelines" / "elsewhere", source_url=source("x")), 5, other)
+    for command in ("check", "doctor", "info"):
+        proc = run_cli_process("--json", "--json-errors", command, *fleet.args(), cwd=tmp_path, env=fleet.env)
+        doc = valid(json.loads(proc.stdout))
+        shared = [(f["code"], f["configs"]) for f in doc["fleet"] if f["id"] == "fleet:state"]
+        assert shared == [("RIVET_STATE_SHARED", fleet.labels()[:4])], (command, describe(proc))
+        assert PG_PASSWORD not in proc.stdout + proc.stderr, (command, describe(proc))
+
+
+def test_the_server_of_a_location_is_libpq_s_parse_in_every_spelling() -> None:
+    """:func:`statetool.location.canonical_server`: one canonical keyword string for every
+    spelling libpq reads as one server and database (URL or keyword form, host in the
+    query or the authority, port spelled or not), none of user or password."""
+    from statetool.location import canonical_server, resolve_location
+
+    one = {canonical_server(text) for text in (
+        "postgresql://u@/db?host=/sock", "host=/sock dbname=db user=u", "host=/sock/ port=5432 dbname=db",
+        "postgresql://%2Fsock/db?user=v&password=secret", "postgresql://u@/db?host=/sock&port=5432&sslmode=disable")}
+    assert one == {"host=/sock port=5432 dbname=db"}
+    assert canonical_server("postgresql://u:pw@DB.Internal/sales") == \
+        canonical_server("postgresql://DB.internal:5432/sales") == "host=db.internal port=5432 dbname=sales"
+    others = {canonical_server(text) for text in ("postgresql://u@/db?host=/sock&port=5433", "postgresql:///other"
+                                                   "?host=/sock", "postgresql://u@/db?host=/other")}
+    assert len(others) == 3 and "host=/sock port=5432 dbname=db" not in others
+    location = resolve_location("postgresql://u:secret@/db?host=/sock&schema=s1", None, "rivet.yaml")
+    assert location.server == "host=/sock port=5432 dbname=db" and "secret" not in location.server
+    assert location.same_state_key() == resolve_location("postgresql:///db?host=/sock&user=u&schema=s1", None,
+                                                         "rivet.yaml").same_state_key()
+    assert location.same_state_key() != resolve_location("postgresql://u@/db?host=/sock&schema=s2", None,
+                                                         "rivet.yaml").same_state_key()
+
+
+# -- the fleet's verdicts ----------------------------------------------------------------------
+
+
+def test_among_equally_bad_failures_the_top_level_code_is_the_first_pipeline_s(tmp_path: Path) -> None:
+    """Two pipelines failing with one class (refusal, 5) for different codes: the error
+    line's failure is the first pipeline's in the order given, whichever order they are
+    given in."""
+    write_config(tmp_path / "p" / "missing", source_url=source("missing"))
+    declared = tmp_path / "declared"
+    declared.mkdir()
+    build_state(write_config(tmp_path / "elsewhere", source_url=source("other")), f"sqlite:{declared}", env={})
+    write_config(tmp_path / "p" / "foreign", source_url=source("foreign"))
+    env = {"FOREIGN": f"sqlite:{declared}"}
+    configs = ["p/missing/rivet.yaml", "p/foreign/rivet.yaml"]
+    for order in (configs, configs[::-1]):
+        proc = run_cli("--json", "--json-errors", "check", "-c", order[0], "-c", order[1],
+                       "--state-url-env", "p/foreign/rivet.yaml=FOREIGN", cwd=tmp_path, env=env)
+        obj = error_object(proc)
+        assert proc.returncode == 5 and [u["config"] for u in obj["failures"]] == order, describe(proc)
+        assert {u["code"] for u in obj["failures"]} & {"RIVET_STATE_MISSING"}, obj["failures"]
+        first = {k: v for k, v in obj["failures"][0].items() if k not in ("config", "export")}
+        assert {k: v for k, v in obj.items() if k != "failures"} == first, describe(proc)
+
+
+def test_a_config_that_does_not_parse_fails_its_pipeline_with_the_config_s_class(tmp_path: Path) -> None:
+    """A fleet pipeline whose config exists but is bad YAML, or of the wrong types, and
+    has no state: its exit code is ``RIVET_CONFIG_INVALID``'s (1), not the missing state's
+    (5); the fleet exits with the worst, a healthy pipeline's 0 aside."""
+    small_fleet(tmp_path, "good")
+    (tmp_path / "p" / "yaml").mkdir()
+    (tmp_path / "p" / "yaml" / "rivet.yaml").write_text("source: [unclosed\n")
+    (tmp_path / "p" / "types").mkdir()
+    (tmp_path / "p" / "types" / "rivet.yaml").write_text("exports: 5\n")
+    proc = run_cli("--json", "--json-errors", "check", "--configs", "p/*/rivet.yaml", cwd=tmp_path)
+    doc = valid(json.loads(proc.stdout))
+    assert {p["config"]: p["exit_code"] for p in doc["pipelines"]} == \
+        {"p/good/rivet.yaml": 0, "p/types/rivet.yaml": 1, "p/yaml/rivet.yaml": 1}, describe(proc)
+    obj = error_object(proc)
+    assert proc.returncode == 1 and obj["code"] == "RIVET_CONFIG_INVALID", describe(proc)
+    assert [u["code"] for u in obj["failures"]] == ["RIVET_CONFIG_INVALID", "RIVET_CONFIG_INVALID"]
+
+
+@pytest.mark.postgres
+def test_a_transfer_into_its_own_schema_spelled_another_way_is_refused_by_the_same_rule(
+        tmp_path: Path, pg_server: dict[str, str], pg_schemas: Callable[[], str]) -> None:
+    """``transfer --to`` names the source's own server, database and schema in another
+    spelling: refused before anything is written (``Location.same_state_key``, the fleet's
+    rule), as the same spelling is."""
+    schema = pg_schemas().rsplit("schema=", 1)[1]
+    source_url, *others = _spellings(pg_server["url"], schema)
+    config = write_config(tmp_path / "p", source_url=source("p"))
+    build_state(config, source_url, env={})
+    for other in [source_url, *others[:2]]:
+        before = run_cli("-c", str(config), "--json", "exports", "list", env={"RIVET_STATE_URL": source_url}).stdout
+        proc = run_cli("-c", str(config), "--json-errors", "transfer", "--to", other,
+                       env={"RIVET_STATE_URL": source_url})
+        obj = error_object(proc)
+        assert (proc.returncode, obj["code"]) == (1, "RIVET_STATE_BACKEND_UNSUPPORTED"), (other, describe(proc))
+        assert "is where the state already is" in obj["message"], describe(proc)
+        assert run_cli("-c", str(config), "--json", "exports", "list",
+                       env={"RIVET_STATE_URL": source_url}).stdout == before

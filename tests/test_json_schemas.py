@@ -131,6 +131,14 @@ def _fleet(tmp: Path) -> Prepared:
     return prepared
 
 
+def _fleet_failing(tmp: Path) -> Prepared:
+    """The two built pipelines of :func:`_fleet` and a third with no state (``{third}``):
+    a fleet whose ``--json-errors`` object names a pipeline (``config``, ``export`` null)."""
+    prepared = _fleet(tmp)
+    prepared.values["third"] = str(write_config(tmp / "third"))
+    return prepared
+
+
 def _positions_in_state(tmp: Path) -> Prepared:
     """The built state after ``checkpoints import``: the CDC position lives in the state."""
     prepared = _built(tmp)
@@ -193,6 +201,7 @@ SETUPS: dict[str, Callable[..., Prepared]] = {
     "exported-away": lambda tmp: _exported(tmp, away=True),
     "positions-in-state": _positions_in_state,
     "fleet": _fleet,
+    "fleet-failing": _fleet_failing,
     "stale-lease": _stale_lease,
     "pg-target": _pg_target,
 }
@@ -242,6 +251,8 @@ CASES = [
     Case(("check",), "fleet", ("-c", "{second}"), schema="fleet"),
     Case(("info",), "fleet", ("-c", "{second}"), schema="fleet"),
     Case(("doctor",), "fleet", ("-c", "{second}", "--export", "orders"), schema="fleet"),
+    Case(("check",), "fleet-failing", ("-c", "{second}", "-c", "{third}"), code=5, schema="fleet", error=True),
+    Case(("doctor",), "fleet-failing", ("-c", "{second}", "-c", "{third}"), code=5, schema="fleet", error=True),
     Case(("checkpoints",), "built", schema="checkpoints-list"),
     Case(("checkpoints", "list"), "positions-in-state"),
     Case(("checkpoints", "import"), "built"),
@@ -376,6 +387,26 @@ def test_each_json_document_validates_against_its_schema(case: Case, prepared: C
         assert_valid("error", error_object(proc), "the --json-errors object")
     else:
         assert not any(line.startswith("{") for line in proc.stderr.splitlines()), describe(proc)
+
+
+def test_every_error_object_of_metrics_validates_one_pipeline_or_several(tmp_path: Path) -> None:
+    """``metrics`` has no ``--json`` document, so no case above: its ``--json-errors``
+    objects, of one config (a missing state; a textfile that cannot be written) and of
+    several (each pipeline down named by ``config``, ``export`` null), validate too."""
+    built = _built(tmp_path)
+    missing = write_config(tmp_path / "third")
+    (tmp_path / "afile").write_text("a file")
+    runs = [run_cli("-c", str(missing), "--json-errors", "metrics"),
+            run_cli("-c", str(built.config), "--json-errors", "metrics", "--textfile",
+                    str(tmp_path / "afile" / "x.prom")),
+            run_cli("-c", str(built.config), "-c", str(missing), "--json-errors", "metrics", env=built.env)]
+    codes = []
+    for proc in runs:
+        obj = error_object(proc)
+        assert_valid("error", obj, "the --json-errors object of metrics")
+        codes.append((obj["code"], [(u.get("config"), u["export"]) for u in obj["failures"]]))
+    assert codes == [("RIVET_STATE_MISSING", []), ("RIVET_METRICS_TEXTFILE_UNWRITABLE", []),
+                     ("RIVET_STATE_MISSING", [(str(missing), None)])], codes
 
 
 def _json_commands() -> list[tuple[str, ...]]:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ from statetool.moments import parse_time
 from statetool.openmetrics import Family, exposition, label_value
 from statetool.operations.context import Context
 from statetool.operations.metrics import FAMILIES, metrics
-from support import declare_export, describe, error_object, fork_cli, fork_code, process_env, run_cli, tree_digest
+from support import (declare_export, describe, error_object, fork_cli, fork_code, process_env, run_cli, run_cli_process,
+                     tree_digest)
 from support import write_config
 from support.backends import StateBackend
 from support.states import build_state
@@ -446,6 +448,53 @@ def test_a_temporary_file_a_killed_run_left_under_this_pid_is_replaced(tmp_path:
     run_metrics(config, {}, "--textfile", str(target))
     assert value(parsed(target.read_text()), "statetool_state_up") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipeline", "rivet.prom"]
+
+
+def _read_only_mount(directory: Path) -> Callable[[], None]:
+    """Bind-mount ``directory`` onto itself read-only (root ignores permissions, not a
+    read-only mount); returns its unmount."""
+    for cmd in (["mount", "--bind", str(directory), str(directory)],
+                ["mount", "-o", "remount,bind,ro", str(directory), str(directory)]):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            subprocess.run(["umount", str(directory)], capture_output=True)
+            pytest.skip(f"no read-only bind mount here (needs root): {done.stderr.strip()}")
+    return lambda: subprocess.run(["umount", str(directory)], check=True)
+
+
+UNWRITABLE = {
+    "read-only-mount": ("collector/rivet.prom", "mounted read-only"),
+    "a-file-for-a-directory": ("afile/rivet.prom", "is a file, not a directory"),
+    "proc": ("/proc/statetool-test.prom", "takes no new file"),
+    "sys-permission-denied": ("/sys/statetool-test.prom", "may not create files there"),
+}
+
+
+@pytest.mark.parametrize(("where", "says"), UNWRITABLE.values(), ids=UNWRITABLE.keys())
+def test_a_textfile_that_cannot_be_written_is_its_own_registered_error_and_leaves_no_file(
+        tmp_path: Path, where: str, says: str) -> None:
+    """``--textfile`` where no file can be made (a read-only mount, a file for its
+    directory, /proc, /sys, which deny root too): ``RIVET_METRICS_TEXTFILE_UNWRITABLE``
+    (exit 1) through the real CLI, no traceback, nothing on stdout, no temporary file."""
+    config = write_config(tmp_path / "pipeline")
+    build_state(config)
+    (tmp_path / "collector").mkdir()
+    (tmp_path / "collector" / "rivet.prom").write_text("# the old text\n")
+    (tmp_path / "afile").write_text("a file")
+    target = Path(where) if where.startswith("/") else tmp_path / where
+    undo = _read_only_mount(tmp_path / "collector") if where.startswith("collector") else None
+    try:
+        proc = run_cli_process("-c", str(config), "--json-errors", "metrics", "--textfile", str(target))
+        left = sorted(os.listdir(target.parent)) if target.parent.is_dir() else []
+    finally:
+        if undo is not None:
+            undo()
+    obj = error_object(proc)
+    assert (proc.returncode, obj["code"], proc.stdout) == (1, "RIVET_METRICS_TEXTFILE_UNWRITABLE", ""), describe(proc)
+    assert says in obj["message"] and str(target) in obj["message"] and "Traceback" not in proc.stderr, describe(proc)
+    assert not [name for name in left if name.endswith(".metrics-tmp")], left
+    if where.startswith("collector"):
+        assert left == ["rivet.prom"] and target.read_text() == "# the old text\n"
 
 
 def test_metrics_have_no_json_document(tmp_path: Path) -> None:

@@ -63,7 +63,11 @@ def check(ctx: Context, *, strict: bool = False, target: str | None = None) -> C
     adds rows ``pods`` and ``pods:<export>`` (:func:`pod_rows`). Exit code: the class of the worst failing row
     (:func:`statetool.errors.worst`, SPEC §7: data_integrity > internal > refusal > schema_drift > retryable >
     generic); pending revisions fail with ``RIVET_STATE_MIGRATION_PENDING`` (3). With ``strict``, ``warn`` rows
-    fail, as refusal (5, :func:`statetool.errors.failure_class`). Raises ``RIVET_CLI_USAGE`` for a ``target``
+    fail, as refusal (5, :func:`statetool.errors.failure_class`). A failing ``config`` row
+    (a config not found, or one that exists and does not parse or validate:
+    ``RIVET_CONFIG_INVALID``) decides the exit code and :attr:`CheckResult.worst` alone,
+    whatever the state's rows say (a state missing beside it is not what to fix first).
+    Raises ``RIVET_CLI_USAGE`` for a ``target``
     that is not one of :data:`TARGETS`, before anything is read.
     """
     require_target(target)
@@ -77,6 +81,8 @@ def check(ctx: Context, *, strict: bool = False, target: str | None = None) -> C
     if strict:
         rows = [Check(c.id, "fail", c.message, c.code, c.error) if c.status == "warn" else c for c in rows]
     failed = [c for c in rows if c.status == "fail" and c.code]
+    # A config that cannot be read decides: nothing else is judged against it (docs/commands.md).
+    failed = [c for c in failed if c.id == "config"] or failed
     code = worst([c.code for c in failed if c.code])
     row = next((c for c in reversed(failed) if c.code == code), None)
     return CheckResult(rows, failure_exit_code(code) if code else 0, row)

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from statetool.backends.faults import os_fault
 from statetool.errors import (REGISTRY, STOP_RANK, WARNINGS, StateError, error_object, failure_exit_code,
                               failure_object, pipeline_failure, worst_exit_code)
-from statetool.identity import state_key
 from statetool.location import ENV_VAR, Location, resolve_checkpoint
 from statetool.operations.context import Context, ProgressFactory, no_progress
 
@@ -166,11 +165,13 @@ class PipelineReport:
     failure: dict[str, Any] | None = None
     failure_export: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        """``{config, state_url_env, location, ok, exit_code, error, <body>}``; ``error`` is the
-        error object of ``--json-errors`` or null."""
+    def as_dict(self, named_by_failing: bool = False) -> dict[str, Any]:
+        """``{config, state_url_env, location, ok, exit_code, error, <body>}``; ``ok`` is false
+        when its own read failed or ``named_by_failing`` (a failing fleet finding names this
+        pipeline: :attr:`FleetResult.failing_findings`); ``exit_code`` is its own command's;
+        ``error`` is the error object of ``--json-errors`` or null."""
         return {"config": self.config, "state_url_env": self.state_url_env, "location": self.location,
-                "ok": self.exit_code == 0, "exit_code": self.exit_code,
+                "ok": self.exit_code == 0 and not named_by_failing, "exit_code": self.exit_code,
                 "error": error_object(self.error) if self.error is not None else None, **self.body}
 
 
@@ -284,16 +285,13 @@ class Finding:
                 "action": self.action, "configs": self.configs, "place": self.place}
 
 
-def state_place(location: Location) -> tuple[str, ...]:
-    """What two locations must share to be one state: a SQLite file's real path (every
-    symlink, of the file and of its directories, followed; the file need not exist), or a
-    PostgreSQL server, database and schema (host lower-cased, the default port filled in,
-    a socket directory as its host: :func:`statetool.identity.state_key`; the user and the
-    other parameters do not matter). Two names of one server (``localhost`` and
-    ``127.0.0.1``) are not known to be one."""
-    if location.path is not None:
-        return ("sqlite", os.path.realpath(location.path))
-    return ("postgres", state_key(location.url) or location.url or "", location.schema or "")
+def state_place(location: Location) -> tuple[object, ...]:
+    """What two locations must share to be one state: :meth:`Location.same_state_key`, the
+    one rule (a SQLite file by its identity, device and inode, when it exists, else by its
+    real path; a PostgreSQL server, database and schema by libpq's parse,
+    :attr:`Location.server`). Two names of one server (``localhost`` and ``127.0.0.1``)
+    are not known to be one."""
+    return location.same_state_key()
 
 
 def _names(labels: list[str]) -> str:
@@ -315,15 +313,16 @@ def _facts(ctx: Context) -> tuple[Location, PipelineConfig, str] | None:
 
 
 def _shared_states(facts: list[tuple[str, Location, PipelineConfig, str]]) -> list[Finding]:
-    groups: dict[tuple[str, ...], list[tuple[str, Location, PipelineConfig, str]]] = {}
+    groups: dict[tuple[object, ...], list[tuple[str, Location, PipelineConfig, str]]] = {}
     for fact in facts:
         groups.setdefault(state_place(fact[1]), []).append(fact)
     found = []
-    for place, members in groups.items():
+    for members in groups.values():
         if len(members) < 2:
             continue
         labels = [m[0] for m in members]
-        shown = place[1] if place[0] == "sqlite" else members[0][1].display
+        first = members[0][1]
+        shown = os.path.realpath(first.path) if first.path is not None else first.display
         sources = {m[3] for m in members if m[3]}
         listed = "; ".join(f"{m[0]}: {m[3] or 'not computable (no source URL)'}" for m in members)
         if len(sources) > 1:
@@ -409,10 +408,11 @@ def fleet_findings(read: list[tuple[str, Context]]) -> list[Finding]:
 
 
 def _worst(objects: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The failure object whose class ranks highest (:data:`STOP_RANK`), the last among equals."""
+    """The failure object whose class ranks highest (:data:`STOP_RANK`), the first among
+    equals (in a fleet: the first pipeline's, in the order given; docs/commands.md)."""
     best: dict[str, Any] | None = None
     for obj in objects:
-        if best is None or STOP_RANK[obj["class"]] >= STOP_RANK[best["class"]]:
+        if best is None or STOP_RANK[obj["class"]] > STOP_RANK[best["class"]]:
             best = obj
     return best
 
@@ -430,6 +430,10 @@ class FleetResult:
         """The findings that fail the command: ``fail`` ones of a command that gates."""
         return [f for f in self.fleet if f.status == "fail"] if self.command.gates else []
 
+    def named_by_failing(self, report: PipelineReport) -> bool:
+        """True when a failing finding (:attr:`failing_findings`) names ``report``'s pipeline."""
+        return any(report.config in f.configs for f in self.failing_findings)
+
     @property
     def exit_code(self) -> int:
         """The worst (:func:`statetool.errors.worst_exit_code`) of every pipeline's exit code
@@ -445,8 +449,9 @@ class FleetResult:
     @property
     def failures(self) -> list[dict[str, Any]]:
         """The ``failures[]`` of ``--json-errors``: each failed pipeline, in order, with the
-        worst of its own failure and those of the failing findings that name it
-        (:func:`statetool.errors.pipeline_failure`: ``config`` and ``export`` added)."""
+        worst of its own failure and those of the failing findings that name it, its own
+        first among equals (:func:`statetool.errors.pipeline_failure`: ``config`` and
+        ``export`` added)."""
         out = []
         for p in self.pipelines:
             own = [(p.failure, p.failure_export)] if p.exit_code and p.failure is not None else []
@@ -459,8 +464,9 @@ class FleetResult:
         return out
 
     def error_line(self) -> dict[str, Any] | None:
-        """The ``--json-errors`` object of a failed fleet: the worst of :attr:`failures` (its
-        ``config`` and ``export`` dropped) with ``failures``; None when the fleet is ok."""
+        """The ``--json-errors`` object of a failed fleet: the worst of :attr:`failures`, the
+        first in the pipelines' order among equals (its ``config`` and ``export`` dropped),
+        with ``failures``; None when the fleet is ok."""
         failures = self.failures
         worst = _worst(failures)
         if worst is None:
@@ -469,7 +475,8 @@ class FleetResult:
 
     def as_dict(self) -> dict[str, object]:
         """``{"ok", "command", "pipelines": [...], "fleet": [...]}``."""
-        return {"ok": self.ok, "command": self.command.name, "pipelines": [p.as_dict() for p in self.pipelines],
+        return {"ok": self.ok, "command": self.command.name,
+                "pipelines": [p.as_dict(self.named_by_failing(p)) for p in self.pipelines],
                 "fleet": [f.as_dict() for f in self.fleet]}
 
 

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from statetool.backends.durable import fitting_name, regular_or_nothing, replace_whole
-from statetool.backends.faults import fault, os_fault
-from statetool.errors import StateError, failure_exit_code, internal_error, worst
+from statetool.backends.faults import os_fault
+from statetool.errors import (StateError, error_object, failure_class, failure_exit_code, internal_error,
+                              pipeline_failure, worst)
 from statetool.moments import parse_time
 from statetool.openmetrics import Family, Sample, exposition
 from statetool.operations.backups import copies
@@ -85,17 +86,28 @@ Labels = tuple[tuple[str, str], ...]
 class MetricsResult(NamedTuple):
     """One run: ``text`` (OpenMetrics, ``# EOF`` last), ``down`` (the error of each pipeline
     whose state could not be read, in the order given), ``textfile`` (the file written, or
-    None for stdout)."""
+    None for stdout), and ``down_configs`` (the config of each error of ``down``, as given,
+    when the samples carry a ``pipeline`` label; else empty)."""
 
     text: str
     down: list[StateError]
     textfile: str | None
+    down_configs: list[str]
 
     @property
     def worst(self) -> StateError | None:
-        """The error of ``down`` whose class ranks highest (:func:`statetool.errors.worst`)."""
+        """The error of ``down`` whose class ranks highest (:func:`statetool.errors.worst`),
+        the first in the pipelines' order among equals (as a fleet's, docs/commands.md)."""
         code = worst([err.code for err in self.down])
-        return next((err for err in reversed(self.down) if err.code == code), None)
+        rank = failure_class(code) if code is not None else None
+        return next((err for err in self.down if failure_class(err.code) == rank), None)
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        """The ``failures[]`` of ``--json-errors``: with a ``pipeline`` label, each pipeline
+        whose state could not be read, in order (:func:`statetool.errors.pipeline_failure`:
+        ``config`` and ``export`` null added); else ``[]``."""
+        return [pipeline_failure(config, error_object(err)) for err, config in zip(self.down, self.down_configs)]
 
     @property
     def exit_code(self) -> int:
@@ -223,15 +235,47 @@ def _collect(ctx: Context, base: Labels) -> tuple[list[Sample], StateError | Non
     return out.samples, down
 
 
+def unwritable(path: Path, why: str) -> StateError:
+    """``RIVET_METRICS_TEXTFILE_UNWRITABLE`` for the textfile ``path``, saying ``why`` its
+    directory takes no file (never a state's code: the textfile is no state)."""
+    return StateError("RIVET_METRICS_TEXTFILE_UNWRITABLE", f"--textfile {path}: metrics cannot write a file in "
+                      f"{path.parent}: {why}; nothing was written", {"path": str(path)})
+
+
+def _why(err: OSError) -> str:
+    """What an ``OSError`` met writing in the textfile's directory says of that directory."""
+    if err.errno == errno.EROFS:
+        return "it is on a filesystem mounted read-only"
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return f"this user (uid {os.geteuid()}) may not create files there ({err.strerror})"
+    if err.errno == errno.ENOTDIR:
+        return "a part of it is a file, not a directory"
+    if err.errno == errno.ENOENT:
+        return "it takes no new file (a kernel filesystem such as /proc or /sys, or it was removed meanwhile)"
+    return err.strerror or str(err)
+
+
 def textfile_path(path: Path) -> Path:
     """``path`` made absolute, checked before any state is read: its directory must exist
     (``RIVET_METRICS_DIR_MISSING``: a collector's directory that is not there is not made
-    here), and what stands at ``path`` must be a regular file or nothing
-    (``RIVET_STATE_UNSAFE_FILE`` for a symlink, a directory or another kind: never replaced)."""
+    here), be a directory this user may create files in
+    (``RIVET_METRICS_TEXTFILE_UNWRITABLE``: a file, a read-only mount, no permission), and
+    what stands at ``path`` must be a regular file or nothing (``RIVET_STATE_UNSAFE_FILE``
+    for a symlink, a directory or another kind: never replaced)."""
     path = Path(os.path.abspath(path))
-    if not os.path.isdir(path.parent):
-        raise StateError("RIVET_METRICS_DIR_MISSING", f"--textfile {path}: {path.parent} is no directory; metrics "
-                         "writes a file into a directory that exists", {"path": str(path)})
+    try:
+        there = os.stat(path.parent)
+    except FileNotFoundError:
+        raise StateError("RIVET_METRICS_DIR_MISSING", f"--textfile {path}: {path.parent} does not exist; metrics "
+                         "writes a file into a directory that exists", {"path": str(path)}) from None
+    except OSError as err:
+        raise unwritable(path, _why(err)) from None
+    if not stat.S_ISDIR(there.st_mode):
+        raise unwritable(path, "it is a file, not a directory")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        why = "it is on a filesystem mounted read-only" if os.statvfs(path.parent).f_flag & os.ST_RDONLY \
+            else f"this user (uid {os.geteuid()}) may not create files there"
+        raise unwritable(path, why)
     regular_or_nothing(path, "metrics replaces only a regular file there")
     return path
 
@@ -242,16 +286,17 @@ def write_textfile(path: Path, text: str) -> None:
     the collector's user reads it): through the temporary file ``.<name>.<pid>.metrics-tmp``
     beside it, which a collector reading ``*.prom`` never reads. A regular file at that name
     is what a killed run with this process's pid left: it is replaced. Anything else there
-    is never followed nor removed: ``RIVET_STATE_UNSAFE_FILE``. The filesystem's faults by
-    their codes (``RIVET_STATE_READ_ONLY``, ``RIVET_STATE_PERMISSION_DENIED``,
-    ``RIVET_STATE_DISK_FULL``); no temporary file is left behind."""
+    is never followed nor removed: ``RIVET_STATE_UNSAFE_FILE``. Any other fault of the
+    directory or the file system (read-only, permission, ``/proc``, disk full) is
+    ``RIVET_METRICS_TEXTFILE_UNWRITABLE`` (:func:`unwritable`); no temporary file is left
+    behind."""
     tmp = path.with_name(fitting_name(".", path.name, f".{os.getpid()}.metrics-tmp"))
     try:
         with_leftover = os.lstat(tmp)
     except FileNotFoundError:
         with_leftover = None
     except OSError as err:
-        raise fault(path, err) or os_fault(err) or err from None
+        raise unwritable(path, _why(err)) from None
     try:
         if with_leftover is not None and stat.S_ISREG(with_leftover.st_mode):
             os.unlink(tmp)
@@ -263,7 +308,7 @@ def write_textfile(path: Path, text: str) -> None:
         if err.errno == errno.EISDIR:
             raise StateError("RIVET_STATE_UNSAFE_FILE", f"{path} became a directory while metrics ran; nothing "
                              "was written", {"path": str(path)}) from None
-        raise fault(path, err) or os_fault(err) or err from None
+        raise unwritable(path, _why(err)) from None
 
 
 def metrics(contexts: Sequence[Context], *, textfile: Path | None = None,
@@ -285,12 +330,15 @@ def metrics(contexts: Sequence[Context], *, textfile: Path | None = None,
     target = textfile_path(textfile) if textfile is not None else None
     samples: list[Sample] = []
     down: list[StateError] = []
+    down_configs: list[str] = []
+    label = labelled or (labelled is None and len(contexts) > 1)
     for ctx, path in zip(contexts, paths, strict=True):
-        found, error = _collect(ctx, (("pipeline", path),) if labelled or (labelled is None and len(contexts) > 1)
-                                else ())
+        found, error = _collect(ctx, (("pipeline", path),) if label else ())
         samples += found
-        down += [error] if error is not None else []
+        if error is not None:
+            down.append(error)
+            down_configs += [path] if label else []
     text = exposition(FAMILIES, samples)
     if target is not None:
         write_textfile(target, text)
-    return MetricsResult(text, down, str(target) if target is not None else None)
+    return MetricsResult(text, down, str(target) if target is not None else None, down_configs)

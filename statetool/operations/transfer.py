@@ -277,7 +277,7 @@ def _destination(ctx: Context, source: TransferSource, url: str, setting: str) -
                          f"transfer moves a state between SQLite and PostgreSQL, or between PostgreSQL schemas; "
                          f"'{backend.location.display}' is a SQLite place like the source: to move a SQLite state "
                          "into another directory, use statetool relocate")
-    if backend.location.display == source.location.display:
+    if backend.location.same_state_key() == source.location.same_state_key():
         raise StateError("RIVET_STATE_BACKEND_UNSUPPORTED",
                          f"'{backend.location.display}' is where the state already is; name another database or "
                          "schema (?schema=NAME)")
