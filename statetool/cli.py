@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+from typer.models import TyperPath
 
 from statetool import DEFAULT_CONFIG, __version__
 from statetool.cli_help import App, lazy_command_tree, usage_error
@@ -49,6 +50,27 @@ app.add_typer(exports_app, name="exports")
 app.add_typer(leases_app, name="leases")
 app.add_typer(backups_app, name="backups")
 app.add_typer(checkpoints_app, name="checkpoints")
+
+class PathName(TyperPath):
+    """The type of every option and argument of the CLI that names a file or a directory
+    (:data:`FILE_NAME`, :data:`ANY_NAME`): typer's own path type, except that an empty name
+    is ``RIVET_CLI_USAGE`` naming the option (``Invalid value for '--archive': ...``), where
+    it would be taken for the working directory and fail far from it ("Is a directory",
+    "is a symlink or not a regular file"). A fresh user's finding (issue 16 item 2)."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        """``value`` as the path type converts it; an empty one fails."""
+        if isinstance(value, str | bytes) and not value:
+            self.fail("an empty name names no file: give a path (./NAME for one in this directory)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+#: A file statetool reads or writes (-o, --archive, --textfile, import FILE): an existing
+#: one must be readable, as typer's path type has it.
+FILE_NAME = PathName()
+#: A name whose file statetool checks itself (-c; --to DIR, restore COPY and diff's A and B,
+#: which may also name a state by URL or a backup by name): only an empty one is refused.
+ANY_NAME = PathName(readable=False)
 
 #: ``--dry-run`` of every command that can plan a change (migrate, relocate, transfer,
 #: identity adopt/rekey, exports set-cursor/reset, leases release).
@@ -169,7 +191,7 @@ def _version(ctx: typer.Context, value: bool) -> None:
 @app.callback()
 def main_options(
     ctx: typer.Context,
-    config: Annotated[list[Path], typer.Option("--config", "-c", metavar="PATH", readable=False,
+    config: Annotated[list[Path], typer.Option("--config", "-c", metavar="PATH", click_type=ANY_NAME,
                                                help="Pipeline config (YAML); the default state lives beside it. "
                                                     "check, info, doctor, metrics take several.")
                       ] = [Path(DEFAULT_CONFIG)],  # noqa: B006 - typer copies it; never mutated
@@ -349,7 +371,8 @@ def doctor(ctx: typer.Context,
     """)
 def metrics(
     ctx: typer.Context,
-    textfile: Annotated[Path | None, typer.Option("--textfile", metavar="PATH", show_default=False,
+    textfile: Annotated[Path | None, typer.Option("--textfile", metavar="PATH", click_type=FILE_NAME,
+                                                  show_default=False,
                                                   help="Replace PATH whole (a temporary file renamed over it) "
                                                        "instead of printing.")] = None,
     configs: ConfigsGlob = None, state_url_env: StateUrlEnv = None,
@@ -443,7 +466,8 @@ def export(
     with_history: Annotated[bool, typer.Option("--with-history",
                                                help="Add the run history (rivet_runs, rivet_run_aggregates).")
                             ] = False,
-    output: Annotated[Path | None, typer.Option("--output", "-o", metavar="FILE", show_default=False,
+    output: Annotated[Path | None, typer.Option("--output", "-o", metavar="FILE", click_type=FILE_NAME,
+                                                show_default=False,
                                                 help="Write to FILE (atomically) instead of stdout.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing regular FILE.")] = False,
 ) -> None:
@@ -472,9 +496,10 @@ def export(
     """)
 def diff(
     ctx: typer.Context,
-    a: Annotated[str, typer.Argument(metavar="A", show_default=False,
+    a: Annotated[str, typer.Argument(metavar="A", show_default=False, click_type=ANY_NAME,
                                      help="A state (sqlite:/dir, URL, config), state file or export.")],
-    b: Annotated[str, typer.Argument(metavar="B", show_default=False, help="The other side, as A.")],
+    b: Annotated[str, typer.Argument(metavar="B", show_default=False, click_type=ANY_NAME,
+                                     help="The other side, as A.")],
 ) -> None:
     """Compare two states, state files or exports, field by field.
 
@@ -499,7 +524,7 @@ def diff(
     """)
 def import_(
     ctx: typer.Context,
-    file: Annotated[Path, typer.Argument(metavar="FILE", show_default=False,
+    file: Annotated[Path, typer.Argument(metavar="FILE", show_default=False, click_type=FILE_NAME,
                                          help="A rivet-state/1 file that statetool export wrote.")],
     name: Annotated[str | None, typer.Option("--export", metavar="NAME", autocompletion=_complete_exports,
                                              help="Only this export (into a live state: required).")] = None,
@@ -572,7 +597,7 @@ def migrate(
     """)
 def relocate(
     ctx: typer.Context,
-    to: Annotated[str, typer.Option("--to", metavar="DIR", show_default=False,
+    to: Annotated[str, typer.Option("--to", metavar="DIR", show_default=False, click_type=ANY_NAME,
                                     help="Absolute directory to move the SQLite state into.")],
     create_dir: Annotated[bool, typer.Option("--create-dir", help="Create the target directory.")] = False,
     dry_run: DryRun = False,
@@ -653,7 +678,7 @@ def transfer(
     """)
 def restore(
     ctx: typer.Context,
-    copy: Annotated[str, typer.Argument(metavar="COPY", show_default=False,
+    copy: Annotated[str, typer.Argument(metavar="COPY", show_default=False, click_type=ANY_NAME,
                                         help="The name of a backup or keep beside the state (statetool backups "
                                              "list), or the path of a state file.")],
     allow_older: Annotated[bool, typer.Option("--allow-older",
@@ -734,14 +759,14 @@ def prune(
     ctx: typer.Context,
     before: Annotated[str | None, typer.Option("--before", metavar="DATE", show_default=False,
                                                help="Remove what started before DATE (ISO, UTC).")] = None,
-    keep_runs: Annotated[int | None, typer.Option("--keep-runs", metavar="N", min=0, show_default=False,
+    keep_runs: Annotated[int | None, typer.Option("--keep-runs", metavar="N", show_default=False,
                                                   help="Keep the N newest runs of each export.")] = None,
     export: OnlyExport = None,
     # retention.DEFAULT_BATCH and MAX_BATCH, spelt out: importing the operation here would
     # load SQLAlchemy at every start-up (tests/test_prune.py holds the two equal)
     batch_size: Annotated[int, typer.Option("--batch-size", metavar="N", min=1, max=10_000,
                                             help="Rows per batch (one short write each).")] = 1000,
-    archive: Annotated[Path | None, typer.Option("--archive", metavar="FILE", show_default=False,
+    archive: Annotated[Path | None, typer.Option("--archive", metavar="FILE", click_type=FILE_NAME, show_default=False,
                                                  help="Write the removed rows to FILE (gzipped JSON lines, new).")
                        ] = None,
     vacuum: Annotated[bool, typer.Option("--vacuum", help="Give the space back afterwards (VACUUM).")] = False,

@@ -208,6 +208,12 @@ REGISTRY: dict[str, Entry] = {
         "mount the checkpoint file's directory rather than the file alone (no rename can move a file mounted by "
         "itself), or move its position into the state where the file is an ordinary file; nothing was written",
     ),
+    # statetool prune (issue 16 item 2): a failure after some of its batches committed
+    "RIVET_STATE_PRUNE_INCOMPLETE": _e(
+        "environment", "generic",
+        "the batches the message names stay removed, audited and archived; fix the cause it names (its code is "
+        "details.cause), then run the same prune again (with --archive naming a new file): it removes the rest",
+    ),
     "RIVET_STATE_CHECKPOINT_NOT_RENAMED": _e(
         "environment", "generic",
         "nothing is lost: the position is in the state, which every run reads; make the checkpoint file's directory "

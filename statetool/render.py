@@ -240,16 +240,11 @@ def since(value: Any, now: datetime) -> str:
 
 
 def size(n: int | None) -> str:
-    """A size in bytes as ``45056 bytes (44 KiB)`` (the number as ``--json`` has it, to
-    compare); ``-`` for None."""
-    if n is None:
-        return "-"
-    scaled, unit = float(n), "bytes"
-    for name in ("KiB", "MiB", "GiB", "TiB"):
-        if scaled < 1024:
-            break
-        scaled, unit = scaled / 1024, name
-    return f"{n} bytes" if unit == "bytes" else f"{n} bytes ({scaled:.0f} {unit})"
+    """A size in bytes as ``45056 bytes (44 KiB)`` (:func:`statetool.numbers.size_text`);
+    ``-`` for None."""
+    from statetool.numbers import size_text
+
+    return "-" if n is None else size_text(n)
 
 
 def _plural(n: int, one: str) -> str:

@@ -36,7 +36,8 @@ from support.crash_driver import run_killed_at
 from statetool.cli import command_tree
 from statetool.operations.retention import DEFAULT_BATCH, MAX_BATCH
 from support.files import declare_export
-from support.history import PRUNED, UNTOUCHED, bulk_history, read_archive, stamp, store_of, table_rows
+from support.history import (PRUNED, UNTOUCHED, bulk_history, committed_batches, read_archive, stamp, store_of,
+                             table_rows)
 from test_pg_faults import _sql, _url_as
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,6 +135,11 @@ def _archived(rows: list[tuple[str, dict[str, Any]]]) -> dict[str, dict[Any, dic
     return out
 
 
+def _read(archive: Path, config: Path, env: dict[str, str], *, cut_short: bool = False) -> list[tuple[str, Any]]:
+    """The archive's rows of the batches that committed (their audit rows say which)."""
+    return read_archive(archive, committed_batches(config, env), cut_short=cut_short)
+
+
 def _verdicts(config: Path, env: dict[str, str]) -> dict[str, Any]:
     proc = run_cli("-c", str(config), "--json", "doctor", env=env)
     return {e["name"]: (e["verdict"], e["reasons"][0]["code"] if e["reasons"] else None)
@@ -175,7 +181,7 @@ def test_prune_removes_what_the_options_reach_keeps_every_protected_row_and_arch
         "the interrupted chunked run stays"
     assert len([r for r in after["rivet_load_ledger"].values() if r["export_name"] == "ledger_only"]) == 1, \
         "an export whose only progress is its ledger keeps its newest row"
-    assert _archived(read_archive(archive)) == {t: {k: before[t][k] for k in removed[t]} for t in PRUNED}, \
+    assert _archived(_read(archive, config, env)) == {t: {k: before[t][k] for k in removed[t]} for t in PRUNED}, \
         "the archive holds exactly the removed rows, as they were"
     assert stat.S_IMODE(os.stat(archive).st_mode) == 0o600
     assert _verdicts(config, env) == verdicts, "no export's next run changed: no first run made"
@@ -307,7 +313,7 @@ def test_a_live_run_is_never_blocked_a_second_and_its_own_export_is_skipped(stat
     others = {t: {k: r for k, r in before[t].items() if r["export_name"] != "orders"} for t in before}
     assert removed == _expected_removal(others, keep=3)
     assert not any(before["rivet_runs"][k]["export_name"] == "orders" for k in removed["rivet_runs"])
-    assert _archived(read_archive(archive)) == {t: {k: before[t][k] for k in removed[t]} for t in PRUNED}
+    assert _archived(_read(archive, config, env)) == {t: {k: before[t][k] for k in removed[t]} for t in PRUNED}
 
 
 def test_reads_beside_a_live_run_never_fail_when_its_wal_goes(tmp_path: Path) -> None:
@@ -381,7 +387,7 @@ def test_a_prune_killed_mid_batch_or_between_batches_loses_no_row_and_a_rerun_go
     assert {t: len(removed[t]) for t in PRUNED} == {t: sum(a["removed"].get(t, 0) for a in audits) for t in PRUNED}, \
         "what the committed batches' audit rows count, and nothing of the batch the kill cut"
     assert all(removed[t] <= expected[t] for t in PRUNED), "only rows the rules let go"
-    saved = _archived(read_archive(first, cut_short=True))
+    saved = _archived(_read(first, config, env, cut_short=True))
     assert all(removed[t] <= set(saved[t]) for t in PRUNED), "every removed row is in the archive"
     assert all(saved[t][k] == before[t][k] for t in PRUNED for k in saved[t])
     for table in UNTOUCHED:
@@ -389,10 +395,10 @@ def test_a_prune_killed_mid_batch_or_between_batches_loses_no_row_and_a_rerun_go
     _cli(config, env, "prune", "--before", LATE, "--batch-size", "20", "--archive", str(second))
     after = table_rows(config, env)
     assert _removed(before, after) == expected, "the re-run removes the rest, and only that"
-    both = [_archived(read_archive(first, cut_short=True)), _archived(read_archive(second))]
+    both = [_archived(_read(first, config, env, cut_short=True)), _archived(_read(second, config, env))]
     assert all(expected[t] <= set(both[0][t]) | set(both[1][t]) for t in PRUNED), \
         "the two archives hold every removed row"
-    assert set(_archived(read_archive(second))["rivet_runs"]).isdisjoint(removed["rivet_runs"])
+    assert set(_archived(_read(second, config, env))["rivet_runs"]).isdisjoint(removed["rivet_runs"])
 
 
 # -- vacuum ---------------------------------------------------------------------------------------

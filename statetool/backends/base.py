@@ -274,14 +274,16 @@ class Backend(Protocol):
         ``….backup-….tmp``, a backup name that is the state itself), which the next
         migration removes before it copies; empty on PostgreSQL. Read-only (SPEC §8a, §9)."""
 
-    def check_writable(self, *, copies: int, replaced_by: str | None = None) -> None:
+    def check_writable(self, *, copies: int, replaced_by: str | None = None, room_for: str | None = None) -> None:
         """Refuse, before anything is opened for writing, a write that cannot complete
         here: ``RIVET_STATE_READ_ONLY``, ``RIVET_STATE_PERMISSION_DENIED``,
         ``RIVET_STATE_DISK_FULL`` (SPEC §8a). ``copies``: how many files as large as the
         state the write may add beside it (a backup, a journal, rebuilt tables);
         ``replaced_by``: the name of a write that puts a new file in the state's place (a
         migration, a relocation), which must keep the state's owner (SQLite: refused
-        ``RIVET_STATE_PERMISSION_DENIED`` when this user cannot give it)."""
+        ``RIVET_STATE_PERMISSION_DENIED`` when this user cannot give it); ``room_for``: what
+        the ``copies`` are for, in the words of a refusal for want of room (default: a
+        migration's or a backup's)."""
 
     def reading(self) -> AbstractContextManager[Reader]:
         """A read-only session that creates no file and changes no byte of the state, on the

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from statetool.access import denied
 from statetool.errors import StateError
+from statetool.numbers import size_text
 
 #: SQLite's own texts for these faults (https://www.sqlite.org/rescode.html).
 _SQLITE_READONLY = ("attempt to write a readonly database", "unable to open database file")
@@ -105,7 +106,7 @@ def refuse_unwritable(path: Path, *, directories: tuple[Path, ...], need: int,
     st = os.statvfs(directories[0])
     free = st.f_bavail * st.f_frsize
     if free < need:
-        raise StateError("RIVET_STATE_DISK_FULL", f"{free} bytes free on the filesystem of {directories[0]}; this "
-                         f"write needs at least {need} ({room_for}); "
-                         "nothing was written", {"path": str(directories[0]), "free_bytes": free, "need_bytes": need})
+        raise StateError("RIVET_STATE_DISK_FULL", f"{size_text(free)} free on the filesystem of {directories[0]}; "
+                         f"this write needs at least {size_text(need)} there ({room_for}): free "
+                         f"{size_text(need - free)} more; nothing was written", {"path": str(directories[0]), "free_bytes": free, "need_bytes": need})
 

@@ -229,7 +229,7 @@ class PostgresBackend:
                          "WHERE n.nspname = :s AND c.relkind IN ('r', 'p', 'v', 'f')", {"s": self.schema})
         return {r[0] for r in rows}
 
-    def check_writable(self, *, copies: int, replaced_by: str | None = None) -> None:
+    def check_writable(self, *, copies: int, replaced_by: str | None = None, room_for: str | None = None) -> None:
         """Nothing to look at before the server is asked: the server checks rights and
         space in the write's own transaction, and nothing of it outlives a failed write."""
 

@@ -145,7 +145,7 @@ class SqliteBackend:
             raise self.location.directory_missing()
         return False
 
-    def check_writable(self, *, copies: int, replaced_by: str | None = None) -> None:
+    def check_writable(self, *, copies: int, replaced_by: str | None = None, room_for: str | None = None) -> None:
         """Refuse a write this user or this filesystem cannot complete before any file is
         opened for writing (:func:`~statetool.backends.faults.refuse_unwritable`): the
         state's directory, its lease folder and the file must be writable, and there must
@@ -164,10 +164,11 @@ class SqliteBackend:
         reclaimed = sum(_bytes_under(path) for path in self._stale_temps()) if copies else 0
         # the real file's directory first: a migration's copy and backup are made there
         directories = dict.fromkeys((self.real.parent, self.path.parent, self.real.parent / LEASE_DIR))
+        uses = room_for or "a migration's copy, rebuilt tables, a backup"
         refuse_unwritable(self.path, directories=tuple(directories),
                           need=max(copies * size - reclaimed, 0) + WRITE_MARGIN,
-                          room_for=f"{copies} copies as large as the state (a migration's copy, rebuilt tables, "
-                          "a backup) and the change" if copies else "the change")
+                          room_for=f"{copies} copies as large as the state ({uses}) and the change" if copies
+                          else "the change")
 
 
     def contended(self, conn: Reader) -> bool:

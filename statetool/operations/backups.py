@@ -25,6 +25,7 @@ from typing import NamedTuple
 from statetool.backends import open_backend
 from statetool.errors import StateError, StateWarning
 from statetool.location import file_location
+from statetool.numbers import MAX_DAYS, MAX_KEEP, require_within
 from statetool.operations.context import Context
 from statetool.operations.probe import Snapshot, read_snapshot
 
@@ -264,14 +265,18 @@ def prune(ctx: Context, *, keep: int | None = None, older_than: float | None = N
     file goes; a copy that cannot be removed is reported by its fault's code after the
     audited ones are gone. ``dry_run`` returns the same lists and removes nothing.
 
-    Raises ``RIVET_CLI_USAGE`` without ``keep`` or ``older_than`` (or with a negative one),
+    Raises ``RIVET_CLI_USAGE`` without ``keep`` or ``older_than``, for a ``keep`` outside 0 to
+    :data:`~statetool.numbers.MAX_KEEP` or an ``older_than`` outside 0 to
+    :data:`~statetool.numbers.MAX_DAYS` (``nan`` and ``inf`` included),
     ``RIVET_STATE_MISSING`` where no live state is to hold the audit row, and the guarded
     write's codes."""
     if keep is None and older_than is None:
         raise StateError("RIVET_CLI_USAGE", "say what to prune: --keep N (the N newest stay) and/or "
                          "--older-than DAYS")
-    if (keep is not None and keep < 0) or (older_than is not None and older_than < 0):
-        raise StateError("RIVET_CLI_USAGE", "--keep and --older-than take numbers of zero or more")
+    if keep is not None:
+        require_within("--keep", keep, 0, MAX_KEEP)
+    if older_than is not None:
+        require_within("--older-than", older_than, 0, MAX_DAYS, "days")
     from statetool.operations.writes import NO_LEASE, guarded_write, require_writable
 
     live = _live(ctx)

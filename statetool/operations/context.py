@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from statetool.backends.processes import host_name
 from statetool.errors import StateError
 from statetool.location import DEFAULT_CONFIG, ENV_VAR, Location, resolve_location
+from statetool.numbers import require_within
 
 if TYPE_CHECKING:
     from statetool.backends.base import Backend, LeaseStore
@@ -79,9 +80,7 @@ class Context(SimpleNamespace):
                  env: Mapping[str, str] | None = None, lock_wait: float = 600.0, command: str = "statetool",
                  progress: ProgressFactory = no_progress, log: Callable[[str], None] = _ignore, lease_ttl: int = 30,
                  on_step: Callable[[str], None] = _ignore, config_given: bool = False) -> None:
-        if not 0 <= lock_wait <= MAX_LOCK_WAIT:
-            raise StateError("RIVET_CLI_USAGE", f"--lock-wait {lock_wait:g} is outside 0 to {MAX_LOCK_WAIT:g} "
-                             "seconds (7 days)")
+        require_within("--lock-wait", lock_wait, 0, MAX_LOCK_WAIT, "seconds (7 days)")
         super().__init__(config_path=config_path, state_url=state_url, env=dict(os.environ) if env is None else env,
                          lock_wait=lock_wait, command=command, progress=progress, log=log, lease_ttl=lease_ttl,
                          on_step=on_step, config_given=config_given)

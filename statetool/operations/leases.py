@@ -34,6 +34,7 @@ from statetool.operations.leasing import (
     valid_key,
 )
 from statetool.redact import command_line, redact_text
+from statetool.numbers import require_within
 
 __all__ = ["LeasesResult", "list_leases", "release", "run_under_lease", "show_leases"]
 
@@ -311,8 +312,7 @@ def run_under_lease(ctx: Context, export: str, argv: Sequence[str], *,
     """
     if not argv:
         raise StateError("RIVET_CLI_USAGE", "give the command to run after --")
-    if not 0 <= kill_after <= MAX_KILL_AFTER:
-        raise StateError("RIVET_CLI_USAGE", f"--kill-after {kill_after:g} is outside 0 to {MAX_KILL_AFTER:g} seconds")
+    require_within("--kill-after", kill_after, 0, MAX_KILL_AFTER, "seconds")
     command = command_line(argv)  # shell-quoted, each argument redacted: the holder record is readable by all
     key = valid_key(run_lease_key(export))  # the name is the operator's input: no control characters
     store = lease_store(ctx)

@@ -41,6 +41,7 @@ import json
 import os
 import stat
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -53,7 +54,8 @@ from statetool import schema
 from statetool.backends.base import Backend, HeldLease, Reader
 from statetool.backends.durable import CREATE_FLAGS, fsync_dir
 from statetool.backends.faults import WRITE_MARGIN, fault, os_fault, refuse_unwritable
-from statetool.errors import StateError, StateWarning
+from statetool.errors import StateError, StateWarning, internal_error
+from statetool.numbers import MAX_KEEP, require_within
 from statetool.operations.context import Context
 from statetool.operations.leasing import acquire, lease_store, run_lease_key
 from statetool.operations.preflight import Preflight, require, run_preflight
@@ -156,6 +158,8 @@ class PruneReport:
     archive: dict[str, object] | None = None
     vacuum: dict[str, object] | None = None
     warnings: list[StateWarning] = field(default_factory=list)
+    #: The id of a real prune (in its archive lines and audit rows); None in a dry run.
+    prune_id: str | None = None
 
     @property
     def removed(self) -> dict[str, int]:
@@ -163,8 +167,10 @@ class PruneReport:
         return {t: sum(e.removed[t] for e in self.exports) for t in TABLES}
 
     def as_dict(self) -> dict[str, object]:
-        """``{location, dry_run, criteria, exports, removed, batches, archive, vacuum, warnings}``."""
-        return {"location": self.location, "dry_run": self.dry_run, "criteria": self.criteria.as_dict(),
+        """``{location, dry_run, prune_id, criteria, exports, removed, batches, archive, vacuum,
+        warnings}``."""
+        return {"location": self.location, "dry_run": self.dry_run, "prune_id": self.prune_id,
+                "criteria": self.criteria.as_dict(),
                 "exports": [e.as_dict() for e in self.exports], "removed": self.removed,
                 "batches": sum(e.batches for e in self.exports), "archive": self.archive, "vacuum": self.vacuum,
                 "warnings": [w.as_dict() for w in self.warnings]}
@@ -260,24 +266,35 @@ def _plan_export(conn: Reader, tables: frozenset[str], name: str, criteria: Crit
 
 
 class Archive:
-    """The ``--archive`` file: gzipped JSON lines, one ``{"table", "row"}`` object per removed
-    row, one gzip member per batch (``zcat`` and :func:`gzip.open` read the members as one
-    stream). Created on the first batch, exclusively and never through a link, mode 0600;
-    each member is written and fsynced before its batch's delete commits, so the file holds
-    every removed row (a kill mid-member leaves that member cut short: its batch was not
-    committed)."""
+    """The ``--archive`` file: gzipped JSON lines, one ``{"prune", "batch", "table", "row"}``
+    object per removed row (the prune's id, the batch's number, 1-based; docs/commands.md,
+    "The archive"), one gzip member per batch (``zcat`` and :func:`gzip.open` read the
+    members as one stream). Created on the first batch, exclusively and never through a
+    link, mode 0600; each member is written and fsynced before its batch's delete commits,
+    so the file holds every removed row. A member that cannot be written whole, or whose
+    batch then fails to commit, is cut away again (the file truncated to the members before
+    it; removed when it was the first), so the file holds whole members of committed
+    batches only. A kill mid-member leaves it cut short, and a kill between a member and its
+    commit leaves a member whose batch has no audit row: a reader keeps only the lines of
+    batches that have one (docs/commands.md, "The archive")."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, prune_id: str) -> None:
         self.path = path
+        self.prune_id = prune_id
         self.rows = 0
         self.bytes = 0
+        self.members = 0
         self._fd: int | None = None
+        #: ``(rows, bytes)`` of the member the last append wrote, until :meth:`withdraw`.
+        self._last: tuple[int, int] | None = None
 
-    def append(self, table: str, rows: list[dict[str, Any]]) -> None:
-        """Append ``rows`` of ``table`` as one member, fsynced. Raises
-        ``RIVET_STATE_TARGET_NOT_EMPTY`` for a file that appeared at the path since the plan,
-        ``RIVET_STATE_UNSAFE_FILE`` for a symlink there, and the filesystem's faults."""
-        text = "".join(json.dumps({"table": table, "row": row}, sort_keys=True, default=str) + "\n" for row in rows)
+    def append(self, batch: int, table: str, rows: list[dict[str, Any]]) -> None:
+        """Append ``rows`` of ``table``, batch number ``batch``, as one member, fsynced.
+        Raises ``RIVET_STATE_TARGET_NOT_EMPTY`` for a file that appeared at the path since
+        the plan, ``RIVET_STATE_UNSAFE_FILE`` for a symlink there, and the filesystem's
+        faults (``RIVET_STATE_DISK_FULL``, ...), the member cut away again first."""
+        text = "".join(json.dumps({"prune": self.prune_id, "batch": batch, "table": table, "row": row},
+                                  sort_keys=True, default=str) + "\n" for row in rows)
         member = memoryview(gzip.compress(text.encode(), mtime=0))
         try:
             if self._fd is None:
@@ -287,14 +304,43 @@ class Archive:
                     raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{self.path} appeared since the prune began; "
                                      "the archive is never written over a file", {"path": str(self.path)}) from None
                 fsync_dir(self.path.parent)
-            written = 0
-            while written < len(member):
-                written += os.write(self._fd, member[written:])
-            os.fsync(self._fd)
+            try:
+                written = 0
+                while written < len(member):
+                    written += os.write(self._fd, member[written:])
+                os.fsync(self._fd)
+            except OSError:
+                self._truncate()
+                raise
         except OSError as err:
             raise fault(self.path, err) or os_fault(err) or err from None
+        self._last = (len(rows), len(member))
         self.rows += len(rows)
         self.bytes += len(member)
+        self.members += 1
+
+    def withdraw(self) -> None:
+        """Cut away the member the last :meth:`append` wrote, whose batch then did not
+        commit (the guarded write's abort action)."""
+        if self._last is not None:
+            rows, size = self._last
+            self._last = None
+            self.rows, self.bytes, self.members = self.rows - rows, self.bytes - size, self.members - 1
+            self._truncate()
+
+    def _truncate(self) -> None:
+        """Leave the file holding its whole members (:attr:`bytes`), fsynced, or remove it
+        when it holds none. Best effort: where even that fails, a reader still skips what is
+        left of a member whose batch never committed (it has no audit row)."""
+        assert self._fd is not None
+        with contextlib.suppress(OSError):
+            if self.members:
+                os.ftruncate(self._fd, self.bytes)
+                os.fsync(self._fd)
+            else:
+                self.close()
+                os.unlink(self.path)
+                fsync_dir(self.path.parent)
 
     def close(self) -> None:
         """Close the file (idempotent)."""
@@ -312,7 +358,7 @@ def _check_archive(path: Path, *, dry_run: bool) -> list[StateWarning]:
     ``RIVET_CLI_USAGE`` when its directory does not exist, ``RIVET_STATE_UNSAFE_FILE`` for a
     symlink or another non-regular file at the path, ``RIVET_STATE_TARGET_NOT_EMPTY`` for a
     file there (never written over), and the faults of its directory
-    (``RIVET_STATE_READ_ONLY``: a dry run's warning; ``RIVET_STATE_PERMISSION_DENIED``,
+    (``RIVET_STATE_READ_ONLY``, ``RIVET_STATE_PERMISSION_DENIED``: a dry run's warnings;
     ``RIVET_STATE_DISK_FULL``). Returns the dry run's warnings."""
     if not path.parent.is_dir():
         raise StateError("RIVET_CLI_USAGE", f"--archive {path}: {path.parent} is no directory; name a file in a "
@@ -324,7 +370,7 @@ def _check_archive(path: Path, *, dry_run: bool) -> list[StateWarning]:
         raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"--archive {path} exists; the archive is never written "
                          "over a file: name a new one", {"path": str(path)})
     return tolerate_read_only(lambda: refuse_unwritable(path, directories=(path.parent,), need=WRITE_MARGIN,
-                                                        room_for="the archive"), dry_run=dry_run)
+                                                        room_for="the archive"), dry_run=dry_run, denied_too=True)
 
 
 class _NothingLeft(Exception):
@@ -351,10 +397,16 @@ class _Run:
     tables: frozenset[str]
     update: Callable[[int, int], None]
     total: int
+    #: The prune's id, in every archive line and audit row of its batches.
+    prune_id: str
     batches: int = 0
     done: int = 0
     claimed: bool = False
     warnings: list[StateWarning] = field(default_factory=list)
+    #: Rows removed by the committed batches: export -> table -> rows.
+    committed: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: The number of the batch under way (its guarded write open), None between batches.
+    failing: int | None = None
 
     def batch(self, lease: HeldLease, table: str, bounds: _Bounds, after: tuple[Any, ...] | None,
               name: str) -> tuple[tuple[Any, ...] | None, int]:
@@ -373,6 +425,7 @@ class _Run:
         if last is None:
             return None, 0
         _pause(backend, contended)  # a writer kept waiting by the last batch takes the lock first
+        self.failing = number
         try:
             with guarded_write(self.ctx, NO_LEASE, preflight=self.preflight, held=[lease], claim=not self.claimed,
                                copies=0) as session:
@@ -381,11 +434,13 @@ class _Run:
                 if not rows:
                     raise _NothingLeft
                 if self.archive is not None:
-                    self.archive.append(table, rows)
+                    self.archive.append(number, table, rows)
+                    session.on_abort(self.archive.withdraw)
                     self.ctx.on_step(f"archived-{number}")
                 _delete(session.conn, table, [row[_KEYS[table]] for row in rows])
                 self.ctx.on_step(f"deleted-{number}")
-                session.audit("prune", {"export": name, "batch": number, "removed": {table: len(rows)},
+                session.audit("prune", {"prune_id": self.prune_id, "export": name, "batch": number,
+                                        "removed": {table: len(rows)},
                                         "criteria": self.criteria.as_dict(),
                                         "archive": None if self.archive is None else str(self.archive.path),
                                         "archive_bytes": None if self.archive is None else self.archive.bytes})
@@ -393,12 +448,41 @@ class _Run:
                     self.warnings += session.warnings
                     self.claimed = True
         except _NothingLeft:
+            self.failing = None
             return last, 0
-        self.ctx.on_step(f"committed-{number}")
+        self.failing = None
         self.batches = number
+        counts = self.committed.setdefault(name, {t: 0 for t in TABLES})
+        counts[table] += len(rows)
+        self.ctx.on_step(f"committed-{number}")
         self.done += len(rows)
         self.update(self.done, self.total)
         return last, len(rows)
+
+    def incomplete(self, cause: StateError) -> StateError:
+        """``RIVET_STATE_PRUNE_INCOMPLETE`` for ``cause``, a failure after batches committed:
+        which batches and rows per table (per export) were committed and audited, and
+        archived, the batch rolled back, and that the same prune run again removes the rest
+        (docs/commands.md, "When a prune stops half-way")."""
+        removed = {t: sum(c[t] for c in self.committed.values()) for t in TABLES}
+        per_export = "; ".join(f"{name}: {_rows_text(c)}" for name, c in self.committed.items())
+        stopped = f"batch {self.failing} was rolled back, and " if self.failing is not None else ""
+        archived, again = "", "run the same prune again"
+        if self.archive is not None:
+            archived = (f", and archived in {self.archive.path} ({self.archive.members} whole gzip members, "
+                        f"{self.archive.rows} rows: exactly those)")
+            again += " with --archive naming a new file (this one is never written over)"
+        cause_text = cause.message.replace("; nothing was written", "")
+        return StateError("RIVET_STATE_PRUNE_INCOMPLETE",
+                          f"prune {self.prune_id} stopped: {cause_text} ({cause.code}); {stopped}the "
+                          f"{_plural(self.batches, 'batch', 'batches')} before it were committed and audited: "
+                          f"{_rows_text(removed)} removed ({per_export}){archived}. Fix that, then {again}: it "
+                          "removes the rest", {
+                              "prune_id": self.prune_id, "cause": cause.code, "batches": self.batches,
+                              "removed": removed, "exports": self.committed,
+                              "archive": None if self.archive is None else str(self.archive.path),
+                              "archive_rows": None if self.archive is None else self.archive.rows,
+                              "archive_bytes": None if self.archive is None else self.archive.bytes})
 
     def export(self, plan: ExportPrune, wait: bool) -> ExportPrune:
         """Prune export ``plan.export`` under its run lease (waited for with ``wait``, else
@@ -433,6 +517,15 @@ class _Run:
         kept = {t: plan.kept[t] + plan.removed[t] - removed[t] for t in TABLES}
         return ExportPrune(name, "pruned" if any(removed.values()) else "unchanged", removed, kept,
                            dict(plan.protected), self.batches - first)
+
+
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def _rows_text(counts: dict[str, int]) -> str:
+    """``40 runs and 0 ledger rows``."""
+    return f"{_plural(counts[RUNS], 'run', 'runs')} and {_plural(counts[LOAD_LEDGER], 'ledger row', 'ledger rows')}"
 
 
 #: The column that names a row of each table a prune removes from.
@@ -545,21 +638,24 @@ def prune_history(ctx: Context, *, before: str | None = None, keep_runs: int | N
     ``dry_run`` makes every check of the real run (the pre-flight, the export, the archive's
     place, the state's writability, the rights to vacuum) and returns the counts; it changes
     no byte and creates no file. Raises ``RIVET_CLI_USAGE`` without ``before`` or
-    ``keep_runs``, for a ``keep_runs`` below 0 or a ``batch_size`` outside 1 to
-    :data:`MAX_BATCH`, and the codes named above, the pre-flight's and the guarded write's.
+    ``keep_runs``, for a ``keep_runs`` outside 0 to :data:`~statetool.numbers.MAX_KEEP` or
+    a ``batch_size`` outside 1 to :data:`MAX_BATCH`, ``RIVET_STATE_PRUNE_INCOMPLETE`` for a
+    failure after some batches committed (:meth:`_Run.incomplete`), and the codes named
+    above, the pre-flight's and the guarded write's.
     """
     if before is None and keep_runs is None:
         raise StateError("RIVET_CLI_USAGE", "say what to prune: --before DATE and/or --keep-runs N")
-    if keep_runs is not None and keep_runs < 0:
-        raise StateError("RIVET_CLI_USAGE", f"--keep-runs {keep_runs}: give 0 or more")
-    if not 1 <= batch_size <= MAX_BATCH:
-        raise StateError("RIVET_CLI_USAGE", f"--batch-size {batch_size}: give 1 to {MAX_BATCH}")
+    if keep_runs is not None:
+        require_within("--keep-runs", keep_runs, 0, MAX_KEEP)
+    require_within("--batch-size", batch_size, 1, MAX_BATCH)
     criteria = Criteria(None if before is None else parse_before(before), keep_runs, export, batch_size)
     pf, tables, planned = _plan(ctx, criteria, "planned")
     backend = ctx.backend()
-    warnings = require_writable(ctx, copies=2 if vacuum and backend.reclaim_blocks_writers else 0, dry_run=dry_run)
-    if dry_run:
-        lease_store(ctx).require_takable([run_lease_key(p.export) for p in planned if p.state == "planned"])
+    warnings = require_writable(ctx, copies=_vacuum_copies(backend, vacuum), dry_run=dry_run, denied_too=True,
+                                room_for=VACUUM_ROOM)
+    if dry_run and not warnings:  # a place the real run may not write: its lease files neither
+        keys = [run_lease_key(p.export) for p in planned if p.state == "planned"]
+        warnings = tolerate_read_only(lambda: lease_store(ctx).require_takable(keys), dry_run=True, denied_too=True)
     if archive is not None:
         archive = Path(os.path.abspath(archive))
         warnings += _check_archive(archive, dry_run=dry_run)
@@ -574,13 +670,19 @@ def prune_history(ctx: Context, *, before: str | None = None, keep_runs: int | N
         report.vacuum = None if not vacuum else {"ran": False, "exclusive": backend.reclaim_blocks_writers,
                                                  "before_bytes": None, "after_bytes": None}
         return report
-    sink = Archive(archive) if archive is not None else None
+    report.prune_id = uuid.uuid4().hex
+    sink = Archive(archive, report.prune_id) if archive is not None else None
     total = sum(sum(p.removed.values()) for p in planned)
     try:
         with ctx.progress("prune") as update:
-            run = _Run(ctx, pf, criteria, sink, tables, update, total)
-            report.exports = [run.export(p, wait=export is not None) if p.state == "planned" else p
-                              for p in planned]
+            run = _Run(ctx, pf, criteria, sink, tables, update, total, report.prune_id)
+            try:
+                report.exports = [run.export(p, wait=export is not None) if p.state == "planned" else p
+                                  for p in planned]
+            except Exception as exc:
+                if not run.batches:
+                    raise  # nothing was committed: the error says so, as it is
+                raise run.incomplete(_state_error(exc)) from exc
     finally:
         if sink is not None:
             sink.close()
@@ -589,6 +691,27 @@ def prune_history(ctx: Context, *, before: str | None = None, keep_runs: int | N
     if vacuum:
         report.vacuum = _vacuum(ctx, pf, report)
     return report
+
+
+#: The room a SQLite ``VACUUM`` needs beside the state, in files as large as it: the
+#: rebuilt copy, and the WAL the rebuilt pages go through; and those words, for a refusal.
+VACUUM_COPIES = 2
+VACUUM_ROOM = "for --vacuum: the copy VACUUM rebuilds and the WAL its pages go through"
+
+
+def _vacuum_copies(backend: Backend, vacuum: bool) -> int:
+    """How many files as large as the state a prune needs room for beside it (the
+    ``copies`` of :func:`~statetool.operations.writes.require_writable`): :data:`VACUUM_COPIES`
+    with ``vacuum`` where the backend's reclaim rebuilds the file (SQLite), else none. The
+    one rule, for the prune's first check (and its dry run's) and the vacuum's own write."""
+    return VACUUM_COPIES if vacuum and backend.reclaim_blocks_writers else 0
+
+
+def _state_error(exc: Exception) -> StateError:
+    """``exc`` as the registered error the CLI would make of it (SPEC §7)."""
+    if isinstance(exc, StateError):
+        return exc
+    return (os_fault(exc) if isinstance(exc, OSError) else None) or internal_error(exc)
 
 
 def _vacuum(ctx: Context, pf: Preflight, report: PruneReport) -> dict[str, object]:
@@ -600,7 +723,8 @@ def _vacuum(ctx: Context, pf: Preflight, report: PruneReport) -> dict[str, objec
     blocks = backend.reclaim_blocks_writers
     try:
         with guarded_write(ctx, WHOLE_STATE if blocks else NO_LEASE, preflight=pf, claim=False,
-                           copies=2 if blocks else 0, prepare=lambda: sizes.append(backend.reclaim_space(TABLES))
+                           copies=_vacuum_copies(backend, True), room_for=VACUUM_ROOM,
+                           prepare=lambda: sizes.append(backend.reclaim_space(TABLES))
                            ) as session:
             session.audit("prune.vacuum", {"tables": list(TABLES), "before_bytes": sizes[0][0],
                                            "after_bytes": sizes[0][1]})

@@ -191,39 +191,52 @@ def _scope_exports(ctx: Context, snap: Snapshot, exports: Iterable[str] | None) 
     return names
 
 
-def tolerate_read_only(check: Callable[[], object], *, dry_run: bool) -> list[StateWarning]:
+#: What a dry run that tolerates a refusal of its real run says the real run needs, by code.
+_UNTIL = {"RIVET_STATE_READ_ONLY": "it is mounted read-write",
+          "RIVET_STATE_PERMISSION_DENIED": "it runs as a user that may write there (the state's owner)"}
+
+
+def tolerate_read_only(check: Callable[[], object], *, dry_run: bool,
+                       denied_too: bool = False) -> list[StateWarning]:
     """Run ``check`` (a refusal of a write that cannot complete here); return no warning
     when it passes. With ``dry_run``, a state on a filesystem mounted read-only is no
     refusal: a dry run changes nothing, so it still gives its plan there, and this returns
     warning ``RIVET_STATE_READ_ONLY_DRY_RUN`` saying that the real run will be refused
     (``RIVET_STATE_READ_ONLY``) until the filesystem is writable (docs/decisions.md, "Dry
-    runs on a read-only mount"). Every other refusal is raised, in a dry run too."""
+    runs on a read-only mount"); with ``denied_too`` (``prune``, whose dry run is a count:
+    docs/decisions.md, "prune --dry-run where it may not write"), so is a place this user may
+    not write (``RIVET_STATE_PERMISSION_DENIED``, the same warning naming that code). Every
+    other refusal is raised, in a dry run too."""
     try:
         check()
     except StateError as err:
-        if not dry_run or err.code != "RIVET_STATE_READ_ONLY":
+        if not dry_run or err.code not in _UNTIL or (err.code != "RIVET_STATE_READ_ONLY" and not denied_too):
             raise
         return [StateWarning("RIVET_STATE_READ_ONLY_DRY_RUN",
                              f"{err.message.replace('; nothing was written', '')}: the real run will be refused "
-                             "(RIVET_STATE_READ_ONLY) until it is mounted read-write; a dry run writes nothing, so "
-                             "this plan is given all the same")]
+                             f"({err.code}) until {_UNTIL[err.code]}; a dry run writes nothing, so this plan is "
+                             "given all the same")]
     return []
 
 
 def require_writable(ctx: Context, *, copies: int = 0, replaced_by: str | None = None,
-                     dry_run: bool = False) -> list[StateWarning]:
+                     dry_run: bool = False, denied_too: bool = False, room_for: str | None = None
+                     ) -> list[StateWarning]:
     """A write's first refusal, before it opens anything or takes any lease: the backend
     refuses a write it cannot complete where the state is
     (:meth:`~statetool.backends.base.Backend.check_writable`: ``RIVET_STATE_READ_ONLY``,
     ``RIVET_STATE_PERMISSION_DENIED``, ``RIVET_STATE_DISK_FULL``,
     ``RIVET_STATE_UNSAFE_FILE``), with room for ``copies`` files as large as the state and,
     with ``replaced_by`` (the write's name), the state's owner given to the new file that
-    replaces it. :func:`guarded_write` calls it, and every ``--dry-run`` of a write calls it
-    with the same arguments and ``dry_run``, so a dry run refuses what its real run would
-    (SPEC §8a), except a read-only filesystem (:func:`tolerate_read_only`). Returns the
-    warnings (empty when the write can run)."""
-    return tolerate_read_only(lambda: ctx.backend().check_writable(copies=copies, replaced_by=replaced_by),
-                              dry_run=dry_run)
+    replaces it (``room_for``: what the copies are for, the refusal's words).
+    :func:`guarded_write` calls it, and every ``--dry-run`` of a write calls it with the
+    same arguments and ``dry_run``, so a dry run refuses what its real run would
+    (SPEC §8a), except a read-only filesystem (:func:`tolerate_read_only`; with
+    ``denied_too`` a place this user may not write as well). Returns the warnings (empty
+    when the write can run)."""
+    return tolerate_read_only(lambda: ctx.backend().check_writable(copies=copies, replaced_by=replaced_by,
+                                                                   room_for=room_for),
+                              dry_run=dry_run, denied_too=denied_too)
 
 
 def _copies(copies: int | None, backup_label: str | None) -> int:
@@ -234,7 +247,7 @@ def _copies(copies: int | None, backup_label: str | None) -> int:
 
 def _first_checks(ctx: Context, preflight: Preflight | None, allow: frozenset[str],
                   check: Callable[[Snapshot], object] | None, copies: int, replaced_by: str | None,
-                  dry_run: bool = False) -> tuple[Preflight, list[StateWarning]]:
+                  dry_run: bool = False, room_for: str | None = None) -> tuple[Preflight, list[StateWarning]]:
     """The checks of a write before it opens anything for writing or takes any lease, in
     their order: the write pre-flight (``preflight``, or run now) with the codes in
     ``allow`` passed, the request against its snapshot (``check``), and
@@ -245,7 +258,7 @@ def _first_checks(ctx: Context, preflight: Preflight | None, allow: frozenset[st
     snap = require(pf, allow=allow)
     if check is not None:
         check(snap)
-    return pf, require_writable(ctx, copies=copies, replaced_by=replaced_by, dry_run=dry_run)
+    return pf, require_writable(ctx, copies=copies, replaced_by=replaced_by, dry_run=dry_run, room_for=room_for)
 
 
 @dataclass
@@ -357,7 +370,8 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
                   prepare: Callable[[], None] | None = None, held: list[HeldLease] | None = None,
                   busy_code: str = "RIVET_STATE_RUN_IN_PROGRESS",
                   lock_code: str = "RIVET_STATE_LOCK_TIMEOUT", copies: int | None = None,
-                  replaced_by: str | None = None, advance: bool = True) -> Iterator[WriteSession]:
+                  replaced_by: str | None = None, advance: bool = True, room_for: str | None = None
+                  ) -> Iterator[WriteSession]:
     """Pre-flight, leases, one fenced writing transaction with its audit row, release.
 
     ``scope`` says which leases are held (:class:`Scope`); a whole-state write also holds
@@ -385,10 +399,12 @@ def guarded_write(ctx: Context, scope: Scope, *, backup_label: str | None = None
     (:meth:`~statetool.backends.base.Backend.check_writable`), with room for ``copies``
     files as large as the state (default: 2 with a backup, the backup and its journal) and,
     with ``replaced_by``, the state's owner to give to the file that replaces it
-    (:func:`require_writable`): refused then, nothing of the write exists yet, no lease file
+    (:func:`require_writable`; ``room_for`` what the copies are for): refused then, nothing
+    of the write exists yet, no lease file
     either.
     """
-    pf = _first_checks(ctx, preflight, allow, check, _copies(copies, backup_label), replaced_by)[0]
+    pf = _first_checks(ctx, preflight, allow, check, _copies(copies, backup_label), replaced_by,
+                       room_for=room_for)[0]
     snap = pf.snapshot
     assert snap is not None
     if scope.whole_state or scope.export is not None:

@@ -75,10 +75,22 @@ def table_rows(config: Path, env: dict[str, str]) -> dict[str, dict[Any, dict[st
     return out
 
 
-def read_archive(path: Path, *, cut_short: bool = False) -> list[tuple[str, dict[str, Any]]]:
-    """``[(table, row)]`` of an archive, member by member; with ``cut_short``, a last member
-    a kill cut short (its batch never committed) is read up to where it ends, as ``zcat``
-    does, and what it holds is left out."""
+def committed_batches(config: Path, env: dict[str, str]) -> set[tuple[str, int]]:
+    """``{(prune id, batch number)}`` of every batch a prune committed: its ``prune`` audit
+    row (written in the batch's own transaction), read read-only."""
+    backend = Context(config, None, env).backend()
+    with backend.reading() as conn:
+        details = [json.loads(r[0]) for r in conn.rows("SELECT detail FROM rivet_audit WHERE action = 'prune'")]
+    return {(d["prune_id"], d["batch"]) for d in details}
+
+
+def read_archive(path: Path, committed: set[tuple[str, int]], *,
+                 cut_short: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """``[(table, row)]`` of an archive, member by member, keeping only the lines of a batch
+    in ``committed`` (:func:`committed_batches`: a batch archived whose commit never came, a
+    kill between the two, removed nothing); with ``cut_short``, a last member a kill cut
+    short (its batch never committed) is read up to where it ends, as ``zcat`` does, and
+    what it holds is left out."""
     data = path.read_bytes()
     found: list[tuple[str, dict[str, Any]]] = []
     while data:
@@ -91,11 +103,13 @@ def read_archive(path: Path, *, cut_short: bool = False) -> list[tuple[str, dict
         if not inflate.eof:
             assert cut_short, f"{path}: a member cut short"
             break
-        found += [(obj["table"], obj["row"]) for obj in map(json.loads, text.decode().splitlines())]
+        found += [(obj["table"], obj["row"]) for obj in map(json.loads, text.decode().splitlines())
+                  if (obj["prune"], obj["batch"]) in committed]
         data = inflate.unused_data
     if not cut_short:
         with gzip.open(path, "rt") as fh:  # what an operator reads it with says the same
-            assert [(o["table"], o["row"]) for o in map(json.loads, fh)] == found
+            assert [(o["table"], o["row"]) for o in map(json.loads, fh) if (o["prune"], o["batch"]) in committed] \
+                == found
     return found
 
 
