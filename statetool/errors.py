@@ -241,6 +241,9 @@ REGISTRY: dict[str, Entry] = {
     "RIVET_STATE_RUN_IN_PROGRESS": _e(
         "busy", "retryable", "re-run when the run named in the message has finished",
     ),
+    "RIVET_STATE_CHANGED_DURING_READ": _e(
+        "busy", "retryable", "run the command again: a live run wrote the state while it was read",
+    ),
     "RIVET_STATE_UPGRADE_BESIDE_LIVE_RUN": _e(
         "busy", "retryable", "re-run the migration when the runs named in the message have finished",
     ),

@@ -11,12 +11,16 @@ https://www.sqlite.org/uri.html#uriimmutable). So the open is chosen from what i
   the database and its journal are then copied into a private temporary directory and
   rolled back there: the state is read as it was before the interrupted write, and the
   connection says so (warning ``RIVET_STATE_HOT_JOURNAL``);
+* WAL database with a ``-wal`` and a ``-shm`` and a live SQLite connection on the file
+  (a POSIX lock, :func:`~statetool.backends.proclocks.lock_holders`): ``mode=ro``
+  beside the live writer (both files exist, so none is created; SQLite's readers share
+  the writer's wal-index);
 * WAL database, no ``-wal`` (or an empty one): ``immutable=1``, as nothing lies outside
-  the main file (a writer starting during the read writes to a new ``-wal``, which the
-  main file does not see until a checkpoint);
-* WAL database whose ``-wal`` holds frames, with a live holder of a lock on the file and
-  a ``-shm`` present: ``mode=ro`` beside the live writer (both files exist, so none is
-  created; SQLite's readers share the writer's wal-index);
+  the main file, under a read lock on SQLite's SHARED bytes so that no writer's close
+  checkpoints into the file during the read (:mod:`statetool.backends.readlock`); a
+  writer starting during the read writes to a new ``-wal``, which the main file does not
+  see; a checkpoint the lock cannot hold off makes the read refuse
+  (``RIVET_STATE_CHANGED_DURING_READ``);
 * WAL database whose ``-wal`` holds frames and no live holder (a killed writer): the
   database and its ``-wal`` are copied into a private temporary directory (the same
   mechanism) and read there, so the committed frames are seen and nothing is written
@@ -50,6 +54,7 @@ from statetool.backends.durable import (CREATE_FLAGS, copy_bytes, copy_file_excl
 from statetool.backends.faults import WRITE_MARGIN, fault, refuse_unwritable
 from statetool.backends.proclocks import lock_holders
 from statetool.backends.readers import CoreReader, DriverReader
+from statetool.backends.readlock import Fingerprint, holding_shared
 from statetool.backends.sqlite_rows import copy_blocks, insert_blocks
 from statetool.backends.sqlite_file import applied_journal, foreign_companions, read_header, refuse_unsafe_companions
 from statetool.backends.tombstone import remove_companions, wait_for_openers
@@ -68,6 +73,11 @@ if TYPE_CHECKING:
 
 #: Looks a read takes at a state whose ``-wal`` a writer's close removes meanwhile.
 _VANISHED_TRIES = 5
+
+
+class _LookAgain(Exception):
+    """A writer committed between a read's look at the files and its read lock."""
+
 #: Bytes a backup's private directory adds to the backup's name: "." + mkdtemp's 8 random
 #: characters + ".tmp".
 _PRIVATE_DIR_ROOM = 13
@@ -278,14 +288,17 @@ class SqliteBackend:
         with contextlib.ExitStack() as stack:
             for attempt in range(_VANISHED_TRIES):
                 try:
-                    uri = self._read_uri(stack, header)
+                    uri, unchanged = self._read_uri(stack, header)
                     break
-                except FileNotFoundError:
-                    # the -wal was there and then gone: the last writer's close folded it into the
-                    # file and removed it (beside a live run, a few reads in a thousand): look again
+                except (FileNotFoundError, _LookAgain):
+                    # the -wal was there and then gone (the last writer's close folded it into the
+                    # file and removed it), or a writer committed between the look and the read
+                    # lock (beside a live run, a few reads in a thousand): look again
                     stack.close()
                     if attempt == _VANISHED_TRIES - 1:
-                        raise
+                        raise StateError("RIVET_STATE_RUN_IN_PROGRESS", f"{self.path} kept changing while it "
+                                         "was opened; re-run when its writer has finished",
+                                         {"path": str(self.path)}) from None
             try:
                 conn = self._open_read(stack, uri)
             except StateError as err:
@@ -296,26 +309,64 @@ class SqliteBackend:
                 stack.close()
                 conn = self._open_read(stack, f"file:{self._quoted(self._private_copy(stack, '-journal'))}")
                 conn.info["interrupted_write"] = self._interrupted_message()
-            yield conn
+            if unchanged is None:
+                yield conn
+                return
+            try:
+                yield conn
+            except Exception as err:
+                if unchanged.changed(self.path):
+                    raise self._changed_under_read() from err
+                raise
+            if unchanged.changed(self.path):
+                raise self._changed_under_read()
 
-    def _read_uri(self, stack: contextlib.ExitStack, header: bytes) -> str:
-        """The URI :meth:`reading` opens, chosen from what is on disk (the module docstring);
-        a private copy is made in ``stack``. Raises ``FileNotFoundError`` when the ``-wal`` is
-        removed while it is looked at."""
+    def _changed_under_read(self) -> StateError:
+        """``RIVET_STATE_CHANGED_DURING_READ``: the file was written while an ``immutable=1``
+        read read it (:mod:`statetool.backends.readlock`): what was read may mix two moments,
+        so none of it is used."""
+        return StateError("RIVET_STATE_CHANGED_DURING_READ",
+                          f"{self.path} was written while it was read (a live run's checkpoint): what was read "
+                          "may mix two moments and was not used; run the command again", {"path": str(self.path)})
+
+    def _read_uri(self, stack: contextlib.ExitStack, header: bytes) -> tuple[str, Fingerprint | None]:
+        """The URI :meth:`reading` opens, chosen from what is on disk (the module docstring),
+        with the main file's :class:`~statetool.backends.readlock.Fingerprint` when the read
+        is ``immutable=1`` (None otherwise); a private copy and the read lock are made in
+        ``stack``. Raises ``FileNotFoundError`` when the ``-wal`` is removed while it is looked
+        at, and :class:`_LookAgain` when a writer committed between the look and the lock."""
         wal_mode = header[18] == 2
+        wal, shm = Path(f"{self.path}-wal"), Path(f"{self.path}-shm")
         if (not wal_mode and self._orphan_wal_beside() and lock_holders(self.path) == set()) or (
                 wal_mode and self.foreign_companions(header)):
             # A -wal/-shm that is not the state's own (restored or copied apart; another page
             # size, another log's frames): a mode=ro open adopts that -wal and rewrites the -shm,
             # a private copy would merge it; immutable=1 reads the main file alone.
-            return f"file:{self._quoted(self.path)}?immutable=1"
+            return self._immutable(stack, wal_mode, foreign=True)
         if not wal_mode:
-            return f"file:{self._quoted(self.path)}?mode=ro"
-        if not self._wal_has_frames():
-            return f"file:{self._quoted(self.path)}?immutable=1"
-        if Path(f"{self.path}-shm").exists() and lock_holders(self.path):
-            return f"file:{self._quoted(self.path)}?mode=ro"
-        return f"file:{self._quoted(self._private_copy(stack, '-wal'))}"
+            return f"file:{self._quoted(self.path)}?mode=ro", None
+        if wal.exists() and shm.exists() and lock_holders(self.path, sqlite_only=True):
+            # a live connection: read beside it as SQLite's own reader, sharing its wal-index
+            return f"file:{self._quoted(self.path)}?mode=ro", None
+        if self._wal_has_frames():
+            return f"file:{self._quoted(self._private_copy(stack, '-wal'))}", None
+        return self._immutable(stack, wal_mode, foreign=False)
+
+    def _immutable(self, stack: contextlib.ExitStack, wal_mode: bool, *,
+                   foreign: bool) -> tuple[str, Fingerprint]:
+        """An ``immutable=1`` read of the main file alone, with its fingerprint. A WAL state's
+        is made under :func:`~statetool.backends.readlock.holding_shared` (no writer's close
+        checkpoints under it; a close already checkpointing is waited for, ``--lock-wait`` but
+        at least 1 s, as it takes milliseconds); unless the companions are ``foreign`` (their frames are never
+        the state's), frames that reached the ``-wal`` before the lock was held raise
+        :class:`_LookAgain`."""
+        uri = f"file:{self._quoted(self.path)}?immutable=1"
+        if wal_mode:
+            stack.enter_context(holding_shared(self.path, max(self.lock_wait, 1.0)))
+        unchanged = Fingerprint.of(self.path)
+        if wal_mode and not foreign and self._wal_has_frames():
+            raise _LookAgain
+        return uri, unchanged
 
     @contextlib.contextmanager
     def scanning(self) -> Iterator[DriverReader]:
