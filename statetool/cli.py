@@ -29,7 +29,7 @@ from typer.models import TyperPath
 
 from statetool import DEFAULT_CONFIG, __version__
 from statetool.cli_help import App, lazy_command_tree, usage_error
-from statetool.errors import EXIT_INTERRUPTED, StateError, internal_error
+from statetool.errors import EXIT_INTERRUPTED, StateError, internal_error, interrupted
 
 app = App(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
           help="Inspect, guard and migrate the state of rivet pipelines (SQLite or PostgreSQL).")
@@ -1035,16 +1035,6 @@ def hoist_globals(argv: list[str]) -> list[str]:
     return front + rest
 
 
-def _interrupted(exc: BaseException) -> bool:
-    """True when a KeyboardInterrupt stands anywhere in ``exc``'s chain of causes."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, KeyboardInterrupt):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
 def _print_traceback() -> None:
     import traceback
 
@@ -1111,7 +1101,7 @@ def main(argv: list[str] | None = None) -> None:
             _print_traceback()
         _fail(os_fault(exc) or internal_error(exc), json_errors)
     except Exception as exc:  # noqa: BLE001 - the one place an unexpected error is turned into RIVET_INTERNAL
-        if _interrupted(exc):
+        if interrupted(exc):
             # Ctrl-C while a transaction was open: the driver's cleanup error hides the
             # interrupt. Every write is one transaction, so nothing was committed.
             sys.stderr.write("statetool: interrupted; the open transaction was rolled back\n")

@@ -583,6 +583,17 @@ def internal_error(exc: BaseException) -> StateError:
 WARNING_FAILURE_CLASS = "refusal"
 
 
+def interrupted(exc: BaseException) -> bool:
+    """True when a KeyboardInterrupt (Ctrl-C) stands anywhere in ``exc``'s chain of causes:
+    a driver's cleanup error raised while unwinding one hides it."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def failure_class(code: str) -> str:
     """The exit class ``code`` fails with: a registered error's own class; a registered
     warning made to fail is a refusal (:data:`WARNING_FAILURE_CLASS`, SPEC §7). The one

@@ -21,6 +21,8 @@ import os
 import signal
 import sqlite3
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -159,6 +161,52 @@ def test_an_archive_whose_disk_fills_mid_member_keeps_whole_members_of_committed
     (small_fs / "filler").unlink()
     again = _cli(config, "--json", "prune", "--keep-runs", "0", "--batch-size", "500")
     assert again.returncode == 0 and json.loads(again.stdout)["removed"]["rivet_runs"] == 1999, describe(again)
+
+
+def test_ctrl_c_in_batch_3_says_on_its_way_out_which_two_batches_were_committed(tmp_path: Path) -> None:
+    from statetool.operations.context import Context
+    from statetool.operations.retention import prune_history
+
+    config, env = _pipeline(tmp_path)
+    before = table_rows(config, env)
+    archive = tmp_path / "history.jsonl.gz"
+
+    def interrupt_at(step: str) -> None:
+        if step == "deleted-3":  # archived and deleted, not yet committed
+            raise KeyboardInterrupt
+
+    said: list[str] = []
+    ctx = Context(config, None, env=env, lock_wait=10, on_step=interrupt_at, log=said.append)
+    with pytest.raises(KeyboardInterrupt):
+        prune_history(ctx, keep_runs=0, batch_size=20, archive=archive)
+    (note,) = said
+    assert "was interrupted" in note and "batch 3 was rolled back" in note and "2 batches" in note, note
+    assert "40 runs" in note and str(archive) in note and "run the same prune again" in note, note
+    removed = _removed(before, table_rows(config, env))
+    assert len(removed["rivet_runs"]) == 40
+    assert _keys(read_archive(archive, committed_batches(config, env))) == removed, \
+        "the member of batch 3 was cut away: whole members of the committed batches only"
+
+
+def test_a_real_sigint_after_committed_batches_exits_130_saying_what_was_committed(tmp_path: Path) -> None:
+    config, env = _pipeline(tmp_path, runs=20000, ledger=0)
+    archive = tmp_path / "history.jsonl.gz"
+    proc = subprocess.Popen([sys.executable, "-m", "statetool", "-c", str(config), "prune", "--keep-runs", "0",
+                             "--batch-size", "5", "--archive", str(archive)], env=process_env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(committed_batches(config, env)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    committed = committed_batches(config, env)
+    (prune_id,) = {p for p, _ in committed}
+    assert f"statetool: interrupted; prune {prune_id} was interrupted: " in stderr, stderr
+    assert f"{len(committed)} batches before it were committed and audited" in stderr, stderr
+    assert f"{5 * len(committed)} runs" in stderr and "run the same prune again" in stderr, stderr
+    assert len(read_archive(archive, committed)) == 5 * len(committed)
 
 
 def test_a_failure_before_any_batch_committed_says_nothing_was_pruned_and_leaves_no_archive(

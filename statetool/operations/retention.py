@@ -54,7 +54,7 @@ from statetool import schema
 from statetool.backends.base import Backend, HeldLease, Reader
 from statetool.backends.durable import CREATE_FLAGS, fsync_dir
 from statetool.backends.faults import WRITE_MARGIN, fault, os_fault, refuse_unwritable
-from statetool.errors import StateError, StateWarning, internal_error
+from statetool.errors import StateError, StateWarning, internal_error, interrupted
 from statetool.numbers import MAX_KEEP, require_within
 from statetool.operations.context import Context
 from statetool.operations.leasing import acquire, lease_store, run_lease_key
@@ -459,11 +459,10 @@ class _Run:
         self.update(self.done, self.total)
         return last, len(rows)
 
-    def incomplete(self, cause: StateError) -> StateError:
-        """``RIVET_STATE_PRUNE_INCOMPLETE`` for ``cause``, a failure after batches committed:
-        which batches and rows per table (per export) were committed and audited, and
-        archived, the batch rolled back, and that the same prune run again removes the rest
-        (docs/commands.md, "When a prune stops half-way")."""
+    def _done(self) -> tuple[str, str, dict[str, int]]:
+        """What was done before a stop: ``(the words, how to finish, rows removed per
+        table)``; the words name the batch rolled back, the committed and audited batches
+        with their rows per table and export, and the archive's whole members."""
         removed = {t: sum(c[t] for c in self.committed.values()) for t in TABLES}
         per_export = "; ".join(f"{name}: {_rows_text(c)}" for name, c in self.committed.items())
         stopped = f"batch {self.failing} was rolled back, and " if self.failing is not None else ""
@@ -472,17 +471,30 @@ class _Run:
             archived = (f", and archived in {self.archive.path} ({self.archive.members} whole gzip members, "
                         f"{self.archive.rows} rows: exactly those)")
             again += " with --archive naming a new file (this one is never written over)"
+        words = (f"{stopped}the {_plural(self.batches, 'batch', 'batches')} before it were committed and audited: "
+                 f"{_rows_text(removed)} removed ({per_export}){archived}")
+        return words, again, removed
+
+    def incomplete(self, cause: StateError) -> StateError:
+        """``RIVET_STATE_PRUNE_INCOMPLETE`` for ``cause``, a failure after batches committed:
+        :meth:`_done`'s words, and that the same prune run again removes the rest
+        (docs/commands.md, "When a prune stops half-way")."""
+        done, again, removed = self._done()
         cause_text = cause.message.replace("; nothing was written", "")
         return StateError("RIVET_STATE_PRUNE_INCOMPLETE",
-                          f"prune {self.prune_id} stopped: {cause_text} ({cause.code}); {stopped}the "
-                          f"{_plural(self.batches, 'batch', 'batches')} before it were committed and audited: "
-                          f"{_rows_text(removed)} removed ({per_export}){archived}. Fix that, then {again}: it "
-                          "removes the rest", {
+                          f"prune {self.prune_id} stopped: {cause_text} ({cause.code}); {done}. Fix that, then "
+                          f"{again}: it removes the rest", {
                               "prune_id": self.prune_id, "cause": cause.code, "batches": self.batches,
                               "removed": removed, "exports": self.committed,
                               "archive": None if self.archive is None else str(self.archive.path),
                               "archive_rows": None if self.archive is None else self.archive.rows,
                               "archive_bytes": None if self.archive is None else self.archive.bytes})
+
+    def interrupted(self) -> str:
+        """What a Ctrl-C after batches committed logs on its way out (``ctx.log``: the CLI's
+        stderr; it then exits 130): :meth:`_done`'s words and how to finish."""
+        done, again, _ = self._done()
+        return f"prune {self.prune_id} was interrupted: {done}; {again} to remove the rest"
 
     def export(self, plan: ExportPrune, wait: bool) -> ExportPrune:
         """Prune export ``plan.export`` under its run lease (waited for with ``wait``, else
@@ -679,9 +691,14 @@ def prune_history(ctx: Context, *, before: str | None = None, keep_runs: int | N
             try:
                 report.exports = [run.export(p, wait=export is not None) if p.state == "planned" else p
                                   for p in planned]
-            except Exception as exc:
+            except BaseException as exc:
                 if not run.batches:
                     raise  # nothing was committed: the error says so, as it is
+                if interrupted(exc):  # Ctrl-C: say what was done, on the way out
+                    ctx.log(f"interrupted; {run.interrupted()}")
+                    raise
+                if not isinstance(exc, Exception):
+                    raise
                 raise run.incomplete(_state_error(exc)) from exc
     finally:
         if sink is not None:
