@@ -1,0 +1,98 @@
+"""What statetool says of CDC positions, checked against what is there (issue 15, a second
+fresh user's trial; SPEC §5a, §6, §10): the next run a reset's dry run foresees, the
+``present`` of ``checkpoints``, the dry runs of ``checkpoints import|export`` on a read-only
+mount, and one checkpoint file shared by two exports, through the real CLI as a process and
+the runtime, on both backends (the PostgreSQL one is the session's throwaway server).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support import describe, error_object, process_env, run_cli_process, write_config
+from support.backends import StateBackend
+from statetool.errors import StateError
+from statetool.runtime import StateStore
+
+POSITION = {"file": "mysql-bin.000042", "pos": 91234}
+#: One incremental export and one CDC export whose position is in ``checkpoints/ev.json``.
+EV = textwrap.dedent("""\
+    exports:
+      - name: orders
+        mode: incremental
+      - name: ev
+        mode: cdc
+        cdc:
+          engine: mysql
+          checkpoint: checkpoints/ev.json
+    """)
+
+
+def cli(backend: StateBackend, config: Path, *args: str) -> Any:
+    """The real CLI, as a process, on ``backend``'s state (``--lock-wait 0``: nothing waits)."""
+    return run_cli_process("-c", str(config), "--lock-wait", "0", *args, env=backend.env)
+
+
+def cli_json(backend: StateBackend, config: Path, *args: str, code: int = 0) -> dict[str, Any]:
+    proc = cli(backend, config, "--json", *args)
+    assert proc.returncode == code, describe(proc)
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+
+def pipeline(backend: StateBackend, exports: str = EV) -> tuple[StateStore, Path]:
+    """A state at head for a config of ``exports`` in ``backend.pipeline``, and the config."""
+    config = write_config(backend.pipeline, exports=exports)
+    return StateStore.open(config, env=process_env(backend.env), create=True), config
+
+
+def a_finished_run(store: StateStore, export: str) -> None:
+    """One succeeded run of ``export`` that commits nothing (a CDC export's position is its file's)."""
+    with store.run(export, "cdc") as run:
+        run.finish_run(run.start_run(), "succeeded", rows=1)
+
+
+# -- 2. a reset's dry run foresees the next run by the real run's rule ------------------------
+
+
+@pytest.mark.parametrize("where", ["file", "state"])
+def test_a_reset_dry_run_of_a_cdc_export_foresees_what_the_real_run_then_says(state_backend: StateBackend,
+                                                                             where: str) -> None:
+    """A CDC export keeps its stream position through a reset (in its file or in the state):
+    its dry run said "FIRST RUN: reads everything from the start", the real run "resumes
+    from CDC position …". Both now give doctor's verdict on the export as it is once reset,
+    in ``next_run`` and for people, and the real run's ``next_run`` is its ``diagnosis``."""
+    store, config = pipeline(state_backend)
+    checkpoint = config.parent / "checkpoints" / "ev.json"
+    checkpoint.parent.mkdir()
+    checkpoint.write_text(json.dumps(POSITION))
+    a_finished_run(store, "ev")
+    if where == "state":
+        cli_json(state_backend, config, "checkpoints", "import", "--export", "ev")
+    dry = cli_json(state_backend, config, "exports", "reset", "ev", "--dry-run")
+    human = cli(state_backend, config, "exports", "reset", "ev", "--dry-run")
+    real = cli_json(state_backend, config, "exports", "reset", "ev")
+    assert "resumes from CDC position" in dry["next_run"] and "000042" in dry["next_run"], dry
+    assert dry["next_run"] == real["next_run"], (dry["next_run"], real["next_run"])
+    assert real["diagnosis"]["verdict"] == "resumes" and real["next_run"] == \
+        f"resumes from {real['diagnosis']['resumes_from']}", real
+    said = next(line for line in human.stdout.splitlines() if line.startswith("Next run of ev after it: "))
+    assert "resumes from CDC position" in said, describe(human)
+
+
+def test_the_dry_runs_of_set_cursor_and_reset_foresee_what_their_real_runs_say(state_backend: StateBackend) -> None:
+    """The same rule for the exports without a stream: a reset incremental export
+    first-runs, a cursor set resumes from it, in the dry run as in the real run."""
+    store, config = pipeline(state_backend)
+    with store.run("orders", "incremental") as run:
+        run.commit_cursor("2026-11-01")
+    for args, words in ((("set-cursor", "orders", "2026-11-02"), "resumes from cursor '2026-11-02'"),
+                        (("reset", "orders"), "FIRST RUN")):
+        dry = cli_json(state_backend, config, "exports", *args, "--dry-run")
+        real = cli_json(state_backend, config, "exports", *args)
+        assert dry["next_run"] == real["next_run"] and words in real["next_run"], (dry, real)
