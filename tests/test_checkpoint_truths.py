@@ -96,3 +96,42 @@ def test_the_dry_runs_of_set_cursor_and_reset_foresee_what_their_real_runs_say(s
         dry = cli_json(state_backend, config, "exports", *args, "--dry-run")
         real = cli_json(state_backend, config, "exports", *args)
         assert dry["next_run"] == real["next_run"] and words in real["next_run"], (dry, real)
+
+
+# -- 3. `present` is the file's presence, and `why` agrees with `stored_in` -------------------
+
+
+def test_present_is_whether_a_file_is_at_the_resolved_path(state_backend: StateBackend, tmp_path: Path) -> None:
+    """`present` said yes for a position in the state with no file there (renamed by the
+    import, moved away by hand) and for a mongodb export with no `cdc.checkpoint` at all,
+    whose `why` said the stream keeps its position only in that file while `stored_in` said
+    `state`. `present` is the file's presence at the resolved path (with its size and age),
+    whatever holds the position."""
+    exports = EV + "  - name: carts\n    mode: cdc\n    cdc:\n      engine: mongodb\n"
+    store, config = pipeline(state_backend, exports)
+    checkpoint = config.parent / "checkpoints" / "ev.json"
+    checkpoint.parent.mkdir()
+    checkpoint.write_text(json.dumps(POSITION))
+    with store.transaction() as tx:
+        tx.commit_position("carts", "mongodb", {"resume_token": "8263A1"})
+
+    def rows() -> dict[str, dict[str, Any]]:
+        return {c["export"]: c for c in cli_json(state_backend, config, "checkpoints")["checkpoints"]}
+
+    carts = rows()["carts"]
+    assert (carts["stored_in"], carts["path"], carts["present"], carts["size_bytes"]) == ("state", None, False, None)
+    assert "only in that file" not in carts["why"] and "state" in carts["why"], carts["why"]
+    assert carts["position"] == {"resume_token": "8263A1"}, carts
+    moved = tmp_path / "elsewhere.json"
+    os.rename(checkpoint, moved)
+    ev = rows()["ev"]
+    assert (ev["stored_in"], ev["present"], ev["size_bytes"]) == ("file", False, None), ev
+    os.rename(moved, checkpoint)
+    cli_json(state_backend, config, "checkpoints", "import", "--export", "ev")
+    ev = rows()["ev"]
+    assert (ev["stored_in"], ev["present"], ev["size_bytes"], ev["position"]) == ("state", False, None, POSITION), ev
+    checkpoint.write_text(json.dumps(POSITION))  # a file put back beside a position in the state
+    ev = rows()["ev"]
+    assert (ev["stored_in"], ev["present"], ev["size_bytes"]) == ("state", True, len(json.dumps(POSITION))), ev
+    human = cli(state_backend, config, "checkpoints")
+    assert human.returncode == 0, describe(human)

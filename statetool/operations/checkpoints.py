@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -20,8 +21,10 @@ from statetool.operations.probe import position_rows
 
 @dataclass
 class CheckpointReport:
-    """One CDC export's checkpoint: configured and resolved path, why, presence, size
-    (bytes), age (seconds since last write), the position it holds, or why it cannot be read."""
+    """One CDC export's checkpoint: configured and resolved path, why, the file's presence
+    at the resolved path (``present``: a regular file is there, whatever holds the
+    position), its size (bytes) and age (seconds since last write), the position a run
+    resumes from (the state's where it holds one, else the file's), or why it cannot be read."""
 
     export: str
     engine: str
@@ -171,6 +174,23 @@ def _state_unknown(report: CheckpointReport, err: StateError) -> None:
                     + (f"; the file: {report.error}" if report.error else ""))
 
 
+def _file_there(report: CheckpointReport, path: Path) -> None:
+    """Fill ``present``, ``size_bytes`` and ``age_seconds`` of ``report`` from the file at
+    ``path`` (through a symlink), without reading it: the file beside a position the state
+    holds, which no run reads (nothing there, or no regular file: not present)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        report.present, report.size_bytes = True, st.st_size
+        report.age_seconds = round(time.time() - st.st_mtime, 3)
+
+
+#: ``why`` of a CDC export with no checkpoint file configured whose position the state holds.
+_IN_STATE_ONLY = "no cdc.checkpoint configured: the state holds the position (revision 0006), no file is needed"
+
+
 def _read_file(report: CheckpointReport, path: Path) -> None:
     """Fill ``report`` from the checkpoint file at ``path`` as the one reader reads it: its
     size, age and position, or the reader's error (``CODE: message``); ``present`` is
@@ -209,8 +229,12 @@ def checkpoints(ctx: Context) -> CheckpointsResult:
         report.stored_in = stored_in_of(export, export.name in stored)
         if export.name in stored:
             row = stored[export.name]
-            report.present, report.position = True, row["position"]
+            report.position = row["position"]
             report.committed_at, report.run_id = row["committed_at"], row["run_id"]
+            if place.path is None:
+                report.why = _IN_STATE_ONLY
+            else:
+                _file_there(report, place.path)
             differs = file_differs_warning(export.name, place.path, row)
             report.warnings += [differs] if differs is not None else []
             out.append(report)
