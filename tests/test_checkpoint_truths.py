@@ -135,3 +135,37 @@ def test_present_is_whether_a_file_is_at_the_resolved_path(state_backend: StateB
     assert (ev["stored_in"], ev["present"], ev["size_bytes"]) == ("state", True, len(json.dumps(POSITION))), ev
     human = cli(state_backend, config, "checkpoints")
     assert human.returncode == 0, describe(human)
+
+
+# -- 4. the dry runs of checkpoints import and export on a read-only mount --------------------
+
+
+def test_import_and_export_dry_runs_on_a_read_only_checkpoint_directory_warn_and_their_real_runs_refuse(
+        state_backend: StateBackend, tmp_path: Path) -> None:
+    """docs/decisions.md "Dry runs on a read-only mount": a dry run gives its plan, exit 0,
+    with ``RIVET_STATE_READ_ONLY_DRY_RUN``; the real run is refused ``RIVET_STATE_READ_ONLY``
+    (1). Import and export alike; the docs say so of both."""
+    from test_position_writes import _read_only
+
+    directory = tmp_path / "positions"
+    directory.mkdir()
+    exports = EV.replace("checkpoints/ev.json", str(directory / "ev.json"))
+    store, config = pipeline(state_backend, exports)
+    (directory / "ev.json").write_text(json.dumps(POSITION))
+    with _read_only(directory):
+        plan = cli_json(state_backend, config, "checkpoints", "import", "--dry-run")
+        assert [w["code"] for w in plan["warnings"]] == ["RIVET_STATE_READ_ONLY_DRY_RUN"], plan
+        proc = cli(state_backend, config, "--json-errors", "checkpoints", "import")
+        assert (proc.returncode, error_object(proc)["code"]) == (1, "RIVET_STATE_READ_ONLY"), describe(proc)
+    cli_json(state_backend, config, "checkpoints", "import")
+    with _read_only(directory):
+        plan = cli_json(state_backend, config, "checkpoints", "export", "--dry-run")
+        assert [w["code"] for w in plan["warnings"]] == ["RIVET_STATE_READ_ONLY_DRY_RUN"], plan
+        assert [m["export"] for m in plan["moved"]] == ["ev"], plan
+        proc = cli(state_backend, config, "--json-errors", "checkpoints", "export")
+        assert (proc.returncode, error_object(proc)["code"]) == (1, "RIVET_STATE_READ_ONLY"), describe(proc)
+    assert store.stored_position("ev") == POSITION
+    docs = Path(__file__).parent.parent / "docs"
+    errors = docs.joinpath("errors.md").read_text()
+    when = errors[errors.index("### `RIVET_STATE_READ_ONLY_DRY_RUN`"):].split("\n### ", 1)[0]
+    assert "`checkpoints import`" in when and "`checkpoints export`" in when, when
