@@ -169,3 +169,75 @@ def test_import_and_export_dry_runs_on_a_read_only_checkpoint_directory_warn_and
     errors = docs.joinpath("errors.md").read_text()
     when = errors[errors.index("### `RIVET_STATE_READ_ONLY_DRY_RUN`"):].split("\n### ", 1)[0]
     assert "`checkpoints import`" in when and "`checkpoints export`" in when, when
+
+
+# -- 5. one checkpoint file shared by two exports ----------------------------------------------
+
+
+def _shared_pipeline(backend: StateBackend, how: str) -> tuple[StateStore, Path]:
+    """A config whose CDC exports ``a`` and ``b`` keep their positions in one file, named
+    two ways: ``how`` ``dots`` (``a.json`` and ``./x/../a.json``), ``symlink`` (``b.json``
+    a symlink to ``a.json``) or ``hardlink`` (``b.json`` a hard link of it)."""
+    second = {"dots": "./x/../checkpoints/a.json"}.get(how, "checkpoints/b.json")
+    exports = textwrap.dedent(f"""\
+        exports:
+          - name: orders
+            mode: incremental
+          - name: a
+            mode: cdc
+            cdc:
+              engine: mysql
+              checkpoint: checkpoints/a.json
+          - name: b
+            mode: cdc
+            cdc:
+              engine: mysql
+              checkpoint: {second}
+        """)
+    store, config = pipeline(backend, exports)
+    directory = config.parent / "checkpoints"
+    directory.mkdir()
+    (directory / "a.json").write_text(json.dumps(POSITION))
+    if how == "symlink":
+        (directory / "b.json").symlink_to("a.json")
+    elif how == "hardlink":
+        os.link(directory / "a.json", directory / "b.json")
+    return store, config
+
+
+@pytest.mark.parametrize("how", ["dots", "symlink", "hardlink"])
+def test_a_checkpoint_file_shared_by_two_exports_is_refused_by_the_runtime_and_reported_everywhere(
+        state_backend: StateBackend, how: str) -> None:
+    """The runtime gave each export the other's position, and doctor and checkpoints said
+    nothing: one rule (the same file by device and inode where it exists, by real path
+    otherwise) now refuses ``RIVET_STATE_CHECKPOINT_SHARED`` in ``StateStore.run`` and in a
+    transaction's write of either export (nothing read, nothing written), and doctor,
+    checkpoints and check report it naming both exports; another export still runs."""
+    store, config = _shared_pipeline(state_backend, how)
+    for export in ("a", "b"):
+        with pytest.raises(StateError) as caught:
+            with store.run(export, "cdc"):
+                pytest.fail("a run of an export sharing its checkpoint file started")
+        assert caught.value.code == "RIVET_STATE_CHECKPOINT_SHARED", caught.value
+        assert "a and b" in caught.value.message, caught.value.message
+        with pytest.raises(StateError) as caught:
+            with store.transaction() as tx:
+                tx.commit_position(export, "mysql", {"pos": 1})
+        assert caught.value.code == "RIVET_STATE_CHECKPOINT_SHARED", caught.value
+    assert store.stored_position("a") is None and store.stored_position("b") is None
+    with store.run("orders", "incremental") as run:
+        run.commit_cursor("2026-11-01")
+    doctor = {e["name"]: e for e in cli_json(state_backend, config, "doctor", code=5)["exports"]}
+    for export in ("a", "b"):
+        (shared,) = [r for r in doctor[export]["reasons"] if r["code"] == "RIVET_STATE_CHECKPOINT_SHARED"]
+        assert "a and b" in shared["message"] and shared["evidence"]["exports"] == ["a", "b"], shared
+    assert not [r for r in doctor["orders"]["reasons"] if r["code"] == "RIVET_STATE_CHECKPOINT_SHARED"]
+    listed = {c["export"]: c for c in cli_json(state_backend, config, "checkpoints")["checkpoints"]}
+    for export in ("a", "b"):
+        assert listed[export]["error"].startswith("RIVET_STATE_CHECKPOINT_SHARED: "), listed[export]
+        assert "a and b" in listed[export]["error"], listed[export]
+    human = cli(state_backend, config, "doctor")
+    assert human.stdout.count("[RIVET_STATE_CHECKPOINT_SHARED]") == 2, describe(human)
+    checked = cli_json(state_backend, config, "check", code=5)
+    failed = [c["code"] for c in checked["checks"] if c["status"] == "fail"]
+    assert "RIVET_STATE_CHECKPOINT_SHARED" in failed, checked

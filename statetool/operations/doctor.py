@@ -17,7 +17,9 @@ The steps, in order (:func:`doctor`):
    (:func:`statetool.operations.probe.resume_points`), the identity verdict;
 6. when the state is missing, relocated or foreign: where it probably is
    (:func:`statetool.operations.search.search`);
-7. per export: its progress, its CDC checkpoint, and the verdict.
+7. per export: its progress, its CDC checkpoint, and the verdict; a checkpoint file it
+   shares with another CDC export is a reason of each (``RIVET_STATE_CHECKPOINT_SHARED``:
+   the runtime refuses their runs; the verdict is what the state and the file say).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from statetool.location import ENV_VAR, Location, resolve_checkpoint
 from statetool.moments import moment
 from statetool.mounts import mount_of
 from statetool.operations.checkpoint_file import read_checkpoint
-from statetool.operations.checkpoints import checkpoint_warning, file_differs_warning, stored_in_of
+from statetool.operations.checkpoints import (checkpoint_warning, file_differs_warning, shared_files, shared_text,
+                                              stored_in_of)
 from statetool.operations.context import Context, now_iso
 from statetool.operations.probe import (ResumePoint, Snapshot, last_resets, position_rows, read_snapshot,
                                         resume_points)
@@ -443,4 +446,9 @@ def doctor(ctx: Context, export: str | None = None, planned: Planned | None = No
             read.progress[planned.export], read.resets.get(planned.export))
     diagnoses = [_diagnose(ctx, e, read.progress.get(e.name) if known else None, state_reasons,
                            read.resets.get(e.name), read.positions.get(e.name)) for e in exports]
+    for path, names in shared_files(ctx).items():
+        for diagnosis in diagnoses:
+            if diagnosis.name in names:
+                diagnosis.reasons.append(Reason("RIVET_STATE_CHECKPOINT_SHARED", shared_text({path: names}),
+                                                {"path": path, "exports": names}))
     return DoctorResult(diagnoses, state)
