@@ -39,7 +39,7 @@ from statetool.backends.base import HeldLease
 from statetool.errors import StateError, StateWarning
 from statetool.location import resolve_checkpoint
 from statetool.operations.checkpoint_file import read_checkpoint
-from statetool.operations.checkpoints import checkpoints
+from statetool.operations.checkpoints import checkpoints, shared_checkpoint
 from statetool.operations.context import Context, now_iso
 from statetool.operations.create import init
 from statetool.operations.leasing import acquire, run_lease_key
@@ -293,6 +293,18 @@ class StateStore:
             text = position_text(conn, frozenset(backend.table_names(conn)), export)
         return None if text is None else decode_position(export, text)
 
+    def require_own_checkpoint(self, export: str) -> None:
+        """``RIVET_STATE_CHECKPOINT_SHARED`` when CDC export ``export``'s checkpoint file is
+        also another CDC export's (the one rule,
+        :func:`~statetool.operations.checkpoints.shared_checkpoint`: by device and inode,
+        by real path where no file is there), naming both: that file holds the position of
+        whichever wrote it last, so reading it would resume one stream from the other's
+        position, and a first commit into the state would anchor it there (SPEC §5a, §6).
+        Nothing is read or written before it; another export runs on."""
+        err = shared_checkpoint(self.ctx, export)
+        if err is not None:
+            raise err
+
     @contextmanager
     def guarded(self, held: list[HeldLease]) -> Iterator[WriteSession]:
         """One guarded writing transaction on the opened state (its pre-flight reused),
@@ -305,7 +317,10 @@ class StateStore:
         """Hold export ``export``'s run lease ``chunk-run:<export>`` for the body (waiting up
         to ``lock_wait`` and logging the holder; heartbeats on PostgreSQL), and give the
         run's writes, each fenced by the lease's token. Raises ``RIVET_STATE_LOCK_TIMEOUT``
-        (``RIVET_STATE_RUN_IN_PROGRESS`` with ``lock_wait`` 0); released on every exit."""
+        (``RIVET_STATE_RUN_IN_PROGRESS`` with ``lock_wait`` 0); released on every exit.
+        Refuses a CDC export whose checkpoint file another export shares
+        (``RIVET_STATE_CHECKPOINT_SHARED``, :meth:`require_own_checkpoint`) before the lease."""
+        self.require_own_checkpoint(export)
         lease = acquire(self.ctx, run_lease_key(export))
         try:
             yield Run(self, export, mode, lease)
@@ -317,7 +332,9 @@ class StateStore:
         """One writing transaction, committed on a clean exit (waits up to ``lock_wait``
         for the write lock, then ``RIVET_STATE_LOCK_TIMEOUT``). Each export it writes is
         guarded by that export's run lease, taken for this transaction and refused at once
-        (``RIVET_STATE_RUN_IN_PROGRESS``) while another process holds it."""
+        (``RIVET_STATE_RUN_IN_PROGRESS``) while another process holds it, and refused
+        ``RIVET_STATE_CHECKPOINT_SHARED`` for a CDC export sharing its checkpoint file
+        (:meth:`require_own_checkpoint`)."""
         with ExitStack() as stack:
             held: list[HeldLease] = []
             taken: set[str] = set()
@@ -325,6 +342,7 @@ class StateStore:
             def guard(export: str) -> None:
                 if export in taken:
                     return
+                self.require_own_checkpoint(export)
                 lease = acquire(self.ctx, run_lease_key(export), busy_code="RIVET_STATE_RUN_IN_PROGRESS",
                                 timeout_code="RIVET_STATE_RUN_IN_PROGRESS", deadline=time.monotonic())
                 stack.callback(lease.release)

@@ -74,8 +74,8 @@ def check(ctx: Context, *, strict: bool = False, target: str | None = None) -> C
     pf = run_preflight(ctx)
     # doctor reads the config: with a config that failed its row there is nothing more to diagnose.
     config_read = not any(c.id == "config" and c.status == "fail" for c in pf.checks)
-    rows = pf.checks + _shared_rows(ctx, pf, config_read) + (
-        _doctor_rows(ctx, pf) if pf.snapshot is not None and config_read else [])
+    shared = _shared_rows(ctx, pf, config_read)
+    rows = pf.checks + shared + (_doctor_rows(ctx, pf, shared) if pf.snapshot is not None and config_read else [])
     if target == "pods":
         rows += pod_rows(ctx, pf, config_read)
     if strict:
@@ -98,15 +98,16 @@ def _shared_rows(ctx: Context, pf: Preflight, config_read: bool) -> list[Check]:
     return [] if err is None else [Check("checkpoints", "fail", err.message, err.code, err)]
 
 
-def _doctor_rows(ctx: Context, pf: Preflight) -> list[Check]:
-    """What ``doctor`` finds beyond the pre-flight rows: lost or unreadable CDC checkpoints
+def _doctor_rows(ctx: Context, pf: Preflight, before: list[Check]) -> list[Check]:
+    """What ``doctor`` finds beyond the pre-flight rows and the rows ``before`` it (a shared
+    checkpoint file is row ``checkpoints`` once, not again per export): lost or unreadable CDC checkpoints
     (fail), exports with no progress, relative checkpoints under PostgreSQL, ephemeral or
     network state directories, orphaned -wal/-shm files (warn). Where doctor can give no
     verdict (a checkpoint file this user may not read, a state row that holds no position),
     its error is row ``doctor``, failing with its own code: never a first run."""
     from statetool.operations.doctor import doctor
 
-    seen = {c.code for c in pf.checks if c.code}
+    seen = {c.code for c in pf.checks + before if c.code}
     rows: list[Check] = []
     reported: set[tuple[str, str]] = set()
     try:

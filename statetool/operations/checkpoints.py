@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -20,8 +21,10 @@ from statetool.operations.probe import position_rows
 
 @dataclass
 class CheckpointReport:
-    """One CDC export's checkpoint: configured and resolved path, why, presence, size
-    (bytes), age (seconds since last write), the position it holds, or why it cannot be read."""
+    """One CDC export's checkpoint: configured and resolved path, why, the file's presence
+    at the resolved path (``present``: a regular file is there, whatever holds the
+    position), its size (bytes) and age (seconds since last write), the position a run
+    resumes from (the state's where it holds one, else the file's), or why it cannot be read."""
 
     export: str
     engine: str
@@ -121,31 +124,67 @@ def stored_in_of(export: Export, in_state: bool) -> str:
     return "server_slot" if not export.cdc.checkpoint and export.cdc.engine == "postgres" else "file"
 
 
-def shared_checkpoint(ctx: Context) -> StateError | None:
-    """``RIVET_STATE_CHECKPOINT_SHARED`` when CDC exports of ``ctx``'s config resolve their
-    ``cdc.checkpoint`` to one file (by real path, through every symlink; SPEC §6), naming
-    each such file and its exports; None when each has a file of its own (or none). One
-    file holds one stream's position: each run overwrites the other's, and an import or
-    export of one moves the other's too. ``checkpoints import|export`` refuse it before
-    any write, ``check`` fails with it; the fleet's pre-flight applies the same rule across
-    pipelines. Reads the config and resolves paths only; raises the resolver's and config
-    loader's codes."""
+def file_identity(path: Path | str) -> tuple[object, ...]:
+    """Which file the checkpoint path ``path`` names, the one rule by which two CDC exports
+    share one (SPEC §6, §5a): ``("inode", st_dev, st_ino)`` where a file is there (through
+    every symlink; a hard link is the same file), else ``("path", real path)`` (through
+    every symlink and ``..``: where a file would be written). Reads nothing but ``stat``."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ("path", os.path.realpath(path))
+    return ("inode", st.st_dev, st.st_ino)
+
+
+def shared_files(ctx: Context, export: str | None = None) -> dict[str, list[str]]:
+    """``{file: [exports]}``: each checkpoint file that two or more CDC exports of ``ctx``'s
+    config resolve their ``cdc.checkpoint`` to (:func:`file_identity`), named by its real
+    path (each real path, where hard links give it more than one), with its exports in
+    config order; only the file of ``export`` when given. ``{}`` when each has a file of
+    its own (or none). Raises the resolver's and config loader's codes."""
     location, config = ctx.location, ctx.config
-    files: dict[str, list[str]] = {}
-    for export in config.exports:
-        if export.cdc is None:
+    files: dict[tuple[object, ...], list[tuple[str, str]]] = {}
+    for e in config.exports:
+        if e.cdc is None:
             continue
-        where = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, location, config.directory).path
+        where = resolve_checkpoint(e.cdc.checkpoint, e.cdc.engine, location, config.directory).path
         if where is not None:
-            files.setdefault(os.path.realpath(where), []).append(export.name)
-    shared = {path: names for path, names in files.items() if len(names) > 1}
+            files.setdefault(file_identity(where), []).append((e.name, os.path.realpath(where)))
+    shared = {}
+    for users in files.values():
+        names = [name for name, _ in users]
+        if len(users) > 1 and (export is None or export in names):
+            paths = list(dict.fromkeys(path for _, path in users))
+            label = paths[0] if len(paths) == 1 else f"{paths[0]} (also named {', '.join(paths[1:])})"
+            shared[label] = names
+    return shared
+
+
+def shared_text(shared: dict[str, list[str]]) -> str:
+    """What sharing the files ``shared`` (:func:`shared_files`) means, naming each file and
+    its exports: the text of ``RIVET_STATE_CHECKPOINT_SHARED`` wherever it is given."""
+    named = "; ".join(f"{' and '.join(names)} keep their position in one file, {path}" for path, names in shared.items())
+    return (f"the CDC exports {named}: each run overwrites the other's position, and the next run of either resumes "
+            "from the other stream's position or re-anchors, losing changes without an error")
+
+
+def shared_checkpoint(ctx: Context, export: str | None = None) -> StateError | None:
+    """``RIVET_STATE_CHECKPOINT_SHARED`` when CDC exports of ``ctx``'s config resolve their
+    ``cdc.checkpoint`` to one file (:func:`shared_files`: by device and inode where it
+    exists, by real path otherwise; SPEC §6), naming each such file and its exports (only
+    the file of ``export`` when given); None when each has a file of its own (or none).
+    One file holds one stream's position: each run overwrites the other's, and an import or
+    export of one moves the other's too. ``checkpoints import|export`` refuse it before any
+    write, ``check`` fails with it, the runtime's ``StateStore.run`` (and a transaction's
+    write of such an export) refuses it before its lease is taken, and ``doctor`` and
+    ``checkpoints`` report it for each export involved; the fleet's pre-flight applies the
+    same rule across pipelines. Reads the config and ``stat``s paths only; raises the
+    resolver's and config loader's codes."""
+    shared = shared_files(ctx, export)
     if not shared:
         return None
-    named = "; ".join(f"{' and '.join(names)} keep their position in one file, {path}" for path, names in shared.items())
-    return StateError("RIVET_STATE_CHECKPOINT_SHARED",
-                      f"the CDC exports {named}: each run overwrites the other's position, and the next run of either "
-                      "resumes from the other stream's position or re-anchors, losing changes without an error; "
-                      "nothing was changed", {"files": shared})
+    return StateError("RIVET_STATE_CHECKPOINT_SHARED", f"{shared_text(shared)}; nothing was changed",
+                      {"files": shared})
 
 
 def stored_positions(ctx: Context) -> dict[str, dict[str, Any]]:
@@ -171,6 +210,23 @@ def _state_unknown(report: CheckpointReport, err: StateError) -> None:
                     + (f"; the file: {report.error}" if report.error else ""))
 
 
+def _file_there(report: CheckpointReport, path: Path) -> None:
+    """Fill ``present``, ``size_bytes`` and ``age_seconds`` of ``report`` from the file at
+    ``path`` (through a symlink), without reading it: the file beside a position the state
+    holds, which no run reads (nothing there, or no regular file: not present)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        report.present, report.size_bytes = True, st.st_size
+        report.age_seconds = round(time.time() - st.st_mtime, 3)
+
+
+#: ``why`` of a CDC export with no checkpoint file configured whose position the state holds.
+_IN_STATE_ONLY = "no cdc.checkpoint configured: the state holds the position (revision 0006), no file is needed"
+
+
 def _read_file(report: CheckpointReport, path: Path) -> None:
     """Fill ``report`` from the checkpoint file at ``path`` as the one reader reads it: its
     size, age and position, or the reader's error (``CODE: message``); ``present`` is
@@ -191,35 +247,57 @@ def _read_file(report: CheckpointReport, path: Path) -> None:
 def checkpoints(ctx: Context) -> CheckpointsResult:
     """Resolve and read every CDC checkpoint of the config. Never writes. Raises the
     resolver's and config loader's codes only; a file the one reader refuses is reported
-    in ``error``, and so is a state that cannot be read (``stored_in`` ``unknown``: the
-    file is then not reported as the position)."""
-    location, config = ctx.location, ctx.config
+    in ``error``, and so are a state that cannot be read (``stored_in`` ``unknown``: the
+    file is then not reported as the position) and a file two exports share (:func:`_shared`)."""
+    config = ctx.config
     state_error: StateError | None = None
     try:
         stored = stored_positions(ctx) if any(e.cdc is not None for e in config.exports) else {}
     except StateError as err:
         stored, state_error = {}, err
+    shared = {name: {path: names} for path, names in shared_files(ctx).items() for name in names}
     out = []
     for export in config.exports:
-        if export.cdc is None:
-            continue
-        place = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, location, config.directory)
-        report = CheckpointReport(export.name, export.cdc.engine, export.cdc.checkpoint,
-                                  str(place.path) if place.path else None, place.why, False)
-        report.stored_in = stored_in_of(export, export.name in stored)
-        if export.name in stored:
-            row = stored[export.name]
-            report.present, report.position = True, row["position"]
-            report.committed_at, report.run_id = row["committed_at"], row["run_id"]
-            differs = file_differs_warning(export.name, place.path, row)
-            report.warnings += [differs] if differs is not None else []
-            out.append(report)
-            continue
-        if place.warning:
-            report.warnings.append(checkpoint_warning(place.warning, export.name, place.path))
-        if place.path is not None:
-            _read_file(report, place.path)
-        if state_error is not None:
-            _state_unknown(report, state_error)
-        out.append(report)
+        if export.cdc is not None:
+            report = _report(ctx, export, stored, state_error)
+            out.append(_shared(report, shared[export.name]) if export.name in shared else report)
     return CheckpointsResult(out)
+
+
+def _shared(report: CheckpointReport, shared: dict[str, list[str]]) -> CheckpointReport:
+    """``report`` of an export whose checkpoint file another export of the config shares
+    (``shared``, :func:`shared_files`): ``error`` names ``RIVET_STATE_CHECKPOINT_SHARED``
+    and both exports (the runtime refuses a run of either), before the file's own error."""
+    report.error = (f"RIVET_STATE_CHECKPOINT_SHARED: {shared_text(shared)}"
+                    + (f"; {report.error}" if report.error else ""))
+    return report
+
+
+def _report(ctx: Context, export: Export, stored: dict[str, dict[str, Any]],
+            state_error: StateError | None) -> CheckpointReport:
+    """The :class:`CheckpointReport` of CDC export ``export``: its resolved place and file,
+    and the position a run resumes from, the state's (``stored``) where it holds one; a
+    ``state_error`` makes ``stored_in`` ``unknown``."""
+    assert export.cdc is not None
+    place = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, ctx.location, ctx.config.directory)
+    report = CheckpointReport(export.name, export.cdc.engine, export.cdc.checkpoint,
+                              str(place.path) if place.path else None, place.why, False)
+    report.stored_in = stored_in_of(export, export.name in stored)
+    if export.name in stored:
+        row = stored[export.name]
+        report.position = row["position"]
+        report.committed_at, report.run_id = row["committed_at"], row["run_id"]
+        if place.path is None:
+            report.why = _IN_STATE_ONLY
+        else:
+            _file_there(report, place.path)
+        differs = file_differs_warning(export.name, place.path, row)
+        report.warnings += [differs] if differs is not None else []
+        return report
+    if place.warning:
+        report.warnings.append(checkpoint_warning(place.warning, export.name, place.path))
+    if place.path is not None:
+        _read_file(report, place.path)
+    if state_error is not None:
+        _state_unknown(report, state_error)
+    return report

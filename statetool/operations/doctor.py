@@ -17,13 +17,15 @@ The steps, in order (:func:`doctor`):
    (:func:`statetool.operations.probe.resume_points`), the identity verdict;
 6. when the state is missing, relocated or foreign: where it probably is
    (:func:`statetool.operations.search.search`);
-7. per export: its progress, its CDC checkpoint, and the verdict.
+7. per export: its progress, its CDC checkpoint, and the verdict; a checkpoint file it
+   shares with another CDC export is a reason of each (``RIVET_STATE_CHECKPOINT_SHARED``:
+   the runtime refuses their runs; the verdict is what the state and the file say).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,8 +37,9 @@ from statetool.location import ENV_VAR, Location, resolve_checkpoint
 from statetool.moments import moment
 from statetool.mounts import mount_of
 from statetool.operations.checkpoint_file import read_checkpoint
-from statetool.operations.checkpoints import checkpoint_warning, file_differs_warning, stored_in_of
-from statetool.operations.context import Context
+from statetool.operations.checkpoints import (checkpoint_warning, file_differs_warning, shared_files, shared_text,
+                                              stored_in_of)
+from statetool.operations.context import Context, now_iso
 from statetool.operations.probe import (ResumePoint, Snapshot, last_resets, position_rows, read_snapshot,
                                         resume_points)
 from statetool.operations.search import search
@@ -281,6 +284,40 @@ def _diagnose(ctx: Context, export: Export, progress: ResumePoint | None, state_
                            None if first else resumes_from_at, stored_in)
 
 
+@dataclass(frozen=True)
+class Planned:
+    """A change of one export's progress not yet written (the dry run of ``exports
+    set-cursor`` or ``exports reset``), for :func:`doctor` to foresee the next run after it
+    by the rule it judges the state with once the change is committed: ``export`` the
+    export, ``cursor`` the cursor it sets (None: cleared), ``reset`` whether it is a reset
+    (chunk checkpoints deleted, an ``exports.reset`` audit row written now by ``by``; a CDC
+    position, in its file or in the state, is kept)."""
+
+    export: str
+    cursor: str | None
+    reset: bool = False
+    by: str = ""
+
+    def applied(self, point: ResumePoint, last_reset: dict[str, Any] | None
+                ) -> tuple[ResumePoint, dict[str, Any] | None]:
+        """``point`` and ``last_reset`` (the export's resume point and last reset, as the
+        state holds them now) as they will be once the change is committed."""
+        now = now_iso()
+        if not self.reset:
+            return replace(point, cursor=self.cursor, cursor_updated_at=now), last_reset
+        return (replace(point, cursor=None, cursor_updated_at=None, chunks_total=0, chunks_done=0),
+                {"at": now, "by": self.by, "detail": {"export": self.export}})
+
+
+def next_run_words(diagnosis: dict[str, Any]) -> str:
+    """What the next run does, in words, from one export's diagnosis (``doctor --json``'s
+    ``exports[i]``): ``FIRST RUN: reads everything from the start``, or ``resumes from …``
+    (``next_run`` of ``exports set-cursor``/``reset``, their dry runs alike)."""
+    if diagnosis["verdict"] != "resumes":
+        return "FIRST RUN: reads everything from the start"
+    return f"resumes from {diagnosis['resumes_from']}" if diagnosis["resumes_from"] else "resumes"
+
+
 @dataclass
 class _Read:
     """What step 5 read from the state: the snapshot (None when nothing could be read),
@@ -383,9 +420,10 @@ SEARCH_CODES = frozenset({"RIVET_STATE_MISSING", "RIVET_STATE_DIR_MISSING", "RIV
                           "RIVET_STATE_FOREIGN"})
 
 
-def doctor(ctx: Context, export: str | None = None) -> DoctorResult:
+def doctor(ctx: Context, export: str | None = None, planned: Planned | None = None) -> DoctorResult:
     """Diagnose every export (or only ``export``), in the steps of the module docstring.
-    Never writes.
+    Never writes. With ``planned``, its export is judged as it will be once that change is
+    committed (:meth:`Planned.applied`): the dry run's foresight by the real run's rule.
 
     Raises the resolver's and config loader's codes and ``RIVET_EXPORT_UNKNOWN``; every
     other finding is a reason in the result.
@@ -403,6 +441,14 @@ def doctor(ctx: Context, export: str | None = None) -> DoctorResult:
         state["candidates"] = search(ctx, ctx.computed_key)
     state["reasons"] = [r.as_dict() for r in state_reasons]
     known = read.snap is not None and read.snap.known
+    if planned is not None and known and planned.export in read.progress:
+        read.progress[planned.export], read.resets[planned.export] = planned.applied(
+            read.progress[planned.export], read.resets.get(planned.export))
     diagnoses = [_diagnose(ctx, e, read.progress.get(e.name) if known else None, state_reasons,
                            read.resets.get(e.name), read.positions.get(e.name)) for e in exports]
+    for path, names in shared_files(ctx).items():
+        for diagnosis in diagnoses:
+            if diagnosis.name in names:
+                diagnosis.reasons.append(Reason("RIVET_STATE_CHECKPOINT_SHARED", shared_text({path: names}),
+                                                {"path": path, "exports": names}))
     return DoctorResult(diagnoses, state)

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from statetool import schema
 from statetool.errors import StateError, StateWarning
 from statetool.operations.context import Context, now_iso
-from statetool.operations.doctor import doctor
+from statetool.operations.doctor import Planned, doctor, next_run_words
 from statetool.operations.probe import ExportProgress, Snapshot
 from statetool.operations.writes import WritePlan, one_export, plan_write, write_planned
 
@@ -50,17 +50,26 @@ class ExportChange:
                 "diagnosis": self.diagnosis, "dry_run": self.dry_run, "plan": self.plan}
 
 
-def _diagnosis(ctx: Context, name: str) -> dict[str, object] | None:
+def _diagnosis(ctx: Context, name: str, planned: Planned | None = None) -> dict[str, object] | None:
     """``doctor``'s verdict on export ``name`` after a change (issue 12 item 3: the next run
-    is described by the one judge of it, not by the cursor alone): its ``exports[0]``
-    document, or None for an export not in the config or a state that cannot be read
-    again (the change is committed; that read is only its description)."""
+    is described by the one judge of it, not by the cursor alone): once it is committed,
+    or, with ``planned`` (a dry run), as it will be once the planned change is
+    (:class:`~statetool.operations.doctor.Planned`). Its ``exports[0]`` document, or None
+    for an export not in the config or a state that cannot be read (again: that read is
+    only the change's description)."""
     if ctx.config.export(name) is None:
         return None
     try:
-        return doctor(ctx, name).exports[0].as_dict()
+        return doctor(ctx, name, planned).exports[0].as_dict()
     except StateError:
         return None
+
+
+def _next_run(diagnosis: dict[str, object] | None, unjudged: str) -> str:
+    """``next_run`` of a change, the dry run's and the real run's by one rule: doctor's
+    words for ``diagnosis`` (:func:`_diagnosis`), or ``unjudged`` (the change's own words)
+    where doctor gives none (an export only the state knows, a state it could not read)."""
+    return unjudged if diagnosis is None else next_run_words(diagnosis)
 
 
 def _known(ctx: Context, snapshot: Snapshot, name: str) -> str:
@@ -100,9 +109,11 @@ def set_cursor(ctx: Context, name: str, value: str, *, dry_run: bool = False) ->
                          "the export's cursor column holds (to start over, use statetool exports reset)")
     plan, progress = _plan(ctx, name, "set-cursor", dry_run)
     plan.change("cursor", progress.cursor, value)
-    next_run = f"resumes after cursor {value!r}"
+    unjudged = f"resumes after cursor {value!r}"
     if dry_run:
-        return _planned(name, "set-cursor", plan, {"cursor": progress.cursor}, {"cursor": value}, next_run)
+        foreseen = _diagnosis(ctx, name, Planned(name, value))
+        return _planned(name, "set-cursor", plan, {"cursor": progress.cursor}, {"cursor": value},
+                        _next_run(foreseen, unjudged))
     e = schema.exports
     with write_planned(ctx, plan) as session:
         mode = _known(ctx, session.snapshot, name)
@@ -116,15 +127,18 @@ def set_cursor(ctx: Context, name: str, value: str, *, dry_run: bool = False) ->
                                              cursor_updated_at=now, updated_at=now))
         session.audit(plan.audit[0], {"export": name, "old": old, "new": value})
         backup, warnings = session.backup, session.warnings
-    return ExportChange(name, "set-cursor", {"cursor": old}, {"cursor": value}, next_run,
-                        str(backup) if backup else None, warnings, _diagnosis(ctx, name), plan=plan.as_dict())
+    diagnosis = _diagnosis(ctx, name)
+    return ExportChange(name, "set-cursor", {"cursor": old}, {"cursor": value}, _next_run(diagnosis, unjudged),
+                        str(backup) if backup else None, warnings, diagnosis, plan=plan.as_dict())
 
 
 def reset(ctx: Context, name: str, *, dry_run: bool = False) -> ExportChange:
     """Make export ``name``'s next run a FIRST RUN: clear its cursor and chunk checkpoints.
 
     Run history and the load ledger are kept (they are history, not progress to resume
-    from). Raises ``RIVET_EXPORT_UNKNOWN`` and every pre-flight code. ``dry_run`` makes
+    from), and so is a CDC export's stream position (its next run resumes from it).
+    ``next_run`` is doctor's verdict on the export once reset, in the dry run foreseen by
+    the same rule (:func:`_next_run`). Raises ``RIVET_EXPORT_UNKNOWN`` and every pre-flight code. ``dry_run`` makes
     the same checks and returns the plan: the cursor and the chunk checkpoints it would
     remove (with their count), the runs and ledger rows it keeps, the backup, the lease;
     it writes nothing and creates no file.
@@ -134,10 +148,11 @@ def reset(ctx: Context, name: str, *, dry_run: bool = False) -> ExportChange:
     plan.change("chunk checkpoints", progress.chunks_total, 0)
     plan.change("runs", progress.runs_total, progress.runs_total)
     plan.change("load-ledger rows", progress.ledger_rows, progress.ledger_rows)
-    next_run = "FIRST RUN: reads everything from the start"
+    unjudged = "FIRST RUN: reads everything from the start"
     if dry_run:
+        foreseen = _diagnosis(ctx, name, Planned(name, None, reset=True, by=ctx.actor))
         return _planned(name, "reset", plan, {"cursor": progress.cursor, "chunks": progress.chunks_total},
-                        {"cursor": None, "chunks": 0}, next_run)
+                        {"cursor": None, "chunks": 0}, _next_run(foreseen, unjudged))
     e, c = schema.exports, schema.chunks
     with write_planned(ctx, plan) as session:
         _known(ctx, session.snapshot, name)
@@ -148,6 +163,7 @@ def reset(ctx: Context, name: str, *, dry_run: bool = False) -> ExportChange:
                      .values(cursor_value=None, cursor_updated_at=None, updated_at=now_iso()))
         session.audit(plan.audit[0], {"export": name, "old_cursor": old, "chunks_removed": chunks})
         backup, warnings = session.backup, session.warnings
+    diagnosis = _diagnosis(ctx, name)
     return ExportChange(name, "reset", {"cursor": old, "chunks": chunks}, {"cursor": None, "chunks": 0},
-                        next_run, str(backup) if backup else None, warnings, _diagnosis(ctx, name),
+                        _next_run(diagnosis, unjudged), str(backup) if backup else None, warnings, diagnosis,
                         plan=plan.as_dict())

@@ -30,6 +30,7 @@ from statetool.backends.faults import os_fault
 from statetool.errors import (REGISTRY, STOP_RANK, WARNINGS, StateError, error_object, failure_exit_code,
                               failure_object, pipeline_failure, worst_exit_code)
 from statetool.location import ENV_VAR, Location, resolve_checkpoint
+from statetool.operations.checkpoints import file_identity
 from statetool.operations.context import Context, ProgressFactory, no_progress
 
 if TYPE_CHECKING:
@@ -348,6 +349,10 @@ def _shared_states(facts: list[tuple[str, Location, PipelineConfig, str]]) -> li
 
 
 def _shared_checkpoints(facts: list[tuple[str, Location, PipelineConfig, str]]) -> list[Finding]:
+    """Checkpoint files of two or more pipelines (one file by the one rule,
+    :func:`~statetool.operations.checkpoints.file_identity`, named by the real path of its
+    first user), and checkpoint directories they share."""
+    by_identity: dict[tuple[object, ...], str] = {}
     files: dict[str, list[tuple[str, str]]] = {}
     for label, location, config, _ in facts:
         for export in config.exports:
@@ -355,7 +360,8 @@ def _shared_checkpoints(facts: list[tuple[str, Location, PipelineConfig, str]]) 
                 continue
             where = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, location, config.directory).path
             if where is not None:
-                files.setdefault(os.path.realpath(where), []).append((label, export.name))
+                path = by_identity.setdefault(file_identity(where), os.path.realpath(where))
+                files.setdefault(path, []).append((label, export.name))
     found = []
     for path, users in files.items():
         labels = list(dict.fromkeys(label for label, _ in users))
