@@ -203,6 +203,12 @@ REGISTRY: dict[str, Entry] = {
         "(a log file and offset, a resume token), never data; nothing was written, and a position already in the "
         "state stays there",
     ),
+    "RIVET_STATE_POSITION_TOO_DEEP": _e(
+        "usage", "generic",
+        "commit only the engine's position (a log file and offset, a resume token), which nests a few levels: a CDC "
+        "position may nest at most 64 levels of JSON arrays and objects; nothing was written, and a position already "
+        "in the state stays there",
+    ),
     "RIVET_STATE_CHECKPOINT_MOUNTED": _e(
         "environment", "generic",
         "mount the checkpoint file's directory rather than the file alone (no rename can move a file mounted by "
@@ -290,7 +296,8 @@ REGISTRY: dict[str, Entry] = {
     ),
     "RIVET_STATE_POSITION_INVALID": _e(
         "integrity", "data_integrity",
-        "the state's position row for the export named holds no position (JSON null, or text that is not JSON): "
+        "the state's position row for the export named holds no position (JSON null, text that is not JSON, or JSON "
+        "nested deeper than 64 levels): "
         "restore the state from a backup made by statetool, or put the right position back with "
         "statetool checkpoints export and import; a run never falls back to the checkpoint file while the row is there",
     ),

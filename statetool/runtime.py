@@ -43,7 +43,7 @@ from statetool.operations.checkpoints import checkpoints, shared_checkpoint
 from statetool.operations.context import Context, now_iso
 from statetool.operations.create import init
 from statetool.operations.leasing import acquire, run_lease_key
-from statetool.operations.positions import put_position, require_fits
+from statetool.operations.positions import put_position, require_fits, require_shallow
 from statetool.operations.preflight import Preflight, require, run_preflight
 from statetool.operations.probe import decode_position, position_text
 from statetool.operations.writes import NO_LEASE, WHOLE_STATE, WriteSession, guarded_write
@@ -101,14 +101,17 @@ class Writer:
         """Commit CDC export ``export``'s position ``value`` (any JSON value, as its engine's
         checkpoint file holds it) into the state (revision 0006, SPEC §6), with the run that
         committed it and the fencing token of the lease it was committed under. Raises
-        ``ValueError`` for a value that is not JSON, or is None: JSON null is no position,
-        and a row holding it would be read back as none (issue 15, finding 5);
-        ``RIVET_STATE_POSITION_TOO_LARGE`` for one larger than a checkpoint file may be (1 MiB
-        of JSON: it could never go back to its file). Both before the export's lease is taken
-        and before anything is written."""
+        ``ValueError`` for a value that is not JSON (one that contains itself, ``NaN``), or
+        is None: JSON null is no position, and a row holding it would be read back as none
+        (issue 15, finding 5); ``RIVET_STATE_POSITION_TOO_DEEP`` for one that nests deeper
+        than 64 levels of lists and dicts (counted before it is serialized: ``MAX_POSITION_DEPTH``)
+        and ``RIVET_STATE_POSITION_TOO_LARGE`` for one larger than a checkpoint file may be
+        (1 MiB of JSON: it could never go back to its file). All before the export's lease
+        is taken and before anything is written."""
         if value is None:
             raise ValueError(f"None is no position of {export}: commit the position its engine gave; a stream with "
                              "no position yet commits nothing")
+        require_shallow(export, value)
         text = json.dumps(value, sort_keys=True, allow_nan=False)
         require_fits(export, text)
         self.guard(export)
@@ -197,8 +200,9 @@ class Run:
         written) and recorded with its fencing token and the run that committed it
         (``run_id``, default the one :meth:`start_run` recorded; issue 15 item 1). Raises
         ``RIVET_CLI_USAGE`` for an export that is not CDC, ``ValueError`` for a value that
-        is not JSON, ``RIVET_STATE_POSITION_TOO_LARGE`` for one over 1 MiB of JSON (nothing
-        written: :meth:`Writer.commit_position`)."""
+        is not JSON, ``RIVET_STATE_POSITION_TOO_DEEP`` for one nested deeper than 64 levels,
+        ``RIVET_STATE_POSITION_TOO_LARGE`` for one over 1 MiB of JSON (nothing written:
+        :meth:`Writer.commit_position`)."""
         engine = self._engine()
         with self.transaction() as tx:
             tx.commit_position(self.export, engine, value, run_id=run_id or self.run_id, token=self.token)

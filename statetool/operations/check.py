@@ -18,7 +18,7 @@ TARGETS = ("pods",)
 #: How the ``pods`` row says where a position that passes the pod rule lives (a ``file``
 #: that passes is one with no file there: no position yet).
 _POSITION_PLACES = {"state": "in the state", "server_slot": "in its replication slot",
-                    "unknown": "not known (the state could not be read)"}
+                    "unknown": "not known (the state or its position row could not be read)"}
 
 
 @dataclass

@@ -17,9 +17,16 @@ The rules, in the order they are applied:
 - a file this user may not read (or whose directory it may not enter) is
   ``RIVET_STATE_PERMISSION_DENIED``, never *absent* nor unreadable;
 - more than :data:`MAX_CHECKPOINT_BYTES` bytes, a byte-order mark, bytes that are not
-  UTF-8, text that is not strict JSON (``NaN`` and ``Infinity`` are no JSON), or JSON
-  ``null`` (no position) is ``RIVET_STATE_CHECKPOINT_UNREADABLE``; at most the cap and one
-  byte are read.
+  UTF-8, JSON nested deeper than :data:`MAX_POSITION_DEPTH` levels (counted on the text,
+  before it is parsed), text that is not strict JSON (``NaN`` and ``Infinity`` are no
+  JSON), or JSON ``null`` (no position) is ``RIVET_STATE_CHECKPOINT_UNREADABLE``; at most
+  the cap and one byte are read.
+
+The two limits of a position, :data:`MAX_CHECKPOINT_BYTES` and :data:`MAX_POSITION_DEPTH`,
+live here and bind every entry point: this reader, the one writer of the state's position
+rows (:func:`statetool.operations.positions.require_fits`), the runtime's
+``commit_position`` (:func:`value_depth`, before the value is serialized) and the reader of
+a stored row (:func:`statetool.operations.probe.decode_position`).
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ import codecs
 import errno
 import json
 import os
+import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +47,21 @@ from statetool.errors import StateError
 #: The largest checkpoint file read (bytes): a position is a few hundred bytes; anything
 #: larger is no position (and is never read whole: at most this and one byte are).
 MAX_CHECKPOINT_BYTES = 1 << 20
+
+#: The deepest a position may nest (levels of JSON arrays and objects; a bare value is 0,
+#: ``{"file": "mysql-bin.000042", "pos": 4}`` is 1). A real engine's position nests a few
+#: levels (Debezium's offsets, a MongoDB resume token: at most 3 or 4); anything far deeper
+#: is no position, and JSON nested some hundreds of levels deep is past what Python's
+#: recursive JSON, rendering and redaction code can handle (docs/decisions.md, "How deep a
+#: position may nest").
+MAX_POSITION_DEPTH = 64
+
+#: A JSON string (escapes included), and a bracket outside one: what :func:`json_depth` scans.
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+#: The end of a container's children in :func:`value_depth`'s walk.
+_END = object()
 
 #: Byte-order marks a checkpoint must not start with, and the encoding each one names.
 _MARKS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF8, "UTF-8 with a BOM"),
@@ -122,6 +146,41 @@ def _read_capped(path: Path) -> tuple[os.stat_result, bytes]:
         os.close(fd)
 
 
+def json_depth(text: str) -> int:
+    """How many levels of arrays and objects the JSON ``text`` nests (0 for a bare value),
+    counted by one scan of its brackets outside strings, never by a parser (which recurses
+    once per level). Text that is not JSON gets a count too; its parse refuses it after."""
+    depth = deepest = 0
+    for bracket in _BRACKET.finditer(_STRING.sub("", text)):
+        depth += 1 if bracket.group() in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def value_depth(value: object) -> int:
+    """How many levels of lists, tuples and dicts the value ``value`` nests (0 for a bare
+    value), walked without recursion (``json.dumps`` recurses once per level). Raises
+    ``ValueError`` for a value that contains itself (no JSON)."""
+    deepest = 0
+    path: list[tuple[int, Iterator[object]]] = []  # (id, children left) of each container entered
+    on_path: set[int] = set()
+    child: object = value
+    while True:
+        if isinstance(child, (dict, list, tuple)):
+            if id(child) in on_path:
+                raise ValueError("the value refers to itself: a position is JSON, which cannot")
+            on_path.add(id(child))
+            path.append((id(child), iter(child.values() if isinstance(child, dict) else child)))
+            deepest = max(deepest, len(path))
+        while path:
+            child = next(path[-1][1], _END)
+            if child is not _END:
+                break
+            on_path.discard(path.pop()[0])
+        else:
+            return deepest
+
+
 def _no_constant(name: str) -> object:
     raise ValueError(f"{name} is no JSON value")
 
@@ -129,7 +188,8 @@ def _no_constant(name: str) -> object:
 def _parse(path: Path, data: bytes) -> tuple[str, object]:
     """The text and value of the checkpoint bytes ``data`` read from ``path``, by the rules
     of the module docstring (cap, no byte-order mark, strict UTF-8, strict JSON, not
-    ``null``). Raises ``RIVET_STATE_CHECKPOINT_UNREADABLE``."""
+    ``null``, no deeper than :data:`MAX_POSITION_DEPTH`). Raises
+    ``RIVET_STATE_CHECKPOINT_UNREADABLE``."""
     if len(data) > MAX_CHECKPOINT_BYTES:
         raise _unreadable(path, f"it is larger than {MAX_CHECKPOINT_BYTES} bytes")
     mark = next((name for bom, name in _MARKS if data.startswith(bom)), None)
@@ -139,10 +199,12 @@ def _parse(path: Path, data: bytes) -> tuple[str, object]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise _unreadable(path, f"byte {err.start} is not UTF-8") from None
+    depth = json_depth(text)
+    if depth > MAX_POSITION_DEPTH:
+        raise _unreadable(path, f"its JSON nests {depth} levels deep, deeper than a position may "
+                          f"({MAX_POSITION_DEPTH} levels of arrays and objects)")
     try:
         position = json.loads(text, parse_constant=_no_constant)
-    except RecursionError:
-        raise _unreadable(path, "its JSON nests deeper than a position does") from None
     except ValueError as err:
         raise _unreadable(path, f"it is not JSON ({err})") from None
     if position is None:

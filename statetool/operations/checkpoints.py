@@ -39,7 +39,7 @@ class CheckpointReport:
     warnings: list[StateWarning] = field(default_factory=list)
     #: Where the position a run resumes from lives: ``state`` (revision 0006: the file is
     #: not read for it), ``file`` or ``server_slot`` (issue 15 item 5); ``unknown`` when the
-    #: state could not be read (``error`` says why).
+    #: state, or its row for this export, could not be read (``error`` says why).
     stored_in: str = "file"
     #: When the state's position was committed, and by which run (``stored_in`` ``state``).
     committed_at: str | None = None
@@ -187,27 +187,29 @@ def shared_checkpoint(ctx: Context, export: str | None = None) -> StateError | N
                       {"files": shared})
 
 
-def stored_positions(ctx: Context) -> dict[str, dict[str, Any]]:
+def stored_positions(ctx: Context,
+                     invalid: dict[str, StateError] | None = None) -> dict[str, dict[str, Any]]:
     """The CDC positions the state holds (revision 0006, :func:`position_rows`), read
     read-only; ``{}`` where there is no state, or its revision has no position table.
     Raises the read's ``StateError`` (permission denied, unreachable, corrupt, a row that
-    holds no position...): a state that cannot be read is never taken for one that holds no
-    position (issue 15, finding 6); each caller says what that means for it."""
+    holds no position unless ``invalid`` is given, which gets ``{export: its
+    RIVET_STATE_POSITION_INVALID}`` instead): a state that cannot be read is never taken
+    for one that holds no position (issue 15, finding 6); each caller says what that means
+    for it."""
     backend = ctx.backend()
     if not backend.present():
         return {}
     with backend.reading() as conn:
-        return position_rows(conn, frozenset(backend.table_names(conn)))
+        return position_rows(conn, frozenset(backend.table_names(conn)), invalid)
 
 
-def _state_unknown(report: CheckpointReport, err: StateError) -> None:
-    """``report`` of a state that could not be read: where the position lives is not known
-    (``stored_in`` ``unknown``), so the file is not reported as the position (its own
-    error, if any, follows the state's)."""
+def _position_unknown(report: CheckpointReport, why: str) -> None:
+    """``report`` of an export whose position cannot be known (``why``, ``CODE: ...``): a
+    state that could not be read, or a row of it that holds no position. ``stored_in`` is
+    ``unknown`` and the file is not reported as the position (its own error, if any,
+    follows)."""
     report.stored_in, report.position = "unknown", None
-    report.error = (f"{err.code}: the state could not be read ({err.message}); whether it holds the position of "
-                    f"{report.export} is not known, so its file is not taken for it"
-                    + (f"; the file: {report.error}" if report.error else ""))
+    report.error = why + (f"; the file: {report.error}" if report.error else "")
 
 
 def _file_there(report: CheckpointReport, path: Path) -> None:
@@ -247,19 +249,22 @@ def _read_file(report: CheckpointReport, path: Path) -> None:
 def checkpoints(ctx: Context) -> CheckpointsResult:
     """Resolve and read every CDC checkpoint of the config. Never writes. Raises the
     resolver's and config loader's codes only; a file the one reader refuses is reported
-    in ``error``, and so are a state that cannot be read (``stored_in`` ``unknown``: the
-    file is then not reported as the position) and a file two exports share (:func:`_shared`)."""
+    in ``error``, and so are a state that cannot be read, a row of the state that holds no
+    position (``RIVET_STATE_POSITION_INVALID``: that export only, every other export keeps
+    its own ``stored_in``; both are ``stored_in`` ``unknown``, the file then not reported as
+    the position) and a file two exports share (:func:`_shared`)."""
     config = ctx.config
     state_error: StateError | None = None
+    invalid: dict[str, StateError] = {}
     try:
-        stored = stored_positions(ctx) if any(e.cdc is not None for e in config.exports) else {}
+        stored = stored_positions(ctx, invalid) if any(e.cdc is not None for e in config.exports) else {}
     except StateError as err:
         stored, state_error = {}, err
     shared = {name: {path: names} for path, names in shared_files(ctx).items() for name in names}
     out = []
     for export in config.exports:
         if export.cdc is not None:
-            report = _report(ctx, export, stored, state_error)
+            report = _report(ctx, export, stored, state_error, invalid.get(export.name))
             out.append(_shared(report, shared[export.name]) if export.name in shared else report)
     return CheckpointsResult(out)
 
@@ -273,11 +278,12 @@ def _shared(report: CheckpointReport, shared: dict[str, list[str]]) -> Checkpoin
     return report
 
 
-def _report(ctx: Context, export: Export, stored: dict[str, dict[str, Any]],
-            state_error: StateError | None) -> CheckpointReport:
+def _report(ctx: Context, export: Export, stored: dict[str, dict[str, Any]], state_error: StateError | None,
+            invalid: StateError | None) -> CheckpointReport:
     """The :class:`CheckpointReport` of CDC export ``export``: its resolved place and file,
     and the position a run resumes from, the state's (``stored``) where it holds one; a
-    ``state_error`` makes ``stored_in`` ``unknown``."""
+    ``state_error``, or ``invalid`` (``RIVET_STATE_POSITION_INVALID`` of this export's
+    row), makes ``stored_in`` ``unknown``."""
     assert export.cdc is not None
     place = resolve_checkpoint(export.cdc.checkpoint, export.cdc.engine, ctx.location, ctx.config.directory)
     report = CheckpointReport(export.name, export.cdc.engine, export.cdc.checkpoint,
@@ -299,5 +305,10 @@ def _report(ctx: Context, export: Export, stored: dict[str, dict[str, Any]],
     if place.path is not None:
         _read_file(report, place.path)
     if state_error is not None:
-        _state_unknown(report, state_error)
+        _position_unknown(report, f"{state_error.code}: the state could not be read ({state_error.message}); "
+                                  f"whether it holds the position of {export.name} is not known, so its file "
+                                  "is not taken for it")
+    elif invalid is not None:
+        _position_unknown(report, f"{invalid.code}: {invalid.message}; its file is not taken for the position while "
+                                  "that row is there")
     return report

@@ -26,6 +26,7 @@ from statetool.backends.base import Backend, Reader
 from statetool.backends.durable import CREATE_FLAGS, fsync_dir, regular_or_nothing
 from statetool.backends.faults import fault, os_fault
 from statetool.errors import StateError
+from statetool.operations.checkpoint_file import MAX_POSITION_DEPTH, value_depth
 from statetool.operations.context import Context, now_iso
 from statetool.operations.probe import (ExportProgress, Snapshot, aggregate_rows, chunk_rows, export_rows,
                                         last_successes, ledger_rows, lineage, position_rows, read_snapshot, run_rows)
@@ -276,7 +277,8 @@ def _object_problem(where: str, obj: Any, kind: str) -> str | None:
 def _problem(doc: Any) -> str | None:
     """What makes ``doc`` no ``rivet-state/1`` document this release reads, or None: the
     first field, by its path in the document, that is missing or holds a value of the
-    wrong type (what ``import`` would otherwise fail to write, half way)."""
+    wrong type (what ``import`` would otherwise fail to write, half way), or a CDC position
+    nested deeper than any position may (:func:`_depth_problem`)."""
     if not isinstance(doc, dict):
         return "it is not a JSON object"
     if doc.get("format") != FORMAT:
@@ -295,6 +297,9 @@ def _problem(doc: Any) -> str | None:
         checks.append((f"{where}.cursor", one["cursor"], "cursor"))
         if one["cdc_position"] is not None:
             checks.append((f"{where}.cdc_position", one["cdc_position"], "cdc_position"))
+            problem = _depth_problem(f"{where}.cdc_position.position", one["cdc_position"])
+            if problem is not None:
+                return problem
         for kind in ("chunks", "ledger", "runs"):
             rows = one.get(kind, [])
             if not isinstance(rows, list):
@@ -306,6 +311,19 @@ def _problem(doc: Any) -> str | None:
     checks += [(f"run_aggregates[{i}]", row, "run_aggregates") for i, row in enumerate(aggregates)]
     problem = next((p for p in (_object_problem(*check) for check in checks) if p is not None), None)
     return problem or _key_problem(doc)
+
+
+def _depth_problem(where: str, cdc_position: Any) -> str | None:
+    """What is wrong with the position of the ``cdc_position`` object at ``where`` that
+    nests deeper than a CDC position may
+    (:data:`~statetool.operations.checkpoint_file.MAX_POSITION_DEPTH`, counted without
+    recursion), or None: no release commits one, and ``diff`` and ``import`` would
+    otherwise recurse through it."""
+    depth = value_depth(cdc_position.get("position")) if isinstance(cdc_position, dict) else 0
+    if depth > MAX_POSITION_DEPTH:
+        return (f"{where} nests {depth} levels of arrays and objects, deeper than a CDC position may "
+                f"({MAX_POSITION_DEPTH})")
+    return None
 
 
 def _key_problem(doc: dict[str, Any]) -> str | None:

@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 
 from statetool.errors import StateError, StateWarning
 from statetool.location import resolve_checkpoint
-from statetool.operations.checkpoint_file import MAX_CHECKPOINT_BYTES, read_checkpoint
+from statetool.operations.checkpoint_file import (MAX_CHECKPOINT_BYTES, MAX_POSITION_DEPTH, json_depth, read_checkpoint,
+                                                   value_depth)
 from statetool.operations.checkpoints import shared_checkpoint
 from statetool.operations.context import Context, now_iso
 from statetool.operations.probe import position_text
@@ -61,19 +62,45 @@ _KEPT = re.compile(r"\.imported-(\d{8}T\d{6}Z)(?:-(\d+))?")
 
 
 def require_fits(export: str, text: str, *, held: bool = False) -> None:
-    """``RIVET_STATE_POSITION_TOO_LARGE`` when CDC export ``export``'s position ``text`` (its
-    JSON) is larger than a checkpoint file may be (:data:`~statetool.operations.checkpoint_file.MAX_CHECKPOINT_BYTES` bytes, UTF-8): a position
-    committed that no file can hold could never go back to its file (``checkpoints
-    export``, a downgrade), nor be read by a release that reads files. ``held``: the
-    position is the state's already (an export refused: it stays there). The fresh user's
-    finding 1 of issue 15."""
+    """Refuse CDC export ``export``'s position ``text`` (its JSON) that no checkpoint file
+    may hold: ``RIVET_STATE_POSITION_TOO_LARGE`` when it is larger than
+    :data:`~statetool.operations.checkpoint_file.MAX_CHECKPOINT_BYTES` bytes (UTF-8),
+    ``RIVET_STATE_POSITION_TOO_DEEP`` when it nests deeper than
+    :data:`~statetool.operations.checkpoint_file.MAX_POSITION_DEPTH` levels (counted on the
+    text, :func:`~statetool.operations.checkpoint_file.json_depth`). A position committed
+    that no file can hold could never go back to its file (``checkpoints export``, a
+    downgrade), nor be read by a release that reads files; one nested that deep crashed
+    every command that read it (issue 15, the fresh user's findings). ``held``: the position
+    is the state's already (an export refused: it stays there)."""
     size = len(text.encode())
     if size > MAX_CHECKPOINT_BYTES:
-        where = "it stays in the state, and no file was written" if held else "nothing was written"
         raise StateError("RIVET_STATE_POSITION_TOO_LARGE",
                          f"the position of CDC export {export} is {size} bytes of JSON, larger than a checkpoint "
-                         f"file may be ({MAX_CHECKPOINT_BYTES} bytes, 1 MiB): {where}", {"export": export, "bytes": size,
-                                                                        "limit": MAX_CHECKPOINT_BYTES})
+                         f"file may be ({MAX_CHECKPOINT_BYTES} bytes, 1 MiB): {_nothing_written(held)}",
+                         {"export": export, "bytes": size, "limit": MAX_CHECKPOINT_BYTES})
+    _refuse_deep(export, json_depth(text), held)
+
+
+def require_shallow(export: str, value: object) -> None:
+    """``RIVET_STATE_POSITION_TOO_DEEP`` when CDC export ``export``'s position ``value``
+    (the runtime's, not yet serialized) nests deeper than
+    :data:`~statetool.operations.checkpoint_file.MAX_POSITION_DEPTH` levels, counted without
+    recursion (:func:`~statetool.operations.checkpoint_file.value_depth`), so that
+    ``json.dumps`` never recurses past the limit. Raises ``ValueError`` for a value that
+    contains itself."""
+    _refuse_deep(export, value_depth(value), False)
+
+
+def _nothing_written(held: bool) -> str:
+    return "it stays in the state, and no file was written" if held else "nothing was written"
+
+
+def _refuse_deep(export: str, depth: int, held: bool) -> None:
+    if depth > MAX_POSITION_DEPTH:
+        raise StateError("RIVET_STATE_POSITION_TOO_DEEP",
+                         f"the position of CDC export {export} nests {depth} levels of JSON arrays and objects, "
+                         f"deeper than a position may ({MAX_POSITION_DEPTH}; an engine's nests a few): "
+                         f"{_nothing_written(held)}", {"export": export, "depth": depth, "limit": MAX_POSITION_DEPTH})
 
 
 class Moved(NamedTuple):
@@ -416,7 +443,8 @@ def put_position(conn: Any, name: str, engine: str, text: str | None, *, committ
     holding the JSON ``text`` exactly (committed ``committed_at``, default now, by run
     ``run_id`` under the lease of fencing token ``token``), or removed with ``text`` None.
     Used by the runtime's ``commit_position``, ``checkpoints import/export`` and ``import``.
-    Raises ``RIVET_STATE_POSITION_TOO_LARGE`` (:func:`require_fits`) before any SQL."""
+    Raises ``RIVET_STATE_POSITION_TOO_LARGE`` and ``RIVET_STATE_POSITION_TOO_DEEP``
+    (:func:`require_fits`) before any SQL."""
     import sqlalchemy as sa
 
     from statetool import schema
@@ -466,8 +494,9 @@ def export_positions(ctx: Context, export: str | None = None, *, dry_run: bool =
 def _refuse_unfit(name: str, path: Path, text: str) -> object:
     """Refuse, before a byte is written, an export of CDC export ``name``'s position (the
     JSON ``text`` the state holds) to its checkpoint file ``path`` that could not end
-    whole, and return the position: ``RIVET_STATE_POSITION_TOO_LARGE`` (no file may hold
-    it: the reader of files would refuse it, the fresh user's finding 1);
+    whole, and return the position: ``RIVET_STATE_POSITION_TOO_LARGE`` and
+    ``RIVET_STATE_POSITION_TOO_DEEP`` (no file may hold it: the reader of files would
+    refuse it, the fresh user's finding 1; :func:`require_fits`);
     ``RIVET_STATE_UNSAFE_FILE`` (a symlink, a directory or another non-regular file at
     ``path``, never followed nor replaced, SPEC §8a); ``RIVET_STATE_TARGET_NOT_EMPTY`` (a
     file at ``path`` that holds another position, or none at all: not JSON, not a

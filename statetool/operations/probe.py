@@ -23,6 +23,7 @@ from typing import Any
 from statetool import migrations
 from statetool.backends.base import Backend, Reader
 from statetool.errors import StateError, moved_away
+from statetool.operations.checkpoint_file import MAX_POSITION_DEPTH, json_depth
 from statetool.tables import (AUDIT, CDC_POSITIONS, CHUNKS, IDENTITY, IN_FLIGHT_REVISION, LEGACY_TABLES, LINEAGE, LOAD_LEDGER,
                               RELOCATED_REVISION, RUN_AGGREGATES, RUNS, STATE_TABLES, VERSION_TABLE, retired_detail)
 
@@ -399,17 +400,28 @@ def lineage(conn: Reader, tables: frozenset[str]) -> tuple[str | None, int | Non
     return (None, None) if row is None else (row[0], None if row[1] is None else int(row[1]))
 
 
-def position_rows(conn: Reader, tables: frozenset[str]) -> dict[str, dict[str, Any]]:
+def position_rows(conn: Reader, tables: frozenset[str],
+                  invalid: dict[str, StateError] | None = None) -> dict[str, dict[str, Any]]:
     """``{export: {engine, position, committed_at, run_id, fencing_token}}``: the CDC
     positions the state holds (revision 0006), each position its JSON value
-    (:func:`decode_position`: ``RIVET_STATE_POSITION_INVALID`` for a row that holds none);
-    ``{}`` before."""
+    (:func:`decode_position`); ``{}`` before. A row that holds no position raises its
+    ``RIVET_STATE_POSITION_INVALID``, or, given ``invalid``, is put there (``{export:
+    error}``) and left out, so that one bad row does not hide the others (a listing)."""
     if CDC_POSITIONS not in tables:
         return {}
     query = f"SELECT export_name, engine, position, committed_at, run_id, fencing_token FROM {CDC_POSITIONS}"
-    return {row[0]: {"engine": row[1], "position": decode_position(row[0], row[2]), "committed_at": row[3],
-                     "run_id": row[4],
-                     "fencing_token": None if row[5] is None else int(row[5])} for row in conn.rows(query)}
+    out = {}
+    for name, engine, text, committed_at, run_id, token in conn.rows(query):
+        try:
+            position = decode_position(name, text)
+        except StateError as err:
+            if invalid is None:
+                raise
+            invalid[name] = err
+            continue
+        out[name] = {"engine": engine, "position": position, "committed_at": committed_at, "run_id": run_id,
+                     "fencing_token": None if token is None else int(token)}
+    return out
 
 
 def position_texts(conn: Reader, tables: frozenset[str]) -> dict[str, str]:
@@ -429,18 +441,28 @@ def write_id_of(conn: Reader, tables: frozenset[str]) -> str | None:
 def decode_position(export: str, text: str) -> object:
     """The value of CDC export ``export``'s position row ``text`` (revision 0006). A row
     holding JSON ``null`` (committed by a release before ``commit_position(None)`` was
-    refused, or a hand edit) or text that is not JSON holds no position, and is never read
-    as "no row", which would make a run read the checkpoint file again (issue 15, finding 5):
-    ``RIVET_STATE_POSITION_INVALID``."""
+    refused or a hand edit), text that is not JSON, or JSON nested deeper than
+    :data:`~statetool.operations.checkpoint_file.MAX_POSITION_DEPTH` levels (an older
+    release committed it; counted on the text before any parse, which would recurse once
+    per level) holds no position, and is never read as "no row", which would make a run
+    read the checkpoint file again (issue 15, finding 5): ``RIVET_STATE_POSITION_INVALID``,
+    its message saying why."""
+    depth = json_depth(str(text))
+    if depth > MAX_POSITION_DEPTH:
+        raise _invalid(export, f"JSON nested {depth} levels deep, deeper than a position may ({MAX_POSITION_DEPTH} "
+                               "levels of arrays and objects; an older release committed it)")
     try:
         value = json.loads(text)
-    except (TypeError, ValueError, RecursionError):
+    except (TypeError, ValueError):
         value = None
     if value is None:
-        raise StateError("RIVET_STATE_POSITION_INVALID", f"the state's position row for CDC export {export} holds "
-                         f"{str(text)[:80]!r}, which is no position; a run of {export} is refused until it holds one",
-                         {"export": export})
+        raise _invalid(export, f"{str(text)[:80]!r}, which is no position")
     return value
+
+
+def _invalid(export: str, held: str) -> StateError:
+    return StateError("RIVET_STATE_POSITION_INVALID", f"the state's position row for CDC export {export} holds "
+                      f"{held}; a run of {export} is refused until it holds one", {"export": export})
 
 
 def position_text(conn: Reader, tables: frozenset[str], export: str) -> str | None:
