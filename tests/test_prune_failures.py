@@ -261,6 +261,10 @@ def test_archive_lines_name_their_prune_and_batch_and_a_reader_keeps_only_commit
     (("backups", "prune", "--older-than", "inf"), "--older-than inf is outside 0 to 1000000 days"),
     (("backups", "prune", "--older-than", "-inf"), "--older-than -inf is outside 0 to 1000000 days"),
     (("backups", "prune", "--older-than", "1e300"), "--older-than 1e+300 is outside 0 to 1000000 days"),
+    # ISO-8601 times whose UTC leaves the years 1 to 9999 (before: OverflowError, RIVET_INTERNAL)
+    (("prune", "--before", "9999-12-31T23:59:59-01:00"), "--before '9999-12-31T23:59:59-01:00' is no ISO-8601 date"),
+    (("prune", "--before", "0001-01-01T00:00:00+01:00"), "--before '0001-01-01T00:00:00+01:00' is no ISO-8601 date"),
+    (("prune", "--before", "99999-01-01"), "in the years 1 to 9999 (UTC)"),
 ])
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_numbers_out_of_range_are_usage_errors_naming_the_option(tmp_path: Path, args: tuple[str, ...], words: str,
