@@ -211,8 +211,9 @@ REGISTRY: dict[str, Entry] = {
     # statetool prune (issue 16 item 2): a failure after some of its batches committed
     "RIVET_STATE_PRUNE_INCOMPLETE": _e(
         "environment", "generic",
-        "the batches the message names stay removed, audited and archived; fix the cause it names (its code is "
-        "details.cause), then run the same prune again (with --archive naming a new file): it removes the rest",
+        "the batches the message names stay removed, audited and archived; fix the cause it names (its code stands "
+        "in parentheses after it), then run the same prune again (with --archive naming a new file): it removes the "
+        "rest",
     ),
     "RIVET_STATE_CHECKPOINT_NOT_RENAMED": _e(
         "environment", "generic",
@@ -471,7 +472,10 @@ class StateError(Exception):
 
     ``message`` and every string of ``details`` are redacted when the error is built, so
     no password reaches any output.
-    ``details`` carries machine-readable context (paths, keys, holders) for JSON output.
+    ``details`` carries machine-readable context (paths, keys, holders) for the library's
+    callers and the CLI's own handling (a unit's ``export``); the ``--json-errors`` object
+    does not carry it (SPEC §7's keys and ``failures``), so a message says what a CLI user
+    needs.
     Raises ``KeyError`` at construction for an unregistered code: a typo is a bug that
     must show in tests, not a silent exit 1.
     """
