@@ -226,6 +226,11 @@ REGISTRY: dict[str, Entry] = {
         "create the directory of --textfile PATH first (node-exporter's --collector.textfile.directory), or name "
         "a file in one that exists; metrics creates no directory",
     ),
+    "RIVET_PLACE_HOLDS_NO_FILES": _e(
+        "usage", "generic",
+        "name a file on a filesystem that stores files (a disk, a volume, a tmpfs); /proc, /sys and the other "
+        "kernel filesystems hold only the kernel's own entries",
+    ),
     "RIVET_METRICS_TEXTFILE_UNWRITABLE": _e(
         "environment", "generic",
         "name a --textfile PATH in a directory this user may create files in, on a filesystem mounted read-write "

@@ -336,3 +336,21 @@ def test_a_state_time_beyond_the_years_1_to_9999_in_utc_is_shown_as_it_is_never_
     for output in ([], ["--json"]):
         proc = run_cli("-c", str(state), "--json-errors", *output, *command)
         assert "RIVET_INTERNAL" not in proc.stderr and proc.returncode != 6, describe(proc)
+
+
+#: Every option that names a file statetool creates, with the words before the file.
+OUTPUT_FILES = {"prune --archive": ("prune", "--keep-runs", "3", "--archive"),
+                "prune --archive --dry-run": ("prune", "--keep-runs", "3", "--dry-run", "--archive"),
+                "export -o": ("export", "-o"), "metrics --textfile": ("metrics", "--textfile")}
+
+
+@pytest.mark.parametrize("kernel", ["/proc", "/sys"])
+@pytest.mark.parametrize("words", OUTPUT_FILES.values(), ids=OUTPUT_FILES.keys())
+def test_a_file_named_on_a_kernel_filesystem_is_refused_as_such_never_a_full_disk(
+        state: Path, words: tuple[str, ...], kernel: str) -> None:
+    target = f"{kernel}/statetool-test.gz"
+    proc = run_cli_process("-c", str(state), "--json-errors", *words, target)
+    obj = error_object(proc)
+    assert (proc.returncode, obj["code"]) == (1, "RIVET_PLACE_HOLDS_NO_FILES"), describe(proc)
+    assert target in obj["message"] and "kernel filesystem" in obj["message"], obj
+    assert "free" not in obj["message"] and not os.path.exists(target), obj
