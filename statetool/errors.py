@@ -438,8 +438,8 @@ WARNINGS: dict[str, str] = {
         "nothing is lost: with no statetool write running, delete them (none is the state nor a backup); a "
         "migration still to run, and every write that takes a backup, removes them itself",
     "RIVET_STATE_READ_ONLY_DRY_RUN":
-        "the plan shown is right; before the real run, mount the state's filesystem read-write (or run it where "
-        "the state is writable)",
+        "the plan shown is right; before the real run, remove the reason the message gives at the place it names "
+        "(a read-only mount, a user who may not write there), or run it where that place is writable",
     "RIVET_STATE_CREATED":
         "nothing to do for a new pipeline; otherwise stop it and find where its state went",
     "RIVET_STATE_CHECKPOINT_FILE_NEWER":
