@@ -35,11 +35,49 @@ PROG, COMPLETE_VAR = "statetool", "_STATETOOL_COMPLETE"
 _MARK = "\x00"
 
 
+#: bash's script: typer's request (``COMP_WORDS``/``COMP_CWORD``, ``complete_bash``) with
+#: the words bash split at its ``COMP_WORDBREAKS`` (``:`` of every lease key, ``=`` of
+#: ``--export=NAME``) joined again where no blank stood between them in ``COMP_LINE``, the
+#: last one cut at the cursor; each answer then loses what the word has up to its last
+#: break, as readline replaces only the text after it. Needs no bash-completion package.
+BASH_SCRIPT = r"""_statetool_completion() {
+    local IFS=$'\n' line=${COMP_LINE:0:COMP_POINT} words=() word cur prefix= i
+    for ((i = 0; i <= COMP_CWORD; i++)); do
+        word=${COMP_WORDS[i]}
+        if ((i == 0)) || [[ $line == [[:space:]]* ]]; then
+            line=${line#"${line%%%%[![:space:]]*}"}
+            words+=("")
+        fi
+        ((i == COMP_CWORD)) && word=${word:0:${#line}}
+        words[-1]+=$word
+        line=${line:${#word}}
+    done
+    cur=${words[-1]}
+    for ((i = ${#cur}; i > 0; i--)); do
+        if [[ $COMP_WORDBREAKS == *"${cur:i-1:1}"* ]]; then
+            prefix=${cur:0:i}
+            break
+        fi
+    done
+    COMPREPLY=( $( env COMP_WORDS="${words[*]}" COMP_CWORD=$(( ${#words[@]} - 1 )) \
+                   %(var)s=complete_bash "$1" ) )
+    COMPREPLY=( "${COMPREPLY[@]#"$prefix"}" )
+    return 0
+}
+
+complete -o default -F _statetool_completion %(prog)s
+"""
+
+
 def script(shell: str) -> str:
-    """The completion script of ``shell`` (one of :data:`SHELLS`), as typer writes it for
-    ``--show-completion``. Raises ``RIVET_CLI_USAGE`` for another shell."""
+    """The completion script of ``shell`` (one of :data:`SHELLS`): zsh's and fish's as
+    typer writes them for ``--show-completion``, bash's :data:`BASH_SCRIPT` (typer's
+    protocol, words with a ``:`` or ``=`` joined again). Raises ``RIVET_CLI_USAGE`` for
+    another shell."""
     if shell not in SHELLS:
         raise StateError("RIVET_CLI_USAGE", f"no completion for shell {shell!r}: give one of {', '.join(SHELLS)}")
+    if shell == "bash":
+        return BASH_SCRIPT % {"var": COMPLETE_VAR, "prog": PROG}
     return get_completion_script(prog_name=PROG, complete_var=COMPLETE_VAR, shell=shell) + "\n"
 
 

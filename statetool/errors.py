@@ -217,8 +217,9 @@ REGISTRY: dict[str, Entry] = {
     # statetool prune (issue 16 item 2): a failure after some of its batches committed
     "RIVET_STATE_PRUNE_INCOMPLETE": _e(
         "environment", "generic",
-        "the batches the message names stay removed, audited and archived; fix the cause it names (its code is "
-        "details.cause), then run the same prune again (with --archive naming a new file): it removes the rest",
+        "the batches the message names stay removed, audited and archived; fix the cause it names (its code stands "
+        "in parentheses after it), then run the same prune again (with --archive naming a new file): it removes the "
+        "rest",
     ),
     "RIVET_STATE_CHECKPOINT_NOT_RENAMED": _e(
         "environment", "generic",
@@ -230,6 +231,11 @@ REGISTRY: dict[str, Entry] = {
         "usage", "generic",
         "create the directory of --textfile PATH first (node-exporter's --collector.textfile.directory), or name "
         "a file in one that exists; metrics creates no directory",
+    ),
+    "RIVET_PLACE_HOLDS_NO_FILES": _e(
+        "usage", "generic",
+        "name a file on a filesystem that stores files (a disk, a volume, a tmpfs); /proc, /sys and the other "
+        "kernel filesystems hold only the kernel's own entries",
     ),
     "RIVET_METRICS_TEXTFILE_UNWRITABLE": _e(
         "environment", "generic",
@@ -439,8 +445,8 @@ WARNINGS: dict[str, str] = {
         "nothing is lost: with no statetool write running, delete them (none is the state nor a backup); a "
         "migration still to run, and every write that takes a backup, removes them itself",
     "RIVET_STATE_READ_ONLY_DRY_RUN":
-        "the plan shown is right; before the real run, mount the state's filesystem read-write (or run it where "
-        "the state is writable)",
+        "the plan shown is right; before the real run, remove the reason the message gives at the place it names "
+        "(a read-only mount, a user who may not write there), or run it where that place is writable",
     "RIVET_STATE_CREATED":
         "nothing to do for a new pipeline; otherwise stop it and find where its state went",
     "RIVET_STATE_CHECKPOINT_FILE_NEWER":
@@ -478,7 +484,10 @@ class StateError(Exception):
 
     ``message`` and every string of ``details`` are redacted when the error is built, so
     no password reaches any output.
-    ``details`` carries machine-readable context (paths, keys, holders) for JSON output.
+    ``details`` carries machine-readable context (paths, keys, holders) for the library's
+    callers and the CLI's own handling (a unit's ``export``); the ``--json-errors`` object
+    does not carry it (SPEC §7's keys and ``failures``), so a message says what a CLI user
+    needs.
     Raises ``KeyError`` at construction for an unregistered code: a typo is a bug that
     must show in tests, not a silent exit 1.
     """

@@ -17,6 +17,10 @@ from pathlib import Path
 
 PROC_MOUNTS = Path("/proc/mounts")
 EPHEMERAL = frozenset({"overlay", "overlayfs", "tmpfs", "ramfs", "aufs"})
+#: The kernel's own filesystems: views of the kernel whose entries it makes itself, which
+#: take no file a program creates (``/proc``, ``/sys`` and those mounted below them).
+KERNEL = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs", "pstore",
+                    "bpf", "efivarfs", "fusectl", "binfmt_misc", "devpts", "mqueue", "selinuxfs", "autofs"})
 NETWORK = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse.sshfs", "ceph", "glusterfs", "fuse.glusterfs",
                      "9p", "afs", "lustre", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone"})
 
@@ -33,6 +37,12 @@ class Mount:
     def ephemeral(self) -> bool:
         """True for a filesystem that dies with its container (overlay, tmpfs, ...)."""
         return self.fstype in EPHEMERAL
+
+    @property
+    def kernel(self) -> bool:
+        """True for a kernel filesystem (proc, sysfs, ...: :data:`KERNEL`), which holds no
+        file a program creates."""
+        return self.fstype in KERNEL
 
     @property
     def network(self) -> bool:

@@ -11,12 +11,19 @@ the config has, says nothing, and creates no file.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import pty
+import re
+import select
 import shutil
+import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 from typing import Any
@@ -241,14 +248,19 @@ def test_what_cannot_be_read_completes_nothing_silently(tmp_path: Path, damage: 
 # -- the generated scripts in real shells --------------------------------------------------
 
 
-def _bash_completions(line: list[str], cwd: Path, env: dict[str, str]) -> list[str]:
+def _bash_completions(line: list[str], cwd: Path, env: dict[str, str], typed: str | None = None) -> list[str]:
     """COMPREPLY of the sourced ``statetool completion bash`` for the words ``line``, in a
-    real bash, after checking that ``complete -p`` registered it."""
+    real bash, after checking that ``complete -p`` registered it: the function is called
+    as bash calls it, with ``COMP_WORDS``, ``COMP_CWORD``, and the command line ``typed``
+    (the words with a space between each when not given) as ``COMP_LINE``, the cursor at
+    its end (``COMP_POINT``)."""
+    typed = " ".join(["statetool", *line]) if typed is None else typed
     program = ('source <(statetool completion bash) && complete -p statetool && '
+               'COMP_LINE=$1 && COMP_POINT=${#1} && shift && '
                'COMP_WORDS=("$@") && COMP_CWORD=$(( $# - 1 )) && _statetool_completion statetool && '
                'printf "REPLY %s\\n" "${COMPREPLY[@]}"')
-    proc = subprocess.run(["bash", "--norc", "--noprofile", "-c", program, "bash", "statetool", *line], cwd=cwd,
-                          env=_shell_env(env), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(["bash", "--norc", "--noprofile", "-c", program, "bash", typed, "statetool", *line],
+                          cwd=cwd, env=_shell_env(env), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and not proc.stderr, describe(proc)
     assert "complete -o default -F _statetool_completion statetool" in proc.stdout, describe(proc)
     return [line.removeprefix("REPLY ") for line in proc.stdout.splitlines() if line.startswith("REPLY ")]
@@ -288,3 +300,102 @@ def test_the_zsh_script_hands_export_names_to_zsh_completion(tmp_path: Path) -> 
     assert proc.returncode == 0 and not proc.stderr, describe(proc)
     assert proc.stdout.strip() == ('*: :(("orders":"incremental" "order_lines":"chunked" '
                                    '"order_events":"in the state only"))'), describe(proc)
+
+
+# -- words with a colon (a lease key) or an `=` in bash ----------------------------------
+
+#: The lease keys of the state :func:`_pipeline` builds, as ``statetool leases`` lists them.
+KEYS = ["chunk-run:order_events", "chunk-run:order_lines", "chunk-run:orders"]
+
+
+def _leased(tmp_path: Path) -> Path:
+    """The pipeline of :func:`_pipeline` on SQLite, its leases checked to be :data:`KEYS`."""
+    config = _pipeline(StateBackend.sqlite(tmp_path))
+    leases = json.loads(run_cli("--json", "leases", cwd=config.parent).stdout)["leases"]
+    assert [row["key"] for row in leases] == KEYS, leases
+    return config
+
+
+#: The prompt of the interactive bash (readline draws it again as it redisplays a line).
+PROMPT = "@@ready@@ "
+
+
+def _typed_in_bash(keys: str, cwd: Path, setup: str = "") -> tuple[str, str]:
+    """Type ``keys`` (TABs among them) into a real interactive bash on a pseudo-terminal
+    that has sourced ``statetool completion bash`` (after ``setup``), then make the line
+    the quoted argument of an ``echo`` (Ctrl-A, Ctrl-E) and run it: returns what the
+    terminal showed while the keys were typed (a listing of completions shows there) and
+    the command line as bash had it at the end (the echo's output)."""
+    env = _shell_env({"PS1": PROMPT, "TERM": "dumb", "INPUTRC": "/dev/null", "HISTFILE": "/dev/null"})
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: an interactive bash on the terminal, or gone
+        try:
+            os.chdir(cwd)
+            os.execve(shutil.which("bash") or "/bin/bash", ["bash", "--norc", "--noprofile", "-i"], env)
+        finally:
+            os._exit(127)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 250, 0, 0))
+    shown = b""
+
+    def until(pattern: bytes) -> None:
+        nonlocal shown
+        deadline = time.monotonic() + 120
+        while not re.search(pattern, shown, re.DOTALL):
+            assert time.monotonic() < deadline, f"bash never showed {pattern!r}: {shown!r}"
+            if select.select([fd], [], [], 0.2)[0]:
+                shown += os.read(fd, 65536)
+
+    prompt = re.escape(PROMPT.encode())
+    try:
+        until(prompt)
+        os.write(fd, f"{setup}\nsource <(statetool completion bash)\n".encode())
+        until(b"completion bash\\)\r\n" + prompt)
+        start = len(shown)
+        os.write(fd, keys.encode() + b"\x01echo 'L''INE:\x05'\n")  # prints LINE: and the line, shows L''INE:
+        until(b"\nLINE:[^\r\n]*\r\n" + prompt)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(fd)
+    text = shown[start:].decode().replace("\r", "")
+    typed, _, echoed = text.rpartition("\nLINE:")
+    return typed, echoed.split("\n")[0]
+
+
+@pytest.mark.parametrize("breaks", ["bash's own word breaks", "no ':' among the word breaks"])
+def test_a_lease_key_completes_across_its_colon_in_an_interactive_bash(tmp_path: Path, breaks: str) -> None:
+    _needs("bash")
+    config = _leased(tmp_path)
+    setup = "" if breaks == "bash's own word breaks" else "COMP_WORDBREAKS=${COMP_WORDBREAKS//:}"
+    before = everything(tmp_path)
+    assert _typed_in_bash("statetool leases release ch\t", config.parent, setup)[1] == \
+        "statetool leases release chunk-run:order"
+    assert _typed_in_bash("statetool leases release chunk-run:o\t", config.parent, setup)[1] == \
+        "statetool leases release chunk-run:order"
+    typed, line = _typed_in_bash("statetool leases release chunk-run:order\t\t", config.parent, setup)
+    assert line == "statetool leases release chunk-run:order", typed
+    listed = {word.rpartition(":")[2] for word in typed.split()}  # whole keys, or after the colon
+    assert {key.rpartition(":")[2] for key in KEYS} <= listed, typed  # the second TAB lists them
+    assert _typed_in_bash("statetool leases release chunk-run:order_l\t", config.parent, setup)[1] == \
+        "statetool leases release chunk-run:order_lines "
+    assert _typed_in_bash("statetool doctor --export=order_l\t", config.parent, setup)[1] == \
+        "statetool doctor --export=order_lines "
+    assert everything(tmp_path) == before, "completing changed or created a file"
+
+
+@pytest.mark.parametrize(("words", "expected"), [
+    (["leases", "release", "chunk-run", ":", "order_"], ["order_events", "order_lines"]),
+    (["leases", "release", "chunk-run", ":"], ["order_events", "order_lines", "orders"]),
+    (["leases", "release", "chunk"], KEYS),
+    (["leases", "release", ""], KEYS),
+    (["doctor", "--export", "=", "order_"], ["order_lines", "order_events"]),
+], ids=" ".join)
+def test_the_bash_function_rejoins_the_words_bash_split_at_its_word_breaks(tmp_path: Path, words: list[str],
+                                                                          expected: list[str]) -> None:
+    """The words as bash hands them to the function after splitting at ``:`` and ``=``
+    (``COMP_WORDS``, ``COMP_CWORD``, ``COMP_LINE``, ``COMP_POINT``): the replies are what
+    readline puts in place of the text after the last break, in the order of the list."""
+    _needs("bash")
+    config = _leased(tmp_path)
+    typed = "statetool " + " ".join(words).replace(" : ", ":").replace(" :", ":").replace(" = ", "=")
+    assert _bash_completions(words, config.parent, {}, typed) == expected

@@ -828,3 +828,41 @@ def test_a_relocation_by_root_gives_the_moved_state_and_the_tombstone_the_states
         assert error_object(old)["code"] == "RIVET_STATE_RELOCATED", describe(old)
         new = as_daemon("-c", str(config), "--json", "info", env={"RIVET_STATE_URL": f"sqlite:{target}"})
         assert new.returncode == 0, describe(new)
+
+
+def test_a_prune_dry_run_where_it_may_not_write_says_the_true_place_reason_and_action(
+        as_nobody: Runner, tmp_path: Path) -> None:
+    """``RIVET_STATE_READ_ONLY_DRY_RUN`` of ``prune --dry-run``, refused for each of its
+    reasons: a root-owned state run by ``nobody`` (permission), and an archive whose
+    directory alone is a read-only mount. Each message names the place and the reason, and
+    the action points at them, never "mount the state's filesystem read-write" where that
+    is not the reason, nor "the state's owner" for the archive's directory."""
+    _require_root()
+    shared = Path(tempfile.mkdtemp(prefix="statetool-prune-dry-"))
+    try:
+        shared.chmod(0o755)
+        config = _build(shared / "pipeline")
+        before = _listing(shared)
+        proc = as_nobody("-c", str(config), "--json", "prune", "--keep-runs", "3", "--dry-run")
+        assert proc.returncode == 0, describe(proc)
+        (warning,) = json.loads(proc.stdout)["warnings"]
+        assert warning["code"] == "RIVET_STATE_READ_ONLY_DRY_RUN", warning
+        assert "may not write" in warning["message"] and str(config.parent) in warning["message"], warning
+        assert "mount the state" not in warning["action"] and "the message gives" in warning["action"], warning
+        assert _listing(shared) == before
+    finally:
+        shutil.rmtree(shared)
+    config = _build(tmp_path / "pipeline")
+    view = tmp_path / "ro"
+    (tmp_path / "rw").mkdir()
+    view.mkdir()
+    _mount("--bind", "-o", "ro", str(tmp_path / "rw"), str(view))
+    try:
+        proc = run_cli("-c", str(config), "--json", "prune", "--keep-runs", "3", "--archive", str(view / "x.gz"),
+                       "--dry-run")
+    finally:
+        subprocess.run(["umount", str(view)], check=True)
+    assert proc.returncode == 0, describe(proc)
+    (warning,) = json.loads(proc.stdout)["warnings"]
+    assert f"{view} is on a filesystem mounted read-only" in warning["message"], warning
+    assert "state's" not in warning["message"] + warning["action"], warning

@@ -316,3 +316,41 @@ def test_doctor_json_errors_prints_the_error_object_of_its_worst_verdict(tmp_pat
     err = error_object(proc)
     assert err["code"] == "RIVET_STATE_MISSING" and err["exit_code"] == 5, describe(proc)
     assert set(err) >= {"error", "exit_class", "code", "kind", "class", "exit_code", "retryable", "action", "message"}
+
+
+#: ISO-8601 times whose UTC falls outside Python's years 1 to 9999, as a pipeline may write them.
+FAR_TIMES = ("9999-12-31T23:59:59-01:00", "0001-01-01T00:00:00+01:00")
+
+
+@pytest.mark.parametrize("command", [("info",), ("exports", "list"), ("exports", "show", "orders"), ("doctor",),
+                                     ("metrics",), ("check",), ("prune", "--keep-runs", "0", "--dry-run")],
+                         ids=" ".join)
+def test_a_state_time_beyond_the_years_1_to_9999_in_utc_is_shown_as_it_is_never_internal(
+        state: Path, command: tuple[str, ...]) -> None:
+    late, early = FAR_TIMES
+    with sqlite3.connect(state.parent / ".rivet_state.db") as db:
+        db.execute("INSERT INTO rivet_runs (run_id, export_name, mode, status, started_at, finished_at) "
+                   "VALUES ('far', 'orders', 'incremental', 'succeeded', ?, ?)", (late, late))
+        db.execute("INSERT INTO rivet_exports VALUES ('orders', 'incremental', '5', ?, ?)", (late, early))
+    db.close()
+    for output in ([], ["--json"]):
+        proc = run_cli("-c", str(state), "--json-errors", *output, *command)
+        assert "RIVET_INTERNAL" not in proc.stderr and proc.returncode != 6, describe(proc)
+
+
+#: Every option that names a file statetool creates, with the words before the file.
+OUTPUT_FILES = {"prune --archive": ("prune", "--keep-runs", "3", "--archive"),
+                "prune --archive --dry-run": ("prune", "--keep-runs", "3", "--dry-run", "--archive"),
+                "export -o": ("export", "-o"), "metrics --textfile": ("metrics", "--textfile")}
+
+
+@pytest.mark.parametrize("kernel", ["/proc", "/sys"])
+@pytest.mark.parametrize("words", OUTPUT_FILES.values(), ids=OUTPUT_FILES.keys())
+def test_a_file_named_on_a_kernel_filesystem_is_refused_as_such_never_a_full_disk(
+        state: Path, words: tuple[str, ...], kernel: str) -> None:
+    target = f"{kernel}/statetool-test.gz"
+    proc = run_cli_process("-c", str(state), "--json-errors", *words, target)
+    obj = error_object(proc)
+    assert (proc.returncode, obj["code"]) == (1, "RIVET_PLACE_HOLDS_NO_FILES"), describe(proc)
+    assert target in obj["message"] and "kernel filesystem" in obj["message"], obj
+    assert "free" not in obj["message"] and not os.path.exists(target), obj

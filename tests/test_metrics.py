@@ -465,8 +465,6 @@ def _read_only_mount(directory: Path) -> Callable[[], None]:
 UNWRITABLE = {
     "read-only-mount": ("collector/rivet.prom", "mounted read-only"),
     "a-file-for-a-directory": ("afile/rivet.prom", "is a file, not a directory"),
-    "proc": ("/proc/statetool-test.prom", "takes no new file"),
-    "sys-permission-denied": ("/sys/statetool-test.prom", "may not create files there"),
 }
 
 
@@ -474,8 +472,9 @@ UNWRITABLE = {
 def test_a_textfile_that_cannot_be_written_is_its_own_registered_error_and_leaves_no_file(
         tmp_path: Path, where: str, says: str) -> None:
     """``--textfile`` where no file can be made (a read-only mount, a file for its
-    directory, /proc, /sys, which deny root too): ``RIVET_METRICS_TEXTFILE_UNWRITABLE``
-    (exit 1) through the real CLI, no traceback, nothing on stdout, no temporary file."""
+    directory): ``RIVET_METRICS_TEXTFILE_UNWRITABLE`` (exit 1) through the real CLI, no
+    traceback, nothing on stdout, no temporary file. (/proc and /sys, which deny root too,
+    are ``RIVET_PLACE_HOLDS_NO_FILES`` for every file option: tests/test_hostile_input.py.)"""
     config = write_config(tmp_path / "pipeline")
     build_state(config)
     (tmp_path / "collector").mkdir()
@@ -581,3 +580,30 @@ def test_label_values_are_escaped_as_openmetrics_defines() -> None:
     assert value(parsed(text), "t_seconds", key=key) == 0.25
     assert "t_empty" not in text and text.endswith("\n# EOF\n") and 't_seconds{key="x"} 3\n' in text
     assert value(parsed(exposition([family], [(family, (), 1e-05)])), "t_seconds") == 1e-05
+
+
+def test_a_textfile_on_a_full_disk_is_disk_full_and_keeps_the_old_file(tmp_path: Path) -> None:
+    """``--textfile`` on a tmpfs filled to its last byte: ``RIVET_STATE_DISK_FULL`` (exit 1)
+    with its own advice (free space), not "a directory this user may create files in";
+    the old text stays and no temporary file is left."""
+    from test_prune_failures import _fill, _require_root
+    from test_relocate import TmpfsMount
+
+    _require_root()
+    config = write_config(tmp_path / "pipeline")
+    build_state(config)
+    mount = TmpfsMount(tmp_path / "collector")
+    try:
+        collector = mount.mount("8k")
+        target = collector / "rivet.prom"
+        target.write_text("# the old text\n")
+        _fill(collector)
+        proc = run_cli_process("-c", str(config), "--json-errors", "metrics", "--textfile", str(target))
+        left = sorted(os.listdir(collector))
+        old = target.read_text()
+    finally:
+        mount.unmount()
+    obj = error_object(proc)
+    assert (proc.returncode, obj["code"]) == (1, "RIVET_STATE_DISK_FULL"), describe(proc)
+    assert str(target) in obj["message"] and "free space" in obj["action"], obj
+    assert left == ["filler", "rivet.prom"] and old == "# the old text\n", left

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -36,7 +37,7 @@ from support.backends import StateBackend
 from support.crash_driver import run_killed_at
 from support.history import PRUNED, bulk_history, committed_batches, read_archive, store_of, table_rows
 from statetool.cli import command_tree
-from statetool.errors import StateError
+from statetool.errors import REGISTRY, StateError
 from test_checkpoint_reading import CLI_AS_NOBODY, nobody_dir  # noqa: F401 - a fixture
 from test_relocate import TmpfsMount
 
@@ -97,6 +98,10 @@ def test_a_database_error_in_batch_3_says_which_batches_were_committed_and_archi
     assert "2 batches" in message and "40 runs" in message and "0 ledger rows" in message, message
     assert "batch 3" in message and "orders-0000045 is kept by the DBA" in message, message
     assert str(archive) in message and "run the same prune again" in message and "new file" in message, message
+    cause = re.search(r"kept by the DBA \((RIVET_[A-Z_]+)\); batch 3 was rolled back", message)
+    assert cause is not None and cause[1] == "RIVET_STATE_WRITE_REFUSED" in REGISTRY, message  # where the action says
+    assert "in parentheses" in err["action"] and "details" not in err["action"] + message, err
+    assert "details" not in err, "the object's keys are SPEC §7's, and failures"
     after = table_rows(config, env)
     removed = _removed(before, after)
     assert {t: len(k) for t, k in removed.items()} == {"rivet_runs": 40, "rivet_load_ledger": 0}
@@ -261,6 +266,10 @@ def test_archive_lines_name_their_prune_and_batch_and_a_reader_keeps_only_commit
     (("backups", "prune", "--older-than", "inf"), "--older-than inf is outside 0 to 1000000 days"),
     (("backups", "prune", "--older-than", "-inf"), "--older-than -inf is outside 0 to 1000000 days"),
     (("backups", "prune", "--older-than", "1e300"), "--older-than 1e+300 is outside 0 to 1000000 days"),
+    # ISO-8601 times whose UTC leaves the years 1 to 9999 (before: OverflowError, RIVET_INTERNAL)
+    (("prune", "--before", "9999-12-31T23:59:59-01:00"), "--before '9999-12-31T23:59:59-01:00' is no ISO-8601 date"),
+    (("prune", "--before", "0001-01-01T00:00:00+01:00"), "--before '0001-01-01T00:00:00+01:00' is no ISO-8601 date"),
+    (("prune", "--before", "99999-01-01"), "in the years 1 to 9999 (UTC)"),
 ])
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_numbers_out_of_range_are_usage_errors_naming_the_option(tmp_path: Path, args: tuple[str, ...], words: str,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from statetool.access import denied
 from statetool.errors import StateError
+from statetool.mounts import mount_of
 from statetool.numbers import size_text
 
 #: SQLite's own texts for these faults (https://www.sqlite.org/rescode.html).
@@ -78,6 +79,19 @@ def os_fault(err: OSError) -> StateError | None:
     return fault(path, err)
 
 
+def refuse_no_files(path: Path, directory: Path) -> None:
+    """Refuse ``path``, a file to be created in ``directory``, when that directory is on a
+    kernel filesystem (:data:`statetool.mounts.KERNEL`: ``/proc``, ``/sys``, ...), which
+    holds no file a program creates: ``RIVET_PLACE_HOLDS_NO_FILES``. The one rule of every
+    place statetool writes a file in (a state, its leases, an archive, an export, a metrics
+    textfile), so none of them calls such a place full or denied (SPEC §8a: a true message)."""
+    found = mount_of(directory)
+    if found is not None and found.kernel:
+        raise StateError("RIVET_PLACE_HOLDS_NO_FILES", f"{path}: {directory} is on {found.fstype} (mounted at "
+                         f"{found.point}), a kernel filesystem, which holds no file a program creates; nothing was "
+                         "written", {"path": str(path), "fstype": found.fstype})
+
+
 #: Room a write needs beyond its backup: the rollback journal or WAL frames of a change,
 #: the lease records, SQLite's shared-memory file (bytes).
 WRITE_MARGIN = 1 << 20
@@ -93,8 +107,11 @@ def refuse_unwritable(path: Path, *, directories: tuple[Path, ...], need: int,
     ``directories`` are the places the write creates files in (the state's directory,
     its lease folder when it exists); ``need`` the free bytes it needs there, ``room_for``
     what they are for (the message's words).
-    Raises ``RIVET_STATE_READ_ONLY``, ``RIVET_STATE_PERMISSION_DENIED``,
-    ``RIVET_STATE_DISK_FULL``."""
+    Raises ``RIVET_PLACE_HOLDS_NO_FILES`` (:func:`refuse_no_files`),
+    ``RIVET_STATE_READ_ONLY``, ``RIVET_STATE_PERMISSION_DENIED``, ``RIVET_STATE_DISK_FULL``
+    (only where the filesystem reports its size: one that reports no blocks, as a tmpfs
+    mounted ``size=0``, has no free count to hold a write against)."""
+    refuse_no_files(path, directories[0])
     exists = os.path.lexists(path)
     if _read_only_fs(path if exists else directories[0]):
         raise StateError("RIVET_STATE_READ_ONLY", f"{path if exists else directories[0]} is on a filesystem mounted "
@@ -105,7 +122,7 @@ def refuse_unwritable(path: Path, *, directories: tuple[Path, ...], need: int,
             raise denied(target, "write")
     st = os.statvfs(directories[0])
     free = st.f_bavail * st.f_frsize
-    if free < need:
+    if st.f_blocks and free < need:
         raise StateError("RIVET_STATE_DISK_FULL", f"{size_text(free)} free on the filesystem of {directories[0]}; "
                          f"this write needs at least {size_text(need)} there ({room_for}): free "
                          f"{size_text(need - free)} more; nothing was written", {"path": str(directories[0]), "free_bytes": free, "need_bytes": need})

@@ -34,7 +34,7 @@ from statetool.config import Export
 from statetool.errors import EXIT_CODES, REGISTRY, WARNINGS, StateError, StateWarning, unit_failure, worst
 from statetool.identity import identity_message, identity_verdict, identity_warning
 from statetool.location import ENV_VAR, Location, resolve_checkpoint
-from statetool.moments import moment
+from statetool.moments import moment, parse_time
 from statetool.mounts import mount_of
 from statetool.operations.checkpoint_file import read_checkpoint
 from statetool.operations.checkpoints import (checkpoint_warning, file_differs_warning, shared_files, shared_text,
@@ -152,13 +152,10 @@ def _explaining(reasons: list[Reason]) -> Reason | None:
 
 
 def _age(iso: str | None) -> float | None:
-    if not iso:
-        return None
-    try:
-        then = datetime.fromisoformat(iso.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return round((datetime.now(UTC) - then).total_seconds(), 3)
+    """Seconds from the state's time ``iso`` to now, to the millisecond; None when it is
+    missing or no time (:func:`statetool.moments.parse_time`)."""
+    then = parse_time(iso) if iso else None
+    return None if then is None else round((datetime.now(UTC) - then).total_seconds(), 3)
 
 
 def _directory_reasons(location: Location) -> list[Reason]:

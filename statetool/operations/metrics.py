@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from statetool.backends.durable import fitting_name, regular_or_nothing, replace_whole
-from statetool.backends.faults import os_fault
+from statetool.backends.faults import fault, os_fault, refuse_no_files
 from statetool.errors import (StateError, error_object, failure_class, failure_exit_code, internal_error,
                               pipeline_failure, worst)
 from statetool.moments import parse_time
@@ -259,7 +259,9 @@ def textfile_path(path: Path) -> Path:
     """``path`` made absolute, checked before any state is read: its directory must exist
     (``RIVET_METRICS_DIR_MISSING``: a collector's directory that is not there is not made
     here), be a directory this user may create files in
-    (``RIVET_METRICS_TEXTFILE_UNWRITABLE``: a file, a read-only mount, no permission), and
+    (``RIVET_METRICS_TEXTFILE_UNWRITABLE``: a file, a read-only mount, no permission) on a
+    filesystem that holds files (``RIVET_PLACE_HOLDS_NO_FILES`` for /proc, /sys and the
+    like: :func:`statetool.backends.faults.refuse_no_files`), and
     what stands at ``path`` must be a regular file or nothing (``RIVET_STATE_UNSAFE_FILE``
     for a symlink, a directory or another kind: never replaced)."""
     path = Path(os.path.abspath(path))
@@ -272,6 +274,7 @@ def textfile_path(path: Path) -> Path:
         raise unwritable(path, _why(err)) from None
     if not stat.S_ISDIR(there.st_mode):
         raise unwritable(path, "it is a file, not a directory")
+    refuse_no_files(path, path.parent)
     if not os.access(path.parent, os.W_OK | os.X_OK):
         why = "it is on a filesystem mounted read-only" if os.statvfs(path.parent).f_flag & os.ST_RDONLY \
             else f"this user (uid {os.geteuid()}) may not create files there"
@@ -287,8 +290,9 @@ def write_textfile(path: Path, text: str) -> None:
     beside it, which a collector reading ``*.prom`` never reads. A regular file at that name
     is what a killed run with this process's pid left: it is replaced. Anything else there
     is never followed nor removed: ``RIVET_STATE_UNSAFE_FILE``. Any other fault of the
-    directory or the file system (read-only, permission, ``/proc``, disk full) is
-    ``RIVET_METRICS_TEXTFILE_UNWRITABLE`` (:func:`unwritable`); no temporary file is left
+    directory or the file system (read-only, permission) is
+    ``RIVET_METRICS_TEXTFILE_UNWRITABLE`` (:func:`unwritable`), a full disk or quota
+    ``RIVET_STATE_DISK_FULL``, as for every file statetool writes; no temporary file is left
     behind."""
     tmp = path.with_name(fitting_name(".", path.name, f".{os.getpid()}.metrics-tmp"))
     try:
@@ -308,6 +312,8 @@ def write_textfile(path: Path, text: str) -> None:
         if err.errno == errno.EISDIR:
             raise StateError("RIVET_STATE_UNSAFE_FILE", f"{path} became a directory while metrics ran; nothing "
                              "was written", {"path": str(path)}) from None
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise fault(path, err) from None  # RIVET_STATE_DISK_FULL: free space, not another directory
         raise unwritable(path, _why(err)) from None
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from statetool import __version__
 from statetool.backends.base import Backend, Reader
 from statetool.backends.durable import CREATE_FLAGS, fsync_dir, regular_or_nothing
-from statetool.backends.faults import fault, os_fault
+from statetool.backends.faults import fault, os_fault, refuse_no_files
 from statetool.errors import StateError
 from statetool.operations.checkpoint_file import MAX_POSITION_DEPTH, value_depth
 from statetool.operations.context import Context, now_iso
@@ -140,13 +140,16 @@ def write_document(path: Path, doc: dict[str, Any], *, force: bool) -> None:
     place (a new file) or, with ``force``, renamed over the regular file there; the
     directory fsynced. Raises ``RIVET_STATE_TARGET_NOT_EMPTY`` for an existing ``path``
     without ``force``, ``RIVET_STATE_UNSAFE_FILE`` for a symlink or a non-regular file
-    there (even with ``force``), and the filesystem's faults (``RIVET_STATE_READ_ONLY``,
+    there (even with ``force``), ``RIVET_PLACE_HOLDS_NO_FILES`` for a directory on a kernel
+    filesystem (:func:`~statetool.backends.faults.refuse_no_files`), and the filesystem's
+    faults (``RIVET_STATE_READ_ONLY``,
     ``RIVET_STATE_PERMISSION_DENIED``, ``RIVET_STATE_DISK_FULL``); no temporary file is
     left behind (SPEC §8a)."""
     path = Path(os.path.abspath(path))
     if not os.path.isdir(path.parent):
         raise StateError("RIVET_CLI_USAGE", f"-o {path}: {path.parent} is no directory; name a file in a directory "
                          "that exists (export creates none)", {"path": str(path)})
+    refuse_no_files(path, path.parent)
     if regular_or_nothing(path, "an export is never written through one, --force or not") and not force:
         raise StateError("RIVET_STATE_TARGET_NOT_EMPTY", f"{path} exists; export never overwrites a file "
                          "unless --force is given", {"path": str(path)})

@@ -44,7 +44,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +54,7 @@ from statetool.backends.base import Backend, HeldLease, Reader
 from statetool.backends.durable import CREATE_FLAGS, fsync_dir
 from statetool.backends.faults import WRITE_MARGIN, fault, os_fault, refuse_unwritable
 from statetool.errors import StateError, StateWarning, internal_error, interrupted
+from statetool.moments import parse_time
 from statetool.numbers import MAX_KEEP, require_within
 from statetool.operations.context import Context
 from statetool.operations.leasing import acquire, lease_store, run_lease_key
@@ -93,15 +93,13 @@ def parse_before(text: str) -> str:
     """``--before DATE``: an ISO-8601 date or date and time (``2026-01-01``,
     ``2026-01-01T06:00:00Z``, ``2026-01-01T08:00:00+02:00``; without an offset it is UTC), as
     the state writes its times (``2026-01-01T06:00:00.000000Z``), so that the state's text
-    compares with it. Raises ``RIVET_CLI_USAGE`` for anything else."""
-    try:
-        moment = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise StateError("RIVET_CLI_USAGE", f"--before {text!r} is no ISO-8601 date or time: give 2026-01-01 or "
-                         "2026-01-01T06:00:00Z (UTC unless an offset is given)") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    compares with it. Raises ``RIVET_CLI_USAGE`` for anything else, and for a time whose
+    UTC leaves the years 1 to 9999 (:func:`statetool.moments.parse_time`)."""
+    moment = parse_time(text.strip())
+    if moment is None:
+        raise StateError("RIVET_CLI_USAGE", f"--before {text!r} is no ISO-8601 date or time in the years 1 to 9999 "
+                         "(UTC): give 2026-01-01 or 2026-01-01T06:00:00Z (UTC unless an offset is given)")
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass(frozen=True)

@@ -193,7 +193,7 @@ def _scope_exports(ctx: Context, snap: Snapshot, exports: Iterable[str] | None) 
 
 #: What a dry run that tolerates a refusal of its real run says the real run needs, by code.
 _UNTIL = {"RIVET_STATE_READ_ONLY": "it is mounted read-write",
-          "RIVET_STATE_PERMISSION_DENIED": "it runs as a user that may write there (the state's owner)"}
+          "RIVET_STATE_PERMISSION_DENIED": "it runs as a user that may write there, or this user is let write there"}
 
 
 def tolerate_read_only(check: Callable[[], object], *, dry_run: bool,
