@@ -246,6 +246,7 @@ def test_a_rename_that_fails_after_the_commit_says_where_the_position_is_and_wha
     assert err.code == "RIVET_STATE_CHECKPOINT_NOT_RENAMED", err
     assert "nothing was written" not in err.message and "is in the state" in err.message, err.message
     assert str(checkpoint) in err.message and "statetool checkpoints import --export order_events" in err.message
+    assert f"; {err.details['cause']})" in err.message, "the cause's code is in the message, for a CLI user"
     assert store.stored_position("order_events") == POSITION and checkpoint.read_bytes() == ORIGINAL
     proc = _cli(store, state_backend, "--json", "checkpoints", "import", "--export", "order_events")
     assert proc.returncode == 0, describe(proc)

@@ -424,6 +424,7 @@ def test_a_rename_that_fails_after_the_switch_says_the_transfer_is_done_and_a_re
     err = caught.value
     assert mounted and err.code == "RIVET_STATE_CHECKPOINT_NOT_RENAMED", err
     assert "nothing was written" not in err.message and "the transfer is done" in err.message, err.message
+    assert f"; {err.details['cause']})" in err.message, "the cause's code is in the message, for a CLI user"
     assert files["order_events"].read_bytes() == data["order_events"]
     assert json.loads(_pg_positions(admin, pg_url)["order_events"]) == json.loads(data["order_events"])
     _cli("-c", str(cfg), "transfer", "--to", pg_url, "--with-checkpoints")

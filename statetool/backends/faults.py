@@ -14,7 +14,6 @@ from pathlib import Path
 
 from statetool.access import denied
 from statetool.errors import StateError
-from statetool.mounts import mount_of
 from statetool.numbers import size_text
 
 #: SQLite's own texts for these faults (https://www.sqlite.org/rescode.html).
@@ -84,7 +83,16 @@ def refuse_no_files(path: Path, directory: Path) -> None:
     kernel filesystem (:data:`statetool.mounts.KERNEL`: ``/proc``, ``/sys``, ...), which
     holds no file a program creates: ``RIVET_PLACE_HOLDS_NO_FILES``. The one rule of every
     place statetool writes a file in (a state, its leases, an archive, an export, a metrics
-    textfile), so none of them calls such a place full or denied (SPEC §8a: a true message)."""
+    textfile), so none of them calls such a place full or denied (SPEC §8a: a true message).
+    The mount table is read only for a filesystem that reports no size (``statvfs``: no
+    blocks), as the kernel's do: a write elsewhere pays one ``statvfs``."""
+    try:
+        if os.statvfs(directory).f_blocks:
+            return
+    except OSError:
+        return  # the directory's own fault is the caller's to name
+    from statetool.mounts import mount_of
+
     found = mount_of(directory)
     if found is not None and found.kernel:
         raise StateError("RIVET_PLACE_HOLDS_NO_FILES", f"{path}: {directory} is on {found.fstype} (mounted at "

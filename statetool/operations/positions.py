@@ -308,7 +308,7 @@ def _rename(name: str, path: Path, kept: Path, on_step: Callable[[str], None]) -
         raise StateError("RIVET_STATE_CHECKPOINT_NOT_RENAMED",
                          f"the position of {name} is in the state now (committed and audited), and every run reads "
                          f"it from there; but {path} could not be renamed to {kept.name} "
-                         f"({err.message.removesuffix('; nothing was written')}): the file is still there, with the "
+                         f"({err.message.removesuffix('; nothing was written')}; {err.code}): the file is still there, with the "
                          f"same position, and is not read for it. Once its directory can be written, run {again} "
                          "(it only renames the file)",
                          {"export": name, "path": str(path), "kept_as": str(kept), "cause": err.code}) from None

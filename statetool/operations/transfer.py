@@ -477,7 +477,7 @@ def _retire_files(ctx: Context, moving: list[FilePosition]) -> list[Moved]:
                 raise StateError("RIVET_STATE_CHECKPOINT_NOT_RENAMED",
                                  f"the transfer is done: the destination is live and holds the position of "
                                  f"{f.export}, which every run reads from there; but {f.path} could not be renamed "
-                                 f"to {kept.name} ({err.message.removesuffix('; nothing was written')}): the file is "
+                                 f"to {kept.name} ({err.message.removesuffix('; nothing was written')}; {err.code}): the file is "
                                  "still there, with the same position, and is not read for it. Once its directory "
                                  "can be written, run the same transfer again with --with-checkpoints (it finds the "
                                  "destination live and only renames the files left)",
