@@ -38,8 +38,10 @@ _MARK = "\x00"
 #: bash's script: typer's request (``COMP_WORDS``/``COMP_CWORD``, ``complete_bash``) with
 #: the words bash split at its ``COMP_WORDBREAKS`` (``:`` of every lease key, ``=`` of
 #: ``--export=NAME``) joined again where no blank stood between them in ``COMP_LINE``, the
-#: last one cut at the cursor; each answer then loses what the word has up to its last
-#: break, as readline replaces only the text after it. Needs no bash-completion package.
+#: last one cut at the cursor; the value of an ``--option=`` word, which typer answers
+#: alone, is given its ``--option=`` back; each answer then loses what the word has up to
+#: its last break, as readline replaces only the text after it (with no ``=`` among the
+#: breaks, the whole ``--export=NAME``). Needs no bash-completion package.
 BASH_SCRIPT = r"""_statetool_completion() {
     local IFS=$'\n' line=${COMP_LINE:0:COMP_POINT} words=() word cur prefix= i
     for ((i = 0; i <= COMP_CWORD; i++)); do
@@ -61,6 +63,12 @@ BASH_SCRIPT = r"""_statetool_completion() {
     done
     COMPREPLY=( $( env COMP_WORDS="${words[*]}" COMP_CWORD=$(( ${#words[@]} - 1 )) \
                    %(var)s=complete_bash "$1" ) )
+    if [[ $cur == -*=* ]]; then
+        word=${cur%%%%=*}=
+        for i in "${!COMPREPLY[@]}"; do
+            [[ ${COMPREPLY[i]} == "$word"* ]] || COMPREPLY[i]=$word${COMPREPLY[i]}
+        done
+    fi
     COMPREPLY=( "${COMPREPLY[@]#"$prefix"}" )
     return 0
 }

@@ -1301,7 +1301,11 @@ def history_pruned(doc: dict[str, Any]) -> None:
     if rows:
         page.table(None, _HISTORY_COLUMNS, rows)
     archive = doc["archive"]
-    if archive is not None:
+    if archive is not None and not archive["rows"]:
+        page.line()
+        page.para(("The real run would remove no row, so it would" if doc["dry_run"] else "No row was removed, so "
+                   "statetool did") + f" not create the archive {archive['path']}.")
+    elif archive is not None:
         page.line()
         page.para(f"The real run would write {_plural(archive['rows'], 'row')} to the archive:" if doc["dry_run"]
                   else f"Archived {_plural(archive['rows'], 'row')} ({size(archive['bytes'])}) in:")

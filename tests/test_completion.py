@@ -362,11 +362,17 @@ def _typed_in_bash(keys: str, cwd: Path, setup: str = "") -> tuple[str, str]:
     return typed, echoed.split("\n")[0]
 
 
-@pytest.mark.parametrize("breaks", ["bash's own word breaks", "no ':' among the word breaks"])
+#: ``COMP_WORDBREAKS`` as a test sets it: bash's own, without ``:`` (as bash-completion
+#: users often set it), and without ``:`` nor ``=`` (as npm's completion script leaves it).
+WORD_BREAKS = {"bash's own word breaks": "", "no ':' among the word breaks": "COMP_WORDBREAKS=${COMP_WORDBREAKS//:}",
+               "neither ':' nor '=' among the word breaks": "COMP_WORDBREAKS=${COMP_WORDBREAKS//[:=]}"}
+
+
+@pytest.mark.parametrize("breaks", list(WORD_BREAKS))
 def test_a_lease_key_completes_across_its_colon_in_an_interactive_bash(tmp_path: Path, breaks: str) -> None:
     _needs("bash")
     config = _leased(tmp_path)
-    setup = "" if breaks == "bash's own word breaks" else "COMP_WORDBREAKS=${COMP_WORDBREAKS//:}"
+    setup = WORD_BREAKS[breaks]
     before = everything(tmp_path)
     assert _typed_in_bash("statetool leases release ch\t", config.parent, setup)[1] == \
         "statetool leases release chunk-run:order"

@@ -494,3 +494,10 @@ def test_prune_says_for_people_what_it_removed_kept_and_archived(tmp_path: Path,
         assert width is None or all(len(line) <= width for line in text.splitlines() if str(archive) not in line), text
     again = run_cli("-c", str(config), "prune", "--keep-runs", "0", env={}, columns=width)
     assert again.stdout.startswith("Nothing to remove."), again.stdout
+    unused = tmp_path / "unused.gz"
+    for dry in ([], ["--dry-run"]):
+        none = run_cli("-c", str(config), "prune", "--keep-runs", "0", "--archive", str(unused), *dry, env={},
+                       columns=width)
+        said = " ".join(none.stdout.split())
+        assert none.returncode == 0 and "not create the archive" in said and "Archived" not in said, none.stdout
+        assert not unused.exists()
