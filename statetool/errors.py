@@ -193,8 +193,8 @@ REGISTRY: dict[str, Entry] = {
     # generic, not retryable: a re-run fails the same way until someone frees space.
     "RIVET_STATE_DISK_FULL": _e(
         "environment", "generic",
-        "free space on the filesystem named in the message (or choose a directory on a larger one), then re-run; "
-        "the state was left as it was",
+        "free space on the filesystem named in the message, or files where it says no inode is left (or choose "
+        "a directory on a larger one), then re-run; the state was left as it was",
     ),
     # CDC positions, the write side (issue 15, the fresh user's findings)
     "RIVET_STATE_POSITION_TOO_LARGE": _e(

@@ -8,6 +8,7 @@ every file hashed before and after; a state that cannot be read still gives its 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -582,17 +583,25 @@ def test_label_values_are_escaped_as_openmetrics_defines() -> None:
     assert value(parsed(exposition([family], [(family, (), 1e-05)])), "t_seconds") == 1e-05
 
 
-def test_a_textfile_on_a_full_disk_is_disk_full_and_keeps_the_old_file(tmp_path: Path) -> None:
-    """``--textfile`` on a tmpfs filled to its last byte: ``RIVET_STATE_DISK_FULL`` (exit 1)
-    with its own advice (free space), not "a directory this user may create files in";
-    the old text stays and no temporary file is left."""
-    from test_prune_failures import _fill, _require_root
+def _small_collector(tmp_path: Path) -> tuple[Path, Any]:
+    """A pipeline with a state, and a collector directory to mount a small tmpfs on (root
+    only: the caller mounts it with its options and unmounts it)."""
+    from test_prune_failures import _require_root
     from test_relocate import TmpfsMount
 
     _require_root()
     config = write_config(tmp_path / "pipeline")
     build_state(config)
-    mount = TmpfsMount(tmp_path / "collector")
+    return config, TmpfsMount(tmp_path / "collector")
+
+
+def test_a_textfile_on_a_full_disk_is_disk_full_and_keeps_the_old_file(tmp_path: Path) -> None:
+    """``--textfile`` on a tmpfs filled to its last byte: ``RIVET_STATE_DISK_FULL`` (exit 1)
+    with its own advice (free space), not "a directory this user may create files in";
+    the old text stays and no temporary file is left."""
+    from test_prune_failures import _fill
+
+    config, mount = _small_collector(tmp_path)
     try:
         collector = mount.mount("8k")
         target = collector / "rivet.prom"
@@ -607,3 +616,27 @@ def test_a_textfile_on_a_full_disk_is_disk_full_and_keeps_the_old_file(tmp_path:
     assert (proc.returncode, obj["code"]) == (1, "RIVET_STATE_DISK_FULL"), describe(proc)
     assert str(target) in obj["message"] and "free space" in obj["action"], obj
     assert left == ["filler", "rivet.prom"] and old == "# the old text\n", left
+
+
+def test_a_textfile_where_no_inode_is_left_says_so_not_that_space_is_short(tmp_path: Path) -> None:
+    """``--textfile`` on a tmpfs whose every inode is used (``nr_inodes``), bytes free:
+    ``RIVET_STATE_DISK_FULL`` whose message says no inode is left (a re-check's finding: it
+    said "no space left", and ``df`` showed space)."""
+    config, mount = _small_collector(tmp_path)
+    try:
+        collector = mount.mount("1m,nr_inodes=4")
+        made = 0
+        with contextlib.suppress(OSError):
+            while True:
+                (collector / f"file-{made}").write_text("x")
+                made += 1
+        assert os.statvfs(collector).f_favail == 0 and os.statvfs(collector).f_bavail > 0
+        proc = run_cli_process("-c", str(config), "--json-errors", "metrics", "--textfile",
+                               str(collector / "rivet.prom"))
+        left = sorted(os.listdir(collector))
+    finally:
+        mount.unmount()
+    obj = error_object(proc)
+    assert (proc.returncode, obj["code"]) == (1, "RIVET_STATE_DISK_FULL"), describe(proc)
+    assert "no inode left" in obj["message"] and "no space left for" not in obj["message"], obj
+    assert left == [f"file-{i}" for i in range(made)], left

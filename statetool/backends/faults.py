@@ -45,7 +45,9 @@ def fault(path: Path, err: BaseException) -> StateError | None:
     lowered = text.lower()  # (SQLite's texts matched whatever their case)
     where = {"path": str(path)}
     if number in (errno.ENOSPC, errno.EDQUOT) or any(t in lowered for t in _SQLITE_FULL):
-        return StateError("RIVET_STATE_DISK_FULL", f"no space left for {path} ({text}); nothing was written", where)
+        what = ("no file can be created beside it: its filesystem has no inode left (every file it can hold is "
+                "there, though bytes may be free: remove files there)" if _out_of_inodes(path) else "no space left")
+        return StateError("RIVET_STATE_DISK_FULL", f"{what} for {path} ({text}); nothing was written", where)
     if number in (errno.EROFS, errno.EACCES, errno.EPERM) or any(t in lowered for t in _SQLITE_READONLY):
         if number == errno.EROFS or _read_only_fs(path):
             return StateError("RIVET_STATE_READ_ONLY", f"{path} is on a filesystem mounted read-only; nothing was "
@@ -54,6 +56,19 @@ def fault(path: Path, err: BaseException) -> StateError | None:
             return StateError("RIVET_STATE_PERMISSION_DENIED",
                               f"this user may not write {path} (or its directory): {text}; nothing was written", where)
     return None
+
+
+def _out_of_inodes(path: Path) -> bool:
+    """True when the filesystem of ``path`` (or of its nearest existing parent) counts its
+    files and has none left to give (``statvfs`` ``f_favail`` 0), as a tmpfs mounted with
+    ``nr_inodes`` does: ENOSPC then means no new file, not no byte."""
+    for place in (path, *path.parents):
+        try:
+            st = os.statvfs(place)
+        except OSError:
+            continue
+        return st.f_files > 0 and st.f_favail == 0
+    return False
 
 
 def os_fault(err: OSError) -> StateError | None:
