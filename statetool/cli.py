@@ -340,9 +340,10 @@ def doctor(ctx: typer.Context,
            export: OnlyExport = None, configs: ConfigsGlob = None, state_url_env: StateUrlEnv = None) -> None:
     """Per export: will the next run resume, or be a FIRST RUN?
 
-    Says why for each export, and exits 5 when any next run would be a first run. With
-    several configs (-c more than once, --configs GLOB): every pipeline's exports, and
-    what they share.
+    Says why for each export, and fails when any next run would be a first run or be
+    refused, with the exit code of the reason on top (5; 4 for a damaged checkpoint,
+    state or position row). With several configs (-c more than once, --configs GLOB):
+    every pipeline's exports, and what they share.
     """
     from statetool import render
     from statetool.operations.doctor import doctor as op

@@ -180,7 +180,8 @@ REGISTRY: dict[str, Entry] = {
     ),
     "RIVET_STATE_READ_ONLY": _e(
         "environment", "generic",
-        "the state's filesystem is mounted read-only: mount it read-write (or run only read commands), then re-run; "
+        "the place the message names (the state's filesystem, a checkpoint file's directory) is on a filesystem mounted "
+        "read-only: mount it read-write (or run only read commands), then re-run; "
         "on PostgreSQL, point the state URL at the primary server, or turn default_transaction_read_only off for "
         "the role or database (the message says which)",
     ),
@@ -304,8 +305,9 @@ REGISTRY: dict[str, Entry] = {
         "integrity", "data_integrity",
         "the state's position row for the export named holds no position (JSON null, text that is not JSON, or JSON "
         "nested deeper than 64 levels): "
-        "restore the state from a backup made by statetool, or put the right position back with "
-        "statetool checkpoints export and import; a run never falls back to the checkpoint file while the row is there",
+        "write the right position to the export's checkpoint file and run statetool checkpoints import --export NAME, "
+        "which replaces the row with it (audited, the row's old text kept in the audit row), or restore the state "
+        "from a backup made by statetool; a run never falls back to the checkpoint file while the row is there",
     ),
     "RIVET_STATE_VERIFY_FAILED": _e(
         "integrity", "data_integrity",

@@ -616,8 +616,13 @@ def _candidate(page: Page, found: dict[str, Any], now: datetime) -> None:
 
 def verdict(export: dict[str, Any], own_reasons: bool = True) -> str:
     """What doctor says of one export's next run, from its diagnosis (``doctor --json``'s
-    ``exports[i]``): ``resumes from cursor '…' (4 h old)``, or ``FIRST RUN``, with
+    ``exports[i]``): ``resumes from cursor '…' (4 h old)``, ``REFUSED (CODE): …`` (doctor's
+    words, :func:`~statetool.operations.doctor.next_run_words`), or ``FIRST RUN``, with
     ``(because of the state, above)`` when the export has no reason of its own."""
+    if export["verdict"] == "refused":
+        from statetool.operations.doctor import next_run_words
+
+        return next_run_words(export)
     if export["verdict"] != "resumes":
         return "FIRST RUN" + ("" if own_reasons else " (because of the state, above)")
     words = "resumes" + (f" from {_said(export['resumes_from'], export.get('resumes_from_at'))}"

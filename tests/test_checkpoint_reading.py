@@ -32,7 +32,7 @@ import pytest
 
 from support import describe, error_object, fork_code, process_env, run_cli, tree_digest, write_config
 from support.backends import StateBackend
-from statetool.errors import StateError
+from statetool.errors import StateError, failure_exit_code
 from statetool.operations.checkpoint_file import MAX_CHECKPOINT_BYTES
 from statetool.operations.positions import put_position
 from statetool.runtime import StateStore
@@ -80,11 +80,12 @@ def _listed(store: StateStore, backend: StateBackend) -> dict[str, Any]:
 
 def _doctor_says(store: StateStore, backend: StateBackend, code: str) -> None:
     """``doctor`` gives order_events' checkpoint ``code`` as a reason its next run will not
-    resume (verdict ``first_run``, exit 5), never "resumes" nor a missing file."""
+    resume (verdict ``first_run``, exiting with ``code``'s own exit code: it is the reason on
+    top, as ``--json-errors`` says), never "resumes" nor a missing file."""
     proc = _cli(store, backend, "--json", "doctor", "--export", "order_events")
     (diagnosis,) = json.loads(proc.stdout)["exports"]
     codes = [r["code"] for r in diagnosis["reasons"]]
-    assert (proc.returncode, diagnosis["verdict"]) == (5, "first_run") and code in codes, describe(proc)
+    assert (proc.returncode, diagnosis["verdict"]) == (failure_exit_code(code), "first_run") and code in codes, describe(proc)
     assert "RIVET_STATE_CHECKPOINT_MISSING" not in codes, describe(proc)
 
 

@@ -300,7 +300,7 @@ def _report(ctx: Context, export: Export, stored: dict[str, dict[str, Any]], sta
         differs = file_differs_warning(export.name, place.path, row)
         report.warnings += [differs] if differs is not None else []
         return report
-    if place.warning:
+    if place.warning and invalid is None:  # a row is there: the file is no position to lose (its error says how)
         report.warnings.append(checkpoint_warning(place.warning, export.name, place.path))
     if place.path is not None:
         _read_file(report, place.path)

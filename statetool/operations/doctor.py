@@ -31,7 +31,7 @@ from typing import Any
 
 from statetool.backends import open_leases, orphan_companions
 from statetool.config import Export
-from statetool.errors import EXIT_CODES, REGISTRY, WARNINGS, StateError, StateWarning, unit_failure, worst
+from statetool.errors import REGISTRY, WARNINGS, StateError, StateWarning, failure_exit_code, unit_failure, worst
 from statetool.identity import identity_message, identity_verdict, identity_warning
 from statetool.location import ENV_VAR, Location, resolve_checkpoint
 from statetool.moments import moment, parse_time
@@ -44,13 +44,14 @@ from statetool.operations.probe import (ResumePoint, Snapshot, last_resets, posi
                                         resume_points)
 from statetool.operations.search import search
 
-#: The exit class of a diagnosis in which any export would first-run.
-FIRST_RUN_CLASS = "refusal"
 #: Codes whose presence makes an export's next run a first run.
 FIRST_RUN_CODES = frozenset({"RIVET_STATE_MISSING", "RIVET_EXPORT_NO_PROGRESS", "RIVET_STATE_CHECKPOINT_MISSING",
                              "RIVET_STATE_CHECKPOINT_UNREADABLE", "RIVET_STATE_CHECKPOINT_NOT_A_FILE",
                              "RIVET_STATE_FOREIGN", "RIVET_STATE_RELOCATED", "RIVET_STATE_NOT_A_STATE",
                              "RIVET_STATE_CORRUPT", "RIVET_STATE_DIR_MISSING"})
+#: Codes whose presence makes the runtime refuse an export's next run (verdict ``refused``):
+#: neither a resume nor a first run until someone repairs what the reason names.
+REFUSED_CODES = frozenset({"RIVET_STATE_POSITION_INVALID"})
 
 
 @dataclass
@@ -78,7 +79,8 @@ class Reason:
 
 @dataclass
 class ExportDiagnosis:
-    """The verdict for one export: ``resumes`` (from what, how old) or ``first_run``."""
+    """The verdict for one export: ``resumes`` (from what, how old), ``first_run``, or
+    ``refused`` (a reason of :data:`REFUSED_CODES`: the runtime refuses the run)."""
 
     name: str
     mode: str
@@ -90,7 +92,8 @@ class ExportDiagnosis:
     #: resumes from a finished run, so people read it to the second (issue 12 item 4).
     resumes_from_at: str | None = None
     #: Where a CDC export's position lives, as ``checkpoints`` says it (issue 15 item 5):
-    #: ``state``, ``file`` or ``server_slot``; None for an export that is not CDC.
+    #: ``state``, ``file`` or ``server_slot`` (``unknown`` for a row that holds no position:
+    #: ``RIVET_STATE_POSITION_INVALID``); None for an export that is not CDC.
     stored_in: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -109,32 +112,35 @@ class DoctorResult:
 
     @property
     def exit_code(self) -> int:
-        """0 when every export resumes; the exit code of class refusal (5, SPEC §7) when any
-        would first-run: a first run is refused until someone decides it on purpose. A
-        declared directory that is missing or a file exits as every other command refuses it
-        (``RIVET_STATE_DIR_MISSING``, usage: 1): the fix is the mount or the setting, never
-        ``init`` (docs/decisions.md, "doctor and a missing declared directory")."""
-        if not any(e.verdict == "first_run" for e in self.exports):
-            return 0
-        if any(r["code"] == "RIVET_STATE_DIR_MISSING" for r in self.state.get("reasons", ())):
-            return REGISTRY["RIVET_STATE_DIR_MISSING"].exit_code
-        return EXIT_CODES[FIRST_RUN_CLASS]
+        """0 when every export resumes; else the process exit code of the reason on top
+        (:attr:`worst`, the one ``--json-errors`` reports, so that its ``exit_code`` is the
+        process's): a registered error's own (``RIVET_STATE_CHECKPOINT_UNREADABLE``,
+        ``RIVET_STATE_POSITION_INVALID``: 4; ``RIVET_STATE_MISSING``: 5), a warning's class
+        refusal (5, SPEC §7: a first run is refused until someone decides it on purpose). A
+        declared directory that is missing or a file is on top wherever it is a reason and
+        exits as every other command refuses it (``RIVET_STATE_DIR_MISSING``, usage: 1): the
+        fix is the mount or the setting, never ``init`` (docs/decisions.md, "doctor and a
+        missing declared directory")."""
+        top = self.worst
+        return 0 if top is None else failure_exit_code(top.code)
 
     @property
     def worst(self) -> Reason | None:
-        """The reason that explains the verdict best, for ``--json-errors``: among the
-        first-run exports' reasons, the registered error whose class ranks highest
+        """The reason that explains the verdict best, for ``--json-errors``: a missing
+        declared directory (``RIVET_STATE_DIR_MISSING``) where it is a reason, else among the
+        first-run and refused exports' reasons the registered error whose class ranks highest
         (:func:`statetool.errors.worst`), else the first warning; None when every export resumes."""
-        return _explaining([r for e in self.exports if e.verdict == "first_run" for r in e.reasons])
+        failing = [r for e in self.exports if e.verdict != "resumes" for r in e.reasons]
+        return next((r for r in failing if r.code == "RIVET_STATE_DIR_MISSING"), None) or _explaining(failing)
 
     @property
     def failures(self) -> list[dict[str, Any]]:
         """The ``failures[]`` of ``--json-errors`` (ADR-0039 D2): each export that would
-        start as a first run, with the registered reason whose class ranks highest, else its
+        start as a first run or be refused, with the registered reason whose class ranks highest, else its
         first reason (a warning such as ``RIVET_EXPORT_NO_PROGRESS``)."""
         out = []
         for e in self.exports:
-            reason = _explaining(e.reasons) if e.verdict == "first_run" else None
+            reason = _explaining(e.reasons) if e.verdict != "resumes" else None
             if reason is not None:
                 out.append(unit_failure(e.name, reason.code, reason.message))
         return out
@@ -231,10 +237,14 @@ def _checkpoint(ctx: Context, export: Export, has_progress: bool,
 
 
 def _diagnose(ctx: Context, export: Export, progress: ResumePoint | None, state_reasons: list[Reason],
-              reset: dict[str, Any] | None, stored: dict[str, Any] | None = None) -> ExportDiagnosis:
+              reset: dict[str, Any] | None, stored: dict[str, Any] | None = None,
+              invalid: StateError | None = None) -> ExportDiagnosis:
     """Step 7: one export's verdict from its resume point (None when the state could not be
     read), the state's reasons, its last reset and its CDC position: ``stored``, the one the
-    state holds (revision 0006), is progress of its own, else its checkpoint file's."""
+    state holds (revision 0006), is progress of its own, else its checkpoint file's. A
+    position row that holds no position (``invalid``, its ``RIVET_STATE_POSITION_INVALID``)
+    is this export's reason and verdict ``refused``: its file is not read (a run never
+    falls back to it), and no other export's verdict depends on it."""
     reasons = list(state_reasons)
     resumes_from: str | None = None
     resumes_from_at: str | None = None
@@ -268,15 +278,19 @@ def _diagnose(ctx: Context, export: Export, progress: ResumePoint | None, state_
         if export.mode == "full":
             resumes_from, age, resumes_from_at = "a full read (by design: a full export keeps no position)", None, None
     stored_in = None
-    if export.cdc is not None:
+    if export.cdc is not None and invalid is not None:
+        reasons.append(Reason(invalid.code, invalid.message, dict(invalid.details)))
+        stored_in = "unknown"
+    elif export.cdc is not None:
         cdc_reasons, position, position_age = _checkpoint(ctx, export, bool(progress and progress.has_progress),
                                                           stored)
         reasons += cdc_reasons
         if position is not None and progress is not None and (progress.has_progress or stored is not None):
             resumes_from, age, resumes_from_at = position, position_age, None
         stored_in = stored_in_of(export, stored is not None)
-    first = any(r.code in FIRST_RUN_CODES for r in reasons)
-    return ExportDiagnosis(export.name, export.mode, "first_run" if first else "resumes",
+    refused = any(r.code in REFUSED_CODES for r in reasons)
+    first = refused or any(r.code in FIRST_RUN_CODES for r in reasons)
+    return ExportDiagnosis(export.name, export.mode, "refused" if refused else "first_run" if first else "resumes",
                            None if first else resumes_from, None if first else age, reasons,
                            None if first else resumes_from_at, stored_in)
 
@@ -308,8 +322,12 @@ class Planned:
 
 def next_run_words(diagnosis: dict[str, Any]) -> str:
     """What the next run does, in words, from one export's diagnosis (``doctor --json``'s
-    ``exports[i]``): ``FIRST RUN: reads everything from the start``, or ``resumes from …``
-    (``next_run`` of ``exports set-cursor``/``reset``, their dry runs alike)."""
+    ``exports[i]``): ``FIRST RUN: reads everything from the start``, ``REFUSED (CODE): …``
+    (the reason of :data:`REFUSED_CODES`, its message saying how to repair), or ``resumes
+    from …`` (``next_run`` of ``exports set-cursor``/``reset``, their dry runs alike)."""
+    if diagnosis["verdict"] == "refused":
+        reason = next(r for r in diagnosis["reasons"] if r["code"] in REFUSED_CODES)
+        return f"REFUSED ({reason['code']}): {reason['message']}"
     if diagnosis["verdict"] != "resumes":
         return "FIRST RUN: reads everything from the start"
     return f"resumes from {diagnosis['resumes_from']}" if diagnosis["resumes_from"] else "resumes"
@@ -325,6 +343,8 @@ class _Read:
     resets: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: The CDC positions the state holds (revision 0006), per export.
     positions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Each export whose position row holds no position: its ``RIVET_STATE_POSITION_INVALID``.
+    invalid: dict[str, StateError] = field(default_factory=dict)
 
 
 def _where(location: Location) -> dict[str, Any]:
@@ -361,7 +381,7 @@ def _read_state(ctx: Context, names: list[str], state_reasons: list[Reason]) -> 
                 if read.snap.known:
                     read.progress = resume_points(conn, read.snap.tables, names)
                     read.resets = last_resets(conn, read.snap.tables)
-                    read.positions = position_rows(conn, read.snap.tables)
+                    read.positions = position_rows(conn, read.snap.tables, read.invalid)
     except StateError as err:
         if err.code in {r.code for r in state_reasons}:
             present = False  # a declared directory that is missing, already a reason
@@ -442,7 +462,8 @@ def doctor(ctx: Context, export: str | None = None, planned: Planned | None = No
         read.progress[planned.export], read.resets[planned.export] = planned.applied(
             read.progress[planned.export], read.resets.get(planned.export))
     diagnoses = [_diagnose(ctx, e, read.progress.get(e.name) if known else None, state_reasons,
-                           read.resets.get(e.name), read.positions.get(e.name)) for e in exports]
+                           read.resets.get(e.name), read.positions.get(e.name), read.invalid.get(e.name))
+                 for e in exports]
     for path, names in shared_files(ctx).items():
         for diagnosis in diagnoses:
             if diagnosis.name in names:

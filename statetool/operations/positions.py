@@ -42,7 +42,7 @@ from statetool.operations.checkpoint_file import (MAX_CHECKPOINT_BYTES, MAX_POSI
                                                    value_depth)
 from statetool.operations.checkpoints import shared_checkpoint
 from statetool.operations.context import Context, now_iso
-from statetool.operations.probe import position_text
+from statetool.operations.probe import decode_position, position_text
 
 #: The steps ``checkpoints import`` announces to :attr:`Context.on_step` for each export it
 #: moves, in order: the run lease held and the transaction open, the position written and
@@ -357,11 +357,12 @@ def import_positions(ctx: Context, export: str | None = None, *, dry_run: bool =
     warnings: list[StateWarning] = []
     for f in files:
         held = stored.get(f.export)
-        if held is not None and json.loads(held) != f.position:
-            skipped.append({"export": f.export, "why": _HOLDS_ANOTHER})
+        why = None if held is None else _leaves(f.export, held, f.position, named=export is not None)
+        if why is not None:
+            skipped.append({"export": f.export, "why": why})
             continue
         warnings += tolerate_read_only(lambda path=f.path: require_renamable(path), dry_run=dry_run)
-        if held is None:
+        if held is None or _holds_none(f.export, held):
             warnings += require_writable(ctx, dry_run=dry_run)
         moving.append(f)
     if dry_run:
@@ -369,8 +370,33 @@ def import_positions(ctx: Context, export: str | None = None, *, dry_run: bool =
         return MoveResult("into_state", moved, skipped, dry_run, _once(warnings))
     moved = []
     for f in moving:
-        _record(_import_one(ctx, f.export, f.engine, f.path), moved, skipped)
+        _record(_import_one(ctx, f.export, f.engine, f.path, named=export is not None), moved, skipped)
     return MoveResult("into_state", moved, skipped, dry_run)
+
+
+def _holds_none(name: str, held: str) -> bool:
+    """Whether the state's position row ``held`` (its JSON text) of CDC export ``name``
+    holds no position (``RIVET_STATE_POSITION_INVALID``, :func:`decode_position`)."""
+    try:
+        decode_position(name, held)
+    except StateError:
+        return True
+    return False
+
+
+def _leaves(name: str, held: str, position: object, *, named: bool) -> str | None:
+    """Why the import leaves CDC export ``name`` as it is, the state's row holding ``held``
+    (its JSON text) and the file ``position``; None when it moves. A row holding the
+    file's very position moves (the rename is what is left to do); another position is
+    never replaced (:data:`_HOLDS_ANOTHER`); a row that holds no position
+    (``RIVET_STATE_POSITION_INVALID``) is replaced only when the export was named
+    (``--export NAME``: on purpose, one export at a time; docs/decisions.md, "Replacing a
+    position row that holds none")."""
+    if _holds_none(name, held):
+        return None if named else (f"the state's position row of {name} holds no position "
+                                   "(RIVET_STATE_POSITION_INVALID); to replace it with this file's: statetool "
+                                   f"checkpoints import --export {shlex.quote(name)}")
+    return None if decode_position(name, held) == position else _HOLDS_ANOTHER
 
 
 def _once(warnings: list[StateWarning]) -> tuple[StateWarning, ...]:
@@ -399,13 +425,15 @@ def kept_path(path: Path) -> Path:
     return kept
 
 
-def _import_one(ctx: Context, name: str, engine: str, path: Path) -> Moved | dict[str, str]:
+def _import_one(ctx: Context, name: str, engine: str, path: Path, *, named: bool = False) -> Moved | dict[str, str]:
     """Move CDC export ``name``'s position from its checkpoint file ``path`` into the state
     in one guarded write under its run lease, deciding there: the file and the state's row
     are read in the write's transaction, so that a position a run committed while this
     waited for the lease is never overwritten, nor a file another import renamed read. The
-    state holding no position: the file's text is written, read back and audited. The state
-    holding the file's very position (a re-run after a kill between the commit and the
+    state holding no position, or (``named``: ``--export NAME``) a row that holds none
+    (``RIVET_STATE_POSITION_INVALID``): the file's text is written, read back and audited,
+    the replaced row's text in the audit row (``replaced``). The state holding the file's
+    very position (a re-run after a kill between the commit and the
     rename): nothing is written. Either way the file is renamed ``<name>.imported-<time>``
     after the commit, still under the lease: an export between the commit and the rename
     would write the file back and remove the row, then see the file renamed away (no
@@ -420,17 +448,19 @@ def _import_one(ctx: Context, name: str, engine: str, path: Path) -> Moved | dic
             return {"export": name, "why": f"no file at {path}"}
         kept = kept_path(path)
         held = position_text(session.reader, session.snapshot.tables, name)
-        if held is not None and json.loads(held) != position:
-            return {"export": name, "why": _HOLDS_ANOTHER}
-        if held is None:
+        why = None if held is None else _leaves(name, held, position, named=named)
+        if why is not None:
+            return {"export": name, "why": why}
+        if held is None or _holds_none(name, held):
             session.warnings = session.claim()
             session.advance()
             put_position(session.conn, name, engine, text)
             if position_text(session.reader, session.snapshot.tables, name) != text:
                 raise StateError("RIVET_STATE_VERIFY_FAILED", f"the position of {name} read back from the state is "
                                  "not the file's; nothing was changed")
+            replaced = {} if held is None else {"replaced": held}
             session.audit("checkpoints.import", {"export": name, "file": str(path), "position": position,
-                                                 "kept_as": str(kept)})
+                                                 "kept_as": str(kept), **replaced})
             ctx.on_step("stored")
         session.after_commit(lambda: _rename(name, path, kept, ctx.on_step))
     return Moved(name, str(path), position, str(kept))

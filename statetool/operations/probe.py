@@ -17,6 +17,7 @@ and the backend binds the parameters in its driver's style.
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -462,7 +463,9 @@ def decode_position(export: str, text: str) -> object:
 
 def _invalid(export: str, held: str) -> StateError:
     return StateError("RIVET_STATE_POSITION_INVALID", f"the state's position row for CDC export {export} holds "
-                      f"{held}; a run of {export} is refused until it holds one", {"export": export})
+                      f"{held}; a run of {export} is refused until it holds one: write the right position to its "
+                      f"checkpoint file, then statetool checkpoints import --export {shlex.quote(export)} replaces "
+                      "the row with it", {"export": export})
 
 
 def position_text(conn: Reader, tables: frozenset[str], export: str) -> str | None:
