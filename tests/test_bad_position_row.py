@@ -191,3 +191,30 @@ def test_read_only_names_the_place_the_message_gives_not_only_the_states_filesys
     action = REGISTRY["RIVET_STATE_READ_ONLY"].action
     assert not action.startswith("the state's filesystem is mounted read-only"), action
     assert "the place the message names" in action and "checkpoint" in action, action
+
+
+@pytest.mark.parametrize("bad", (*BAD, "not json{"), ids=("deep", "null", "not-json"))
+def test_checkpoints_export_of_a_bad_row_writes_nothing_and_still_moves_the_others(
+        bad: str, state_backend: StateBackend, request: pytest.FixtureRequest) -> None:
+    """A re-check's finding: ``null`` was written to the file (then refused as unreadable),
+    a row that is not JSON was RIVET_INTERNAL, a deep one RIVET_STATE_POSITION_TOO_DEEP; and
+    the other export could not be exported either. Named, the bad export is refused as
+    what it is (POSITION_INVALID, exit 4) before a byte is written; not named, it is
+    skipped saying why, and the other export moves back to its file."""
+    config, admin_url = _bad_pipeline(state_backend, request, bad)
+    place = config.parent / "checkpoints"
+    for dry in (("--dry-run",), ()):
+        before = tree_digest(config.parent)
+        proc = _run(state_backend, config, "checkpoints", "export", "--export", "order_events", *dry)
+        err = error_object(proc)
+        assert (proc.returncode, err["code"]) == (4, "RIVET_STATE_POSITION_INVALID"), describe(proc)
+        assert "checkpoints import --export order_events" in err["message"], err
+        assert tree_digest(config.parent) == before and _row(state_backend, admin_url) == bad
+    plan = _ok(state_backend, config, "checkpoints", "export", "--dry-run")
+    assert [m["export"] for m in plan["moved"]] == ["ev2"], plan
+    (skipped,) = [s for s in plan["skipped"] if s["export"] == "order_events"]
+    assert "RIVET_STATE_POSITION_INVALID" in skipped["why"] and "no position to write back" in skipped["why"]
+    done = _ok(state_backend, config, "checkpoints", "export")
+    assert [m["export"] for m in done["moved"]] == ["ev2"], done
+    assert json.loads((place / "ev2.json").read_text()) == EV2
+    assert not (place / "order_events.json").exists() and _row(state_backend, admin_url) == bad

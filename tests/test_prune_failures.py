@@ -168,7 +168,10 @@ def test_an_archive_whose_disk_fills_mid_member_keeps_whole_members_of_committed
     assert again.returncode == 0 and json.loads(again.stdout)["removed"]["rivet_runs"] == 1999, describe(again)
 
 
-def test_ctrl_c_in_batch_3_says_on_its_way_out_which_two_batches_were_committed(tmp_path: Path) -> None:
+def _interrupted_at(tmp_path: Path, point: str) -> tuple[str, dict[str, set[Any]], set[tuple[str, int]], Path]:
+    """A prune of 100 runs in batches of 20, archived, whose step ``point`` raises
+    KeyboardInterrupt (Ctrl-C): ``(the one line it logged, the rows removed per table, the
+    committed batches by their audit rows, the archive)``."""
     from statetool.operations.context import Context
     from statetool.operations.retention import prune_history
 
@@ -177,7 +180,7 @@ def test_ctrl_c_in_batch_3_says_on_its_way_out_which_two_batches_were_committed(
     archive = tmp_path / "history.jsonl.gz"
 
     def interrupt_at(step: str) -> None:
-        if step == "deleted-3":  # archived and deleted, not yet committed
+        if step == point:
             raise KeyboardInterrupt
 
     said: list[str] = []
@@ -185,12 +188,25 @@ def test_ctrl_c_in_batch_3_says_on_its_way_out_which_two_batches_were_committed(
     with pytest.raises(KeyboardInterrupt):
         prune_history(ctx, keep_runs=0, batch_size=20, archive=archive)
     (note,) = said
+    return note, _removed(before, table_rows(config, env)), committed_batches(config, env), archive
+
+
+def test_ctrl_c_in_batch_3_says_on_its_way_out_which_two_batches_were_committed(tmp_path: Path) -> None:
+    note, removed, committed, archive = _interrupted_at(tmp_path, "deleted-3")  # archived, deleted, not committed
     assert "was interrupted" in note and "batch 3 was rolled back" in note and "2 batches" in note, note
     assert "40 runs" in note and str(archive) in note and "run the same prune again" in note, note
-    removed = _removed(before, table_rows(config, env))
     assert len(removed["rivet_runs"]) == 40
-    assert _keys(read_archive(archive, committed_batches(config, env))) == removed, \
+    assert _keys(read_archive(archive, committed)) == removed, \
         "the member of batch 3 was cut away: whole members of the committed batches only"
+
+
+def test_ctrl_c_after_a_batch_committed_and_before_it_was_counted_says_it_committed(tmp_path: Path) -> None:
+    """The full suite's real SIGINT once landed there: the message said batch 2 was rolled
+    back while its audit row was in the state. The state's audit rows are the word."""
+    note, removed, committed, archive = _interrupted_at(tmp_path, "landed-2")
+    assert "2 batches before it were committed" in note and "rolled back" not in note and "40 runs" in note, note
+    assert len(committed) == 2 and len(removed["rivet_runs"]) == 40
+    assert _keys(read_archive(archive, committed)) == removed, "batch 2's member is kept: it committed"
 
 
 def test_a_real_sigint_after_committed_batches_exits_130_saying_what_was_committed(tmp_path: Path) -> None:

@@ -495,8 +495,10 @@ def export_positions(ctx: Context, export: str | None = None, *, dry_run: bool =
     that is not that position stands at the file's place; the place can be written): an
     export with nothing to move takes no lease and changes no byte. Each move is then made
     by :func:`_export_one`, which decides again under its run lease; the dry run stops
-    before them. Raises ``RIVET_EXPORT_UNKNOWN``, ``RIVET_STATE_CHECKPOINT_SHARED``,
-    :func:`_refuse_unfit`'s codes and a guarded write's codes."""
+    before them. An export whose row holds no position is skipped, saying why, and refused
+    (``RIVET_STATE_POSITION_INVALID``, exit 4) when it is the one named. Raises
+    ``RIVET_EXPORT_UNKNOWN``, ``RIVET_STATE_CHECKPOINT_SHARED``, :func:`_refuse_unfit`'s
+    codes and a guarded write's codes."""
     from statetool.operations.writes import require_writable, tolerate_read_only
 
     stored = _stored(ctx)
@@ -508,7 +510,13 @@ def export_positions(ctx: Context, export: str | None = None, *, dry_run: bool =
         if text is None or path is None:
             skipped.append({"export": name, "why": _HOLDS_NONE if text is None else "no checkpoint file is configured"})
             continue
-        position = _refuse_unfit(name, path, text)  # before any lease is taken
+        try:
+            position = _refuse_unfit(name, path, text)  # before any lease is taken
+        except StateError as err:
+            if export is not None or err.code != "RIVET_STATE_POSITION_INVALID":
+                raise
+            skipped.append({"export": name, "why": f"{err.message} ({err.code}); there is no position to write back"})
+            continue
         warnings += tolerate_read_only(lambda p=path, t=text: _writable_place(p, len(t.encode())), dry_run=dry_run)
         warnings += require_writable(ctx, dry_run=dry_run)
         moving.append((name, path, position))
@@ -531,9 +539,12 @@ def _refuse_unfit(name: str, path: Path, text: str) -> object:
     ``path``, never followed nor replaced, SPEC §8a); ``RIVET_STATE_TARGET_NOT_EMPTY`` (a
     file at ``path`` that holds another position, or none at all: not JSON, not a
     position, too large; no checkpoint file of this export, which the export must not
-    replace, finding 4)."""
+    replace, finding 4); and first ``RIVET_STATE_POSITION_INVALID`` for a row that holds no
+    position (``null``, not JSON, nested deeper than a position may: :func:`decode_position`),
+    which no file can take back (a re-check's finding: ``null`` was written to the file, text
+    that is not JSON was RIVET_INTERNAL, a deep row RIVET_STATE_POSITION_TOO_DEEP)."""
+    position = decode_position(name, text)
     require_fits(name, text, held=True)
-    position = json.loads(text)
     if not os.path.lexists(path):
         return position
     kind = os.lstat(path).st_mode

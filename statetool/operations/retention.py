@@ -433,7 +433,7 @@ class _Run:
                     raise _NothingLeft
                 if self.archive is not None:
                     self.archive.append(number, table, rows)
-                    session.on_abort(self.archive.withdraw)
+                    session.on_abort(lambda n=number: None if self._audited(n) else self.archive.withdraw())
                     self.ctx.on_step(f"archived-{number}")
                 _delete(session.conn, table, [row[_KEYS[table]] for row in rows])
                 self.ctx.on_step(f"deleted-{number}")
@@ -448,6 +448,7 @@ class _Run:
         except _NothingLeft:
             self.failing = None
             return last, 0
+        self.ctx.on_step(f"landed-{number}")  # committed, not yet counted: the window settle() closes
         self.failing = None
         self.batches = number
         counts = self.committed.setdefault(name, {t: 0 for t in TABLES})
@@ -457,10 +458,43 @@ class _Run:
         self.update(self.done, self.total)
         return last, len(rows)
 
+    def _audited(self, number: int) -> dict[str, Any] | None:
+        """The ``prune`` audit row's detail of this prune's batch ``number``, read from the
+        state (None: the batch did not commit). The state's word, not this run's
+        bookkeeping: a Ctrl-C or a fault can land after a batch's commit and before the run
+        counted it, and then neither its archive member may be cut away nor the batch be
+        called rolled back (a re-check's finding). None too when the state cannot be read."""
+        try:
+            with self.ctx.backend().reading() as conn:
+                rows = conn.rows("SELECT detail FROM rivet_audit WHERE action = 'prune' AND detail LIKE :p",
+                                 {"p": f"%{self.prune_id}%"})
+        except StateError:
+            return None
+        for (text,) in rows:
+            detail = json.loads(text)
+            if detail.get("prune_id") == self.prune_id and detail.get("batch") == number:
+                return dict(detail)
+        return None
+
+    def settle(self) -> None:
+        """Count the batch under way (:attr:`failing`) as committed when the state holds its
+        audit row (:meth:`_audited`)."""
+        if self.failing is None:
+            return
+        detail = self._audited(self.failing)
+        if detail is None:
+            return
+        counts = self.committed.setdefault(str(detail["export"]), {t: 0 for t in TABLES})
+        for table, n in dict(detail["removed"]).items():
+            counts[table] += int(n)
+        self.batches, self.failing = self.failing, None
+
     def _done(self) -> tuple[str, str, dict[str, int]]:
         """What was done before a stop: ``(the words, how to finish, rows removed per
         table)``; the words name the batch rolled back, the committed and audited batches
-        with their rows per table and export, and the archive's whole members."""
+        with their rows per table and export, and the archive's whole members. The batch
+        under way is first settled by the state's audit rows (:meth:`settle`)."""
+        self.settle()
         removed = {t: sum(c[t] for c in self.committed.values()) for t in TABLES}
         per_export = "; ".join(f"{name}: {_rows_text(c)}" for name, c in self.committed.items())
         stopped = f"batch {self.failing} was rolled back, and " if self.failing is not None else ""
@@ -690,6 +724,7 @@ def prune_history(ctx: Context, *, before: str | None = None, keep_runs: int | N
                 report.exports = [run.export(p, wait=export is not None) if p.state == "planned" else p
                                   for p in planned]
             except BaseException as exc:
+                run.settle()
                 if not run.batches:
                     raise  # nothing was committed: the error says so, as it is
                 if interrupted(exc):  # Ctrl-C: say what was done, on the way out
