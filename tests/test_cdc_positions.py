@@ -178,8 +178,13 @@ def test_checkpoints_import_then_the_runtime_reads_the_state_and_export_gives_th
     kept = Path(moved["kept_as"])
     assert not checkpoint.exists() and kept.read_bytes() == original and kept.name.startswith("order_events.json.")
     kept.write_text("{broken")  # the renamed file is never read again
+    with store.ctx.backend().reading() as conn:
+        imported_token = conn.scalar("SELECT fencing_token FROM rivet_cdc_positions WHERE export_name = :e",
+                                     {"e": "order_events"})
     with store.run("order_events", "cdc") as run:
         assert run.read_position() == POSITION
+        assert imported_token is not None and run.token is not None and imported_token < run.token, \
+            "the imported row records the fencing token of the run lease the import held (a re-check's finding)"
     again = cli("import")
     assert again["moved"] == [] and [s["export"] for s in again["skipped"]] == ["order_events"]  # type: ignore[index]
     back = cli("export")

@@ -42,6 +42,7 @@ from statetool.operations.checkpoint_file import (MAX_CHECKPOINT_BYTES, MAX_POSI
                                                    value_depth)
 from statetool.operations.checkpoints import shared_checkpoint
 from statetool.operations.context import Context, now_iso
+from statetool.operations.leasing import run_lease_key
 from statetool.operations.probe import decode_position, position_text
 
 #: The steps ``checkpoints import`` announces to :attr:`Context.on_step` for each export it
@@ -454,7 +455,8 @@ def _import_one(ctx: Context, name: str, engine: str, path: Path, *, named: bool
         if held is None or _holds_none(name, held):
             session.warnings = session.claim()
             session.advance()
-            put_position(session.conn, name, engine, text)
+            lease = next((held for held in session.leases if held.key == run_lease_key(name)), None)
+            put_position(session.conn, name, engine, text, token=None if lease is None else lease.token)
             if position_text(session.reader, session.snapshot.tables, name) != text:
                 raise StateError("RIVET_STATE_VERIFY_FAILED", f"the position of {name} read back from the state is "
                                  "not the file's; nothing was changed")
