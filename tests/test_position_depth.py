@@ -261,9 +261,13 @@ def test_a_stored_row_deeper_than_the_limit_is_invalid_for_its_export_only(
     check = _run(state_backend, config, "--json", "check")
     assert check.returncode == 4 and "RIVET_STATE_POSITION_INVALID" in check.stdout, describe(check)
     before = tree_digest(config.parent)
-    err = _refused(state_backend, config, "RIVET_STATE_POSITION_TOO_DEEP", "checkpoints", "export")
-    assert "stays in the state" in err["message"], err
-    _refused(state_backend, config, "RIVET_STATE_POSITION_TOO_DEEP", "checkpoints", "export", "--dry-run")
+    # an older release's row is no position, nor a position too deep for a file: named, the
+    # export of it is refused as what it is (a re-check's finding; not named, it is skipped:
+    # tests/test_bad_position_row.py)
+    for dry in ((), ("--dry-run",)):
+        err = _refused(state_backend, config, "RIVET_STATE_POSITION_INVALID", "checkpoints", "export", "--export",
+                       "order_events", *dry)
+        assert f"{depth} levels" in err["message"] and "checkpoints import --export" in err["message"], err
     _refused(state_backend, config, "RIVET_STATE_POSITION_INVALID", "export")
     assert tree_digest(config.parent) == before
 
