@@ -175,18 +175,12 @@ class Location(NamedTuple):
 
     def same_state_key(self) -> tuple[object, ...]:
         """What two locations share exactly when they are one state (issue 16 item 1):
-        a SQLite file's identity, ``("sqlite", st_dev, st_ino)`` of the real state file when
-        it exists (so a symlinked directory, a hard link and a bind mount are all found),
-        else ``("sqlite", its real path)`` (every symlink followed); a PostgreSQL
+        a SQLite file's :func:`file_identity` (so a symlinked directory, a hard link and a
+        bind mount are all found); a PostgreSQL
         ``("postgres", server, schema)`` (:attr:`server`). Reads one ``stat``."""
         if self.path is None:
             return ("postgres", self.server, self.schema)
-        real = os.path.realpath(self.path)
-        try:
-            st = os.stat(real)
-        except OSError:
-            return ("sqlite", real)
-        return ("sqlite", st.st_dev, st.st_ino)
+        return ("sqlite", *file_identity(self.path))
 
     def as_dict(self) -> dict[str, object]:
         """JSON shape: ``{backend, scope, origin, path, directory, url, schema, display}``."""
@@ -413,6 +407,19 @@ def _check_conninfo(raw: str, url: str) -> None:
     except ProgrammingError:
         raise _url_invalid(raw, "does not parse for libpq (a '%' must start %XX with two hex digits, "
                                 "and %00 is never allowed)") from None
+
+
+def file_identity(path: Path | str) -> tuple[object, ...]:
+    """Which file ``path`` names, the one rule by which two names are one file (a state
+    file of two pipelines, SPEC §1; a checkpoint file of two CDC exports, SPEC §6, §5a):
+    ``("inode", st_dev, st_ino)`` where a file is there (through every symlink; a hard link
+    and a bind mount are the same file), else ``("path", real path)`` (through every
+    symlink and ``..``: where a file would be written). Reads nothing but ``stat``."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ("path", os.path.realpath(path))
+    return ("inode", st.st_dev, st.st_ino)
 
 
 def _canonical_host(host: str) -> str:

@@ -21,7 +21,7 @@ _SQLITE_READONLY = ("attempt to write a readonly database", "unable to open data
 _SQLITE_FULL = ("database or disk is full", "disk i/o error")
 
 
-def _read_only_fs(path: Path) -> bool:
+def read_only_fs(path: Path) -> bool:
     """True when the filesystem holding ``path`` (or its nearest existing parent) is
     mounted read-only (statvfs ``ST_RDONLY``)."""
     probe = path
@@ -49,7 +49,7 @@ def fault(path: Path, err: BaseException) -> StateError | None:
                 "there, though bytes may be free: remove files there)" if _out_of_inodes(path) else "no space left")
         return StateError("RIVET_STATE_DISK_FULL", f"{what} for {path} ({text}); nothing was written", where)
     if number in (errno.EROFS, errno.EACCES, errno.EPERM) or any(t in lowered for t in _SQLITE_READONLY):
-        if number == errno.EROFS or _read_only_fs(path):
+        if number == errno.EROFS or read_only_fs(path):
             return StateError("RIVET_STATE_READ_ONLY", f"{path} is on a filesystem mounted read-only; nothing was "
                               "written", where)
         if number is not None or not os.access(path if os.path.exists(path) else path.parent, os.W_OK):
@@ -82,7 +82,7 @@ def os_fault(err: OSError) -> StateError | None:
     if err.filename is None:
         return None
     path = Path(os.fsdecode(err.filename))
-    if err.errno in (errno.EACCES, errno.EPERM) and not _read_only_fs(path):
+    if err.errno in (errno.EACCES, errno.EPERM) and not read_only_fs(path):
         return denied(path, "open")
     if err.errno == errno.ELOOP:
         return StateError("RIVET_STATE_UNSAFE_FILE", f"{path} is a symlink where statetool follows none; "
@@ -136,7 +136,7 @@ def refuse_unwritable(path: Path, *, directories: tuple[Path, ...], need: int,
     mounted ``size=0``, has no free count to hold a write against)."""
     refuse_no_files(path, directories[0])
     exists = os.path.lexists(path)
-    if _read_only_fs(path if exists else directories[0]):
+    if read_only_fs(path if exists else directories[0]):
         raise StateError("RIVET_STATE_READ_ONLY", f"{path if exists else directories[0]} is on a filesystem mounted "
                          "read-only; nothing was written", {"path": str(path)})
     wanted = [(d, os.W_OK | os.X_OK) for d in directories if os.path.isdir(d)] + ([(path, os.W_OK)] if exists else [])

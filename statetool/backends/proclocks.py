@@ -31,10 +31,10 @@ def lock_holders(path: Path, *, sqlite_only: bool = False) -> set[int] | None:
         return None if not PROC_LOCKS.exists() else set()
     except OSError:
         return None
-    if sqlite_only:
-        entries = _entries(st)
-        return None if entries is None else {pid for kind, pid in entries if kind == "POSIX"}
-    return lock_holders_of(st)
+    if not sqlite_only:
+        return lock_holders_of(st)
+    entries = _entries(st)
+    return None if entries is None else {pid for kind, pid in entries if kind == "POSIX"}
 
 
 def lock_holders_of(st: os.stat_result) -> set[int] | None:

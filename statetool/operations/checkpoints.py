@@ -13,7 +13,7 @@ from typing import Any
 
 from statetool.config import Export
 from statetool.errors import StateError, StateWarning
-from statetool.location import checkpoint_relative_message, resolve_checkpoint
+from statetool.location import checkpoint_relative_message, file_identity, resolve_checkpoint
 from statetool.moments import moment, parse_time
 from statetool.operations.checkpoint_file import read_checkpoint
 from statetool.operations.context import Context
@@ -122,18 +122,6 @@ def stored_in_of(export: Export, in_state: bool) -> str:
     if in_state:
         return "state"
     return "server_slot" if not export.cdc.checkpoint and export.cdc.engine == "postgres" else "file"
-
-
-def file_identity(path: Path | str) -> tuple[object, ...]:
-    """Which file the checkpoint path ``path`` names, the one rule by which two CDC exports
-    share one (SPEC §6, §5a): ``("inode", st_dev, st_ino)`` where a file is there (through
-    every symlink; a hard link is the same file), else ``("path", real path)`` (through
-    every symlink and ``..``: where a file would be written). Reads nothing but ``stat``."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return ("path", os.path.realpath(path))
-    return ("inode", st.st_dev, st.st_ino)
 
 
 def shared_files(ctx: Context, export: str | None = None) -> dict[str, list[str]]:

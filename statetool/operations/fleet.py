@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from statetool.backends.faults import os_fault
 from statetool.errors import (REGISTRY, STOP_RANK, WARNINGS, StateError, error_object, failure_exit_code,
                               failure_object, pipeline_failure, worst_exit_code)
-from statetool.location import ENV_VAR, Location, resolve_checkpoint
-from statetool.operations.checkpoints import file_identity
+from statetool.location import ENV_VAR, Location, file_identity, resolve_checkpoint
 from statetool.operations.context import Context, ProgressFactory, no_progress
 
 if TYPE_CHECKING:
@@ -350,7 +349,7 @@ def _shared_states(facts: list[tuple[str, Location, PipelineConfig, str]]) -> li
 
 def _shared_checkpoints(facts: list[tuple[str, Location, PipelineConfig, str]]) -> list[Finding]:
     """Checkpoint files of two or more pipelines (one file by the one rule,
-    :func:`~statetool.operations.checkpoints.file_identity`, named by the real path of its
+    :func:`~statetool.location.file_identity`, named by the real path of its
     first user), and checkpoint directories they share."""
     by_identity: dict[tuple[object, ...], str] = {}
     files: dict[str, list[tuple[str, str]]] = {}

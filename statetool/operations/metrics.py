@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from statetool.backends.durable import fitting_name, regular_or_nothing, replace_whole
-from statetool.backends.faults import fault, os_fault, refuse_no_files
+from statetool.backends.faults import fault, os_fault, read_only_fs, refuse_no_files
 from statetool.errors import (StateError, error_object, failure_class, failure_exit_code, internal_error,
                               pipeline_failure, worst)
 from statetool.moments import parse_time
@@ -276,7 +276,7 @@ def textfile_path(path: Path) -> Path:
         raise unwritable(path, "it is a file, not a directory")
     refuse_no_files(path, path.parent)
     if not os.access(path.parent, os.W_OK | os.X_OK):
-        why = "it is on a filesystem mounted read-only" if os.statvfs(path.parent).f_flag & os.ST_RDONLY \
+        why = "it is on a filesystem mounted read-only" if read_only_fs(path.parent) \
             else f"this user (uid {os.geteuid()}) may not create files there"
         raise unwritable(path, why)
     regular_or_nothing(path, "metrics replaces only a regular file there")
