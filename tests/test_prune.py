@@ -281,6 +281,26 @@ def _stopped(proc: Any, out: Path, stop: Path) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+def test_a_dry_run_beside_a_live_run_skips_its_export_as_the_real_run_does(state_backend: StateBackend,
+                                                                           tmp_path: Path) -> None:
+    """A fresh user's finding: the dry run counted the export whose run lease was live,
+    which the real run then skipped; both now agree, holder and warning included."""
+    config, env = _history(state_backend)
+    proc, out, stop = _live_run(config, env, tmp_path)
+    try:
+        plan = run_cli_forked("-c", str(config), "--json", "prune", "--keep-runs", "3", "--dry-run", env=env)
+    finally:
+        _stopped(proc, out, stop)
+    assert plan.returncode == 0, describe(plan)
+    doc = json.loads(plan.stdout)
+    jsonschema.validate(doc, SCHEMA)
+    orders = {e["export"]: e for e in doc["exports"]}["orders"]
+    assert orders["state"] == "skipped" and orders["holder"] and str(proc.pid) in orders["holder"], orders
+    assert orders["removed"] == {"rivet_runs": 0, "rivet_load_ledger": 0}, orders
+    assert [w["code"] for w in doc["warnings"]] == ["RIVET_STATE_PRUNE_SKIPPED"], doc["warnings"]
+    assert doc["removed"]["rivet_runs"] == sum(e["removed"]["rivet_runs"] for e in doc["exports"])
+
+
 def test_a_live_run_is_never_blocked_a_second_and_its_own_export_is_skipped(state_backend: StateBackend,
                                                                              tmp_path: Path) -> None:
     config, env = _history(state_backend)

@@ -384,6 +384,28 @@ def _pause(backend: Backend, contended: bool) -> None:
         time.sleep(backend.writer_retry_seconds * _PAUSE_FACTOR)
 
 
+def _skipped(plan: ExportPrune, holder: str, warnings: list[StateWarning]) -> ExportPrune:
+    """``plan``'s export skipped, as its run lease is live (``holder``: who holds it):
+    nothing removed, every row kept, warning ``RIVET_STATE_PRUNE_SKIPPED`` added to
+    ``warnings``; the real run's and the dry run's alike."""
+    warnings.append(StateWarning("RIVET_STATE_PRUNE_SKIPPED",
+                                 f"export {plan.export} was not pruned: its run lease is held by {holder}"))
+    kept = {t: plan.kept[t] + plan.removed[t] for t in TABLES}
+    return ExportPrune(plan.export, "skipped", {t: 0 for t in TABLES}, kept, dict(plan.protected), holder=holder)
+
+
+def _foreseen(ctx: Context, planned: list[ExportPrune], warnings: list[StateWarning]) -> list[ExportPrune]:
+    """A dry run's exports as the real run (which takes no lease it must wait for) will
+    find them: one whose run lease is live now is skipped (:func:`_skipped`), read from the
+    lease table without taking any lock (a fresh user's finding: the dry run counted it)."""
+    from statetool.operations.leasing import list_leases
+
+    live = {row["export"]: f"pid {row['holder_pid']} on {row['host']} ({row['command']})"
+            for row in list_leases(ctx).live if row["export"] is not None}
+    return [_skipped(p, live[p.export], warnings) if p.state == "planned" and p.export in live else p
+            for p in planned]
+
+
 @dataclass
 class _Run:
     """One real prune in progress: what every batch needs."""
@@ -538,11 +560,7 @@ class _Run:
         except StateError as err:
             if wait or err.code != "RIVET_STATE_RUN_IN_PROGRESS":
                 raise
-            holder = err.message.partition(" is held by ")[2] or err.message
-            self.warnings.append(StateWarning("RIVET_STATE_PRUNE_SKIPPED",
-                                              f"export {name} was not pruned: its run lease is held by {holder}"))
-            kept = {t: plan.kept[t] + plan.removed[t] for t in TABLES}
-            return ExportPrune(name, "skipped", {t: 0 for t in TABLES}, kept, dict(plan.protected), holder=holder)
+            return _skipped(plan, err.message.partition(" is held by ")[2] or err.message, self.warnings)
         removed = {t: 0 for t in TABLES}
         first = self.batches
         try:
@@ -708,7 +726,8 @@ def prune_history(ctx: Context, *, before: str | None = None, keep_runs: int | N
             backend.check_reclaimable(conn, TABLES)
     report = PruneReport(ctx.location.as_dict(), dry_run, criteria, warnings=warnings)
     if dry_run:
-        report.exports = planned
+        report.exports = planned if export is not None else _foreseen(ctx, planned, report.warnings)
+        planned = report.exports
         report.archive = None if archive is None else {"path": str(archive), "rows": sum(
             sum(p.removed.values()) for p in planned), "bytes": 0}
         report.vacuum = None if not vacuum else {"ran": False, "exclusive": backend.reclaim_blocks_writers,
